@@ -1,0 +1,1 @@
+"""Building blocks shared by the models: rotary embeddings, RMSNorm, paged attention backends, the sampler."""

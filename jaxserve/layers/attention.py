@@ -1,0 +1,120 @@
+"""Paged attention backends: where new K/V are written into the page pool and how queries read it back.
+
+The model calls `backend.write_kv` and `backend.attend` and never knows which implementation runs:
+
+* `xla`: gather of each sequence's pages + masked softmax in plain jax.numpy (default on CPU).
+* `pallas`: our Pallas kernels from `pallas_kernels` (default on GPU).
+* `pallas-interpret`: the same kernels in Pallas' interpreter, for tests on CPU.
+
+Each backend also owns the layout of one layer's page pool, because the fastest layout differs:
+the XLA gather wants `[num_pages, page_size, kv_heads, head_dim]` (a page is one contiguous block
+for all heads, measured fastest on CPU), while the Pallas kernels want
+`[kv_heads, num_pages, page_size, head_dim]` so that one grid cell streams one head's pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret")
+MASK_VALUE = -1e30  # finite, so a fully masked row gives a harmless average instead of NaN
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """Where a step's query tokens sit in the paged cache. `B` sequences, `T` query tokens each (padded)."""
+
+    positions: jax.Array  # int32 [B, T]: absolute position of each query token
+    slot_mapping: jax.Array  # int32 [B, T]: flat KV slot (page * page_size + offset) each token's K/V is written to
+    page_tables: jax.Array  # int32 [B, P]: pages of each sequence, in order; unused entries point at the scratch page
+    context_lens: jax.Array  # int32 [B]: KV length of each sequence after this step's tokens (0 = inactive row)
+    query_lens: jax.Array  # int32 [B]: real (unpadded) query tokens of each sequence in this step
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """One way of storing and reading the paged KV cache. Hashable, so jitted functions can take it as static."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.name!r}")
+
+    @property
+    def heads_major(self) -> bool:
+        return self.name != "xla"
+
+    def pool_shape(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        if self.heads_major:
+            return (num_kv_heads, num_pages, page_size, head_dim)
+        return (num_pages, page_size, num_kv_heads, head_dim)
+
+    def write_kv(self, k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array,
+                 slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Scatters `k, v: [B, T, kv_heads, head_dim]` into their slots. Padding tokens target the scratch page."""
+        slots = slot_mapping.reshape(-1)
+        if self.heads_major:
+            heads, pages, page_size, head_dim = k_pool.shape
+            k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(k_pool.dtype)
+            v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(v_pool.dtype)
+            flat_shape = (heads, pages * page_size, head_dim)
+            k_pool = k_pool.reshape(flat_shape).at[:, slots].set(k_new).reshape(k_pool.shape)
+            v_pool = v_pool.reshape(flat_shape).at[:, slots].set(v_new).reshape(v_pool.shape)
+        else:
+            pages, page_size, heads, head_dim = k_pool.shape
+            flat_shape = (pages * page_size, heads, head_dim)
+            k_pool = k_pool.reshape(flat_shape).at[slots].set(k.reshape(-1, heads, head_dim).astype(k_pool.dtype))
+            v_pool = v_pool.reshape(flat_shape).at[slots].set(v.reshape(-1, heads, head_dim).astype(v_pool.dtype))
+            pool_shape = (pages, page_size, heads, head_dim)
+            k_pool, v_pool = k_pool.reshape(pool_shape), v_pool.reshape(pool_shape)
+        return k_pool, v_pool
+
+    def attend(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None) -> jax.Array:
+        """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`)."""
+        if self.name == "xla":
+            return _xla_paged_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+        return _pallas_paged_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window,
+                                       interpret=self.name == "pallas-interpret")
+
+
+def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale, sliding_window):
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    max_kv = meta.page_tables.shape[1] * page_size
+    keys = k_pool[meta.page_tables].reshape(batch, max_kv, num_kv_heads, head_dim)
+    values = v_pool[meta.page_tables].reshape(batch, max_kv, num_kv_heads, head_dim)
+    q = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) * sm_scale
+    key_pos = jnp.arange(max_kv)[None, None, :]
+    query_pos = meta.positions[:, :, None]
+    visible = (key_pos <= query_pos) & (key_pos < meta.context_lens[:, None, None])
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return out.reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _pallas_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale, sliding_window, interpret):
+    import pallas_kernels  # imported lazily: the xla path must not depend on Pallas' GPU lowering
+
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 1:
+        out = pallas_kernels.paged_attention(q[:, 0], k_pool, v_pool, meta.context_lens, meta.page_tables,
+                                             sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret)
+        return out[:, None]
+    outputs = []
+    for row in range(batch):  # prefill runs one sequence per call; rows are unrolled for the general case
+        cu_q_lens = jnp.stack([jnp.int32(0), meta.query_lens[row]])
+        outputs.append(pallas_kernels.ragged_paged_attention(
+            q[row], k_pool, v_pool, meta.context_lens[row:row + 1], meta.page_tables[row:row + 1], cu_q_lens,
+            jnp.int32(1), sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret))
+    return jnp.stack(outputs)

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random-weight HF models of each supported family, saved locally, and helpers."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+
+TINY_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def tiny_hf_config(family: str):
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig(**TINY_DIMS, rope_theta=10000.0, tie_word_embeddings=False,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return transformers.MistralConfig(**TINY_DIMS, sliding_window=16, tie_word_embeddings=False)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**TINY_DIMS, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**TINY_DIMS, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, path: str, seed: int = 0) -> str:
+    """A random-weight HF model of `family` (float32) with a small byte-level tokenizer, saved to `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # HF inits small; larger weights make logits differ visibly between tokens
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, config.vocab_size)
+    return path
+
+
+def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (256 bytes + merges + specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = []
+    corpus_pairs = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n")]
+    for left, right in corpus_pairs:
+        if left in vocab and right in vocab and len(vocab) < vocab_size - len(specials):
+            vocab[left + right] = len(vocab)
+            merges.append((left, right))
+    while len(vocab) < vocab_size - len(specials):
+        vocab[f"<unused{len(vocab)}>"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>", "additional_special_tokens": specials[1:]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {family: save_tiny_model(family, str(root / family)) for family in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dirs) -> str:
+    return tiny_model_dirs["llama"]
+
+
+def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(count)]

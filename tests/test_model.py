@@ -1,0 +1,75 @@
+"""The Flax model against Hugging Face transformers: logits and greedy tokens for every supported family."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.loading import load_model
+from jaxserve.models import forward
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PAGE_SIZE = 8
+
+
+def full_forward_logits(loaded, token_ids: list[int], backend: str = "xla") -> np.ndarray:
+    """Logits of every position of one sequence, computed through the paged cache (pages 1.., page 0 scratch)."""
+    cfg = loaded.config
+    attn = AttentionBackend(backend)
+    num_tokens = len(token_ids)
+    num_pages = -(-num_tokens // PAGE_SIZE)
+    shape = attn.pool_shape(num_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(
+        positions=jnp.arange(num_tokens, dtype=jnp.int32)[None],
+        slot_mapping=(jnp.arange(num_tokens, dtype=jnp.int32) + PAGE_SIZE)[None],
+        page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None],
+        context_lens=jnp.array([num_tokens], jnp.int32),
+        query_lens=jnp.array([num_tokens], jnp.int32))
+    logits, _ = jax.jit(forward, static_argnums=(1, 2))(
+        loaded.params, cfg, attn, jnp.array([token_ids], jnp.int32), cache, meta)
+    return np.asarray(logits[0])
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
+    path = tiny_model_dirs[family]
+    loaded = load_model(path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    # the 40-token prompt crosses the Mistral sliding window (16) and several pages
+    prompts = [rng.integers(0, loaded.config.vocab_size, size=n).tolist() for n in (1, 7, 16, 40)]
+    for prompt in prompts:
+        ours, theirs = full_forward_logits(loaded, prompt), hf_logits(hf_model, prompt)
+        rel_err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+        assert rel_err < 1e-4, (family, len(prompt), rel_err)
+
+    prompt = prompts[2]
+    with torch.no_grad():
+        hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ours = list(prompt)
+    for _ in range(24):
+        ours.append(int(np.argmax(full_forward_logits(loaded, ours)[-1])))
+    assert ours[len(prompt):] == hf_tokens
+
+
+def test_unsupported_model_type_is_a_clear_error(tmp_path):
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="neither the default model"):
+        load_model(str(tmp_path / "nope"))
