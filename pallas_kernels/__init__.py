@@ -1,0 +1,22 @@
+"""jaxserve's own Pallas paged-attention kernels and their jax.numpy references.
+
+Public API:
+  paged_attention                   -- decode, one query token per sequence
+  ragged_paged_attention            -- prefill / extend, ragged multi-sequence
+  paged_attention_reference         -- jax.numpy gather + masked softmax
+  ragged_paged_attention_reference  -- likewise for the ragged case
+Importing works on any jax backend; on CPU call the kernels with interpret=True.
+"""
+
+from pallas_kernels.ops import paged_attention, ragged_paged_attention
+from pallas_kernels.reference import (
+    paged_attention_reference,
+    ragged_paged_attention_reference,
+)
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+]

@@ -1,0 +1,310 @@
+"""Backend-independent planning for the paged-attention kernels.
+
+This module owns everything a kernel backend (Triton today, Mosaic GPU later)
+needs *around* its ``pallas_call`` and that is plain XLA: argument validation,
+tile-size choices, page-table sanitizing (entries a sequence does not own are
+replaced by page 0 so no kernel ever dereferences a stale or out-of-range page
+id), the log-sum-exp merge of split-K partial results, and the work list that
+maps ragged query tiles onto sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+# A large, finite negative logit for masked keys.  Finite so that
+# ``mask - mask`` is 0 and ``exp(mask - real)`` is 0, never NaN.
+MASK_VALUE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Triton's tl.dot needs every tile dimension to be >= 16.
+MIN_TILE: int = 16
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (and >= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_power_of_2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def query_group_rows(group_size: int) -> int:
+    """Rows a KV head's query group occupies in a tile: a power of two >= 16."""
+    return max(MIN_TILE, next_power_of_2(group_size))
+
+
+def validate_paged_kv(
+    q_heads: int,
+    head_dim: int,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
+) -> tuple[int, int, int]:
+    """Checks the K/V pool layout; returns (num_kv_heads, num_pages, page_size)."""
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            "k_pages and v_pages must both be [num_kv_heads, num_pages, page_size, "
+            f"head_dim]; got {k_pages.shape} and {v_pages.shape}"
+        )
+    num_kv_heads, num_pages, page_size, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != k/v head_dim {kv_head_dim}")
+    if q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if not is_power_of_2(head_dim) or head_dim < MIN_TILE:
+        raise ValueError(f"head_dim must be a power of two >= 16 (Triton tiles); got {head_dim}")
+    if not is_power_of_2(page_size):
+        raise ValueError(f"page_size must be a power of two; got {page_size}")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("pass both k_scales and v_scales, or neither")
+    if k_scales is not None:
+        if k_pages.dtype != jnp.int8 or v_pages.dtype != jnp.int8:
+            raise ValueError("k_scales/v_scales are only meaningful with int8 k_pages/v_pages")
+        expected = (num_kv_heads, num_pages, page_size)
+        if k_scales.shape != expected or v_scales.shape != expected:
+            raise ValueError(
+                f"k_scales/v_scales must be {expected}; got {k_scales.shape}, {v_scales.shape}"
+            )
+    elif k_pages.dtype == jnp.int8:
+        raise ValueError("int8 k_pages/v_pages need k_scales and v_scales")
+    return num_kv_heads, num_pages, page_size
+
+
+def pages_per_kv_block(
+    page_size: int, pages_per_seq: int, requested: int | None, target_tokens: int
+) -> int:
+    """Pages loaded per inner-loop step; the KV tile is this times page_size tokens.
+
+    Always a power of two with a tile of at least 16 tokens (tl.dot minimum), and
+    not much larger than one sequence's page table.
+    """
+    min_pages = max(1, MIN_TILE // page_size)
+    if requested is None:
+        pages = max(min_pages, target_tokens // page_size)
+        pages = min(pages, max(min_pages, next_power_of_2(pages_per_seq)))
+        return pages
+    if not is_power_of_2(requested) or requested * page_size < MIN_TILE:
+        raise ValueError(
+            "pages_per_compute_block must be a power of two with pages_per_compute_block * "
+            f"page_size >= {MIN_TILE}; got {requested} with page_size {page_size}"
+        )
+    return requested
+
+
+def sanitize_page_indices(
+    page_indices: jax.Array, kv_lens: jax.Array, page_size: int, width: int
+) -> jax.Array:
+    """Page table with every entry a sequence does not own set to page 0.
+
+    Row ``s`` keeps its first ``ceil(kv_lens[s] / page_size)`` entries; the rest
+    (stale, -1, or out of range) become 0, a page that always exists, and the
+    table is padded with 0 to ``width`` columns.  Kernels mask every key of such
+    pages, so their contents (even NaN) never reach the result.
+    """
+    page_indices = page_indices.astype(jnp.int32)
+    rows, cols = page_indices.shape
+    if width > cols:
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, width - cols)))
+    owned = (kv_lens.astype(jnp.int32) + page_size - 1) // page_size
+    column = jnp.arange(width, dtype=jnp.int32)
+    return jnp.where(column[None, :] < owned[:, None], page_indices, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Static tiling of one decode call."""
+
+    group_size: int  # query heads per KV head
+    group_rows: int  # group_size padded to a power of two >= 16
+    pages_per_block: int  # pages per inner-loop KV tile
+    blocks_per_split: int  # KV tiles each split walks at most
+    num_splits: int  # split-K partitions of the page table
+
+    @property
+    def pages_per_split(self) -> int:
+        return self.blocks_per_split * self.pages_per_block
+
+    @property
+    def table_width(self) -> int:
+        return self.num_splits * self.pages_per_split
+
+
+def plan_decode(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    pages_per_seq: int,
+    *,
+    pages_per_compute_block: int | None,
+    num_splits: int | None,
+    target_programs: int = 264,
+    target_block_tokens: int = 128,
+) -> DecodePlan:
+    """Chooses tiles and the split-K factor for a decode call.
+
+    With ``num_splits=None`` the KV length is split until ``batch * num_kv_heads *
+    num_splits`` programs reach ``target_programs`` (about two waves on a 132-SM
+    H100/H200), but never into more splits than there are KV tiles.
+    """
+    group_size = num_q_heads // num_kv_heads
+    pages_per_block = pages_per_kv_block(
+        page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
+    )
+    num_blocks = max(1, cdiv(pages_per_seq, pages_per_block))
+    if num_splits is None:
+        num_splits = max(1, cdiv(target_programs, batch * num_kv_heads))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+    num_splits = min(num_splits, num_blocks)
+    blocks_per_split = cdiv(num_blocks, num_splits)
+    num_splits = cdiv(num_blocks, blocks_per_split)  # drop splits that would be empty
+    return DecodePlan(
+        group_size=group_size,
+        group_rows=query_group_rows(group_size),
+        pages_per_block=pages_per_block,
+        blocks_per_split=blocks_per_split,
+        num_splits=num_splits,
+    )
+
+
+def merge_split_results(partial_out: jax.Array, partial_lse: jax.Array) -> jax.Array:
+    """Combines split-K partials ``[..., splits, rows, D]`` with their log-sum-exp.
+
+    Each split's output is already normalized by its own softmax denominator;
+    the weight of split ``s`` is ``exp(lse_s - logsumexp_s(lse))``.  Empty splits
+    carry ``lse = MASK_VALUE`` and zero output, so they get weight 0 -- and if
+    every split is empty the result is 0, not NaN.
+    """
+    weights = jax.nn.softmax(partial_lse, axis=-2)  # over splits
+    return jnp.sum(weights[..., None] * partial_out, axis=-3)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPlan:
+    """Static tiling of one ragged (prefill / extend) call."""
+
+    group_size: int
+    group_padded: int  # group_size rounded up to a power of two
+    tokens_per_tile: int  # query tokens per tile (tile rows = this * group_padded)
+    pages_per_block: int
+    num_tiles: int  # static upper bound on query tiles over all sequences
+
+    @property
+    def tile_rows(self) -> int:
+        return self.tokens_per_tile * self.group_padded
+
+
+def plan_ragged(
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_seqs: int,
+    page_size: int,
+    pages_per_seq: int,
+    *,
+    pages_per_compute_block: int | None,
+    target_tile_rows: int = 64,
+    target_block_tokens: int = 64,
+) -> RaggedPlan:
+    group_size = num_q_heads // num_kv_heads
+    group_padded = next_power_of_2(group_size)
+    tokens_per_tile = max(1, target_tile_rows // group_padded)
+    # Do not make a tile much taller than the whole batch of tokens ...
+    tokens_per_tile = min(tokens_per_tile, next_power_of_2(num_tokens))
+    # ... but keep at least 16 rows for tl.dot.
+    tokens_per_tile = max(tokens_per_tile, cdiv(MIN_TILE, group_padded))
+    pages_per_block = pages_per_kv_block(
+        page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
+    )
+    # Each sequence (and the padded tail, treated as one more) adds at most one
+    # partial tile, so this bound always covers every token.
+    num_tiles = cdiv(num_tokens, tokens_per_tile) + max_seqs
+    return RaggedPlan(
+        group_size=group_size,
+        group_padded=group_padded,
+        tokens_per_tile=tokens_per_tile,
+        pages_per_block=pages_per_block,
+        num_tiles=num_tiles,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedWorkList:
+    """Per-tile scalars telling a ragged kernel program what to do (int32[num_tiles])."""
+
+    seq: jax.Array  # which page-table row to read
+    first_row: jax.Array  # first query token (row of q) of the tile
+    rows: jax.Array  # valid query tokens in the tile (0: idle tile)
+    first_pos: jax.Array  # absolute position of the tile's first query token
+    kv_len: jax.Array  # the sequence's kv length (0 for the padded tail)
+
+    def as_tuple(self) -> tuple[jax.Array, ...]:
+        return (self.seq, self.first_row, self.rows, self.first_pos, self.kv_len)
+
+
+def ragged_work_list(
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    num_tokens: int,
+    tokens_per_tile: int,
+    num_tiles: int,
+) -> RaggedWorkList:
+    """Cuts each sequence's query tokens into tiles; returns the tile table.
+
+    Segments are the ``max_seqs`` sequences (inactive ones have no tokens) and
+    the padded tail ``[cu_q_lens[num_seqs], num_tokens)``, which is given kv
+    length 0 so its output rows are written as zeros.  Tiles past the last
+    segment are idle (``rows == 0``) and write nothing.
+    """
+    max_seqs = kv_lens.shape[0]
+    cu = cu_q_lens.astype(jnp.int32)
+    kv = kv_lens.astype(jnp.int32)
+    n = jnp.clip(jnp.reshape(num_seqs, (-1,))[0].astype(jnp.int32), 0, max_seqs)
+    active = jnp.arange(max_seqs, dtype=jnp.int32) < n
+    q_start = jnp.where(active, cu[:-1], 0)
+    q_len = jnp.where(active, jnp.maximum(cu[1:] - cu[:-1], 0), 0)
+    kv = jnp.where(active, kv, 0)
+    used = jnp.clip(cu[n], 0, num_tokens)
+
+    seg_start = jnp.concatenate([q_start, used[None]])
+    seg_len = jnp.concatenate([q_len, (num_tokens - used)[None]])
+    seg_kv = jnp.concatenate([kv, jnp.zeros((1,), jnp.int32)])
+    seg_pos = jnp.concatenate([kv - q_len, jnp.zeros((1,), jnp.int32)])
+    seg_seq = jnp.concatenate(
+        [jnp.arange(max_seqs, dtype=jnp.int32), jnp.zeros((1,), jnp.int32)]
+    )
+
+    seg_tiles = (seg_len + tokens_per_tile - 1) // tokens_per_tile
+    tiles_end = jnp.cumsum(seg_tiles)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    seg = jnp.searchsorted(tiles_end, tile, side="right").astype(jnp.int32)
+    busy = seg <= max_seqs
+    seg = jnp.minimum(seg, max_seqs)
+    tile_in_seg = tile - (tiles_end[seg] - seg_tiles[seg])
+    offset = tile_in_seg * tokens_per_tile
+    rows = jnp.where(busy, jnp.clip(seg_len[seg] - offset, 0, tokens_per_tile), 0)
+    return RaggedWorkList(
+        seq=jnp.where(busy, seg_seq[seg], 0),
+        first_row=jnp.where(busy, seg_start[seg] + offset, num_tokens),
+        rows=rows,
+        first_pos=jnp.where(busy, seg_pos[seg] + offset, 0),
+        kv_len=jnp.where(busy, seg_kv[seg], 0),
+    )

@@ -1,0 +1,124 @@
+"""Public entry points of the paged-attention kernels.
+
+Each function forwards to the backend module that
+implements it (today only Pallas' Triton backend, ``pallas_kernels.triton``);
+a Mosaic GPU backend can be selected here later without changing callers.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.triton import decode as _triton_decode
+from pallas_kernels.triton import ragged as _triton_ragged
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of one new token per sequence over a paged KV cache.
+
+    Args:
+      q: [batch, num_q_heads, head_dim]; query head ``i`` reads KV head
+        ``i // (num_q_heads // num_kv_heads)``.
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], the
+        same dtype as q, or int8 together with ``k_scales``/``v_scales``.
+      lengths: int32[batch], keys per sequence (0 gives a zero output row).
+      page_indices: int32[batch, pages_per_seq]; only the first
+        ``ceil(length / page_size)`` entries of a row are read, the rest may
+        hold anything.
+      sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
+      sliding_window: if set, keys at positions ``< length - sliding_window``
+        are masked (Mistral-style), and the tiles before the window are skipped.
+      pages_per_compute_block: pages per KV tile (a power of two, tile >= 16
+        tokens); default about 128 tokens.
+      num_splits: split-K partitions of the KV length, merged by log-sum-exp;
+        default targets ~264 programs (two waves of an H100/H200).
+      k_scales, v_scales: float32 [num_kv_heads, num_pages, page_size]
+        per-token scales for int8 pools (k = k_int8 * k_scale).
+      interpret: run the Pallas kernel in interpret mode (needed on CPU).
+
+    Returns:
+      [batch, num_q_heads, head_dim] in q's dtype.  head_dim and page_size
+      must be powers of two (Triton tiles).
+    """
+    return _triton_decode.paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        page_indices,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        pages_per_compute_block=pages_per_compute_block,
+        num_splits=num_splits,
+        interpret=interpret,
+    )
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_compute_block: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of several sequences' new tokens (chunked prefill, prefix-cache extend).
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim]; sequence ``s`` owns rows
+        ``cu_q_lens[s]:cu_q_lens[s+1]`` for ``s < num_seqs``; rows from
+        ``cu_q_lens[num_seqs]`` on are padding (their output is 0 and their
+        contents, even NaN, affect nothing else).
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] (or int8
+        with scales), already holding the new tokens' K/V.
+      kv_lens: int32[max_seqs], total keys per sequence including the new tokens.
+      page_indices: int32[max_seqs, pages_per_seq].
+      cu_q_lens: int32[max_seqs + 1], cumulative query lengths.
+      num_seqs: int32[1] or scalar, active sequences.
+      sm_scale, sliding_window, pages_per_compute_block, k_scales, v_scales,
+      interpret: as for ``paged_attention``.  Query ``i`` of sequence ``s`` sits
+        at position ``kv_lens[s] - q_len_s + i`` and sees keys at positions
+        ``<= `` its own (and ``> position - sliding_window`` when set).
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype.
+    """
+    return _triton_ragged.ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        pages_per_compute_block=pages_per_compute_block,
+        interpret=interpret,
+    )
