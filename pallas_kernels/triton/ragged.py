@@ -48,7 +48,11 @@ def _ragged_kernel(
         k_scales_ref = v_scales_ref = None
     (out_ref,) = refs[num_aliased:]
 
-    tile_idx = pl.program_id(0)
+    # Walk the work list last-to-first.  The order is irrelevant on a GPU; in
+    # interpret mode (sequential) it makes each sequence's last, partial tile run
+    # after the next sequence's tiles, so a store that ignored the row mask would
+    # clobber them visibly instead of being silently overwritten.
+    tile_idx = plan.num_tiles - 1 - pl.program_id(0)
     seq = tile_seq_ref[tile_idx]
     first_row = tile_first_row_ref[tile_idx]
     num_valid = tile_rows_ref[tile_idx]

@@ -1,0 +1,500 @@
+"""Checks of pallas_kernels against a float64 numpy reference.
+
+On CPU the Pallas kernels run in interpret mode.  JAXSERVE_KERNEL_INTERPRET=0
+runs them compiled (Triton, needs a GPU); =1 forces interpret mode; unset means
+"interpret unless jax's default backend is a GPU".
+
+Every kernel call here hands the kernel NaN-filled output buffers
+(``poison_output=True``), and the K/V pools carry poisoned data (NaN or huge
+values) in every page and slot a sequence does not own, with page tables that
+point the unowned entries at poisoned pages (or at ids out of range), so both an
+element left unwritten and a read of foreign data show up as a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import _planning as planning
+from pallas_kernels.triton import decode as triton_decode
+from pallas_kernels.triton import ragged as triton_ragged
+
+
+def _interpret_mode() -> bool:
+    flag = os.environ.get("JAXSERVE_KERNEL_INTERPRET", "").strip().lower()
+    if flag == "":
+        return jax.default_backend() != "gpu"
+    return flag not in ("0", "false", "no", "off")
+
+
+INTERPRET = _interpret_mode()
+if not INTERPRET and jax.default_backend() != "gpu":
+    pytest.skip(
+        "JAXSERVE_KERNEL_INTERPRET=0 needs a GPU backend", allow_module_level=True
+    )
+
+TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
+POISON = {"nan": np.nan, "huge": 3.0e4}  # huge stays finite in bf16 and after int8 scaling
+
+
+# --------------------------------------------------------------------------- #
+# float64 numpy references                                                     #
+# --------------------------------------------------------------------------- #
+def _dequantize(pages: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+    pages = pages.astype(np.float64)
+    if scales is not None:
+        pages = pages * scales.astype(np.float64)[..., None]
+    return pages
+
+
+def _sequence_kv(pages: np.ndarray, table_row: np.ndarray, length: int) -> np.ndarray:
+    """[kv_heads, length, D] float64 keys (or values) of one sequence, owned slots only."""
+    page_size = pages.shape[2]
+    owned = math.ceil(length / page_size)
+    kv = pages[:, table_row[:owned]]  # [kv_heads, owned, page_size, D]
+    return kv.reshape(pages.shape[0], owned * page_size, pages.shape[3])[:, :length]
+
+
+def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, scale: float):
+    """q [rows, D], k/v [keys, D], allowed bool[rows, keys] -> [rows, D]; empty rows -> 0."""
+    out = np.zeros((q.shape[0], v.shape[1]))
+    for r in range(q.shape[0]):
+        keys = np.nonzero(allowed[r])[0]
+        if keys.size == 0:
+            continue
+        logits = (k[keys] @ q[r]) * scale
+        p = np.exp(logits - logits.max())
+        out[r] = (p / p.sum()) @ v[keys]
+    return out
+
+
+def numpy_decode_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
+                           sliding_window=None, k_scales=None, v_scales=None) -> np.ndarray:
+    q = np.asarray(q, np.float64)
+    batch, num_q_heads, head_dim = q.shape
+    k_all = _dequantize(np.asarray(k_pages), k_scales)
+    v_all = _dequantize(np.asarray(v_pages), v_scales)
+    kv_heads = k_all.shape[0]
+    group = num_q_heads // kv_heads
+    scale = 1 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = np.zeros_like(q)
+    for b in range(batch):
+        length = int(lengths[b])
+        k = _sequence_kv(k_all, np.asarray(page_indices[b]), length)
+        v = _sequence_kv(v_all, np.asarray(page_indices[b]), length)
+        pos = np.arange(length)
+        allowed = np.ones(length, bool)
+        if sliding_window is not None:
+            allowed &= pos >= length - sliding_window
+        for h in range(kv_heads):
+            rows = slice(h * group, (h + 1) * group)
+            out[b, rows] = _softmax_attend(
+                q[b, rows], k[h], v[h], np.broadcast_to(allowed, (group, length)), scale
+            )
+    return out
+
+
+def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale=None, sliding_window=None, k_scales=None, v_scales=None):
+    q = np.asarray(q, np.float64)
+    num_tokens, num_q_heads, head_dim = q.shape
+    k_all = _dequantize(np.asarray(k_pages), k_scales)
+    v_all = _dequantize(np.asarray(v_pages), v_scales)
+    kv_heads = k_all.shape[0]
+    group = num_q_heads // kv_heads
+    scale = 1 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = np.zeros_like(q)
+    for s in range(int(np.reshape(num_seqs, -1)[0])):
+        start, end, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = _sequence_kv(k_all, np.asarray(page_indices[s]), kv_len)
+        v = _sequence_kv(v_all, np.asarray(page_indices[s]), kv_len)
+        q_pos = kv_len - q_len + np.arange(q_len)
+        key_pos = np.arange(kv_len)
+        allowed = key_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= key_pos[None, :] > q_pos[:, None] - sliding_window
+        for h in range(kv_heads):
+            for g in range(group):
+                head = h * group + g
+                out[start:end, head] = _softmax_attend(q[start:end, head], k[h], v[h], allowed, scale)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# inputs: paged pools with poisoned unowned pages and slots                    #
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass
+class PagedKV:
+    k_pages: np.ndarray  # [kv_heads, num_pages, page_size, D], float32 or int8
+    v_pages: np.ndarray
+    k_scales: np.ndarray | None
+    v_scales: np.ndarray | None
+    page_indices: np.ndarray  # int32[rows, pages_per_seq]
+
+    def device(self, dtype) -> dict:
+        """Kernel keyword arguments; float pools are cast to ``dtype``."""
+        def cast(pages):
+            return jnp.asarray(pages) if pages.dtype == np.int8 else jnp.asarray(pages, dtype)
+        kw = dict(k_pages=cast(self.k_pages), v_pages=cast(self.v_pages))
+        if self.k_scales is not None:
+            kw.update(k_scales=jnp.asarray(self.k_scales), v_scales=jnp.asarray(self.v_scales))
+        return kw
+
+    def host(self, dtype) -> dict:
+        """The same data as the kernel sees it (after the cast), for the numpy reference."""
+        kw = {key: np.asarray(val, np.float64) if val.dtype != jnp.int8 else np.asarray(val)
+              for key, val in self.device(dtype).items()}
+        kw["page_indices"] = self.page_indices
+        return kw
+
+
+def make_paged_kv(rng, kv_lens, *, kv_heads, head_dim, page_size, pages_per_seq,
+                  int8=False, poison="nan", unowned="poison_pages") -> PagedKV:
+    """Random pools; each sequence owns ceil(len/page_size) pages at scattered ids.
+
+    Every other page and every slot past a sequence's length holds the poison
+    value.  Unowned page-table entries point at poisoned pages, or hold ids out
+    of range (``unowned="out_of_range"``).
+    """
+    owned = [math.ceil(n / page_size) for n in kv_lens]
+    num_poison_pages = 3
+    num_pages = sum(owned) + num_poison_pages
+    perm = rng.permutation(num_pages)
+    owned_ids, poison_ids = perm[: sum(owned)], perm[sum(owned):]
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    bad = POISON[poison]
+    if int8:
+        k = rng.integers(-127, 128, size=shape).astype(np.int8)
+        v = rng.integers(-127, 128, size=shape).astype(np.int8)
+        k_scales = rng.uniform(0.002, 0.02, size=shape[:3]).astype(np.float32)
+        v_scales = rng.uniform(0.002, 0.02, size=shape[:3]).astype(np.float32)
+        poisoned = (k_scales, v_scales)
+        k[:, poison_ids] = 127
+        v[:, poison_ids] = 127
+        bad = np.nan if poison == "nan" else 1e6
+    else:
+        k = rng.standard_normal(shape).astype(np.float32)
+        v = rng.standard_normal(shape).astype(np.float32)
+        k_scales = v_scales = None
+        poisoned = (k, v)
+    for arr in poisoned:
+        arr[:, poison_ids] = bad
+    table = np.zeros((len(kv_lens), pages_per_seq), np.int32)
+    cursor = 0
+    for s, (n, own) in enumerate(zip(kv_lens, owned)):
+        table[s, :own] = owned_ids[cursor: cursor + own]
+        cursor += own
+        if unowned == "out_of_range":
+            table[s, own:] = rng.choice([-1, num_pages, 10**6], size=pages_per_seq - own)
+        else:
+            table[s, own:] = rng.choice(poison_ids, size=pages_per_seq - own)
+        if n % page_size:
+            for arr in poisoned:
+                arr[:, table[s, own - 1], n % page_size:] = bad
+    assert not np.isfinite(poisoned[0]).all() or poison != "nan", "pool must carry poison"
+    return PagedKV(k, v, k_scales, v_scales, table)
+
+
+def assert_close(out, expected, dtype_name: str, what: str = "") -> None:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert np.isfinite(out).all(), f"{what}: non-finite output (unwritten or poisoned) at " \
+        f"{np.argwhere(~np.isfinite(out))[:5].tolist()}"
+    scale = max(np.abs(expected).max(), 1e-6)
+    err = np.abs(out - expected).max() / scale
+    assert err < TOLERANCE[dtype_name], f"{what}: relative error {err:.2e}"
+
+
+def decode_lengths(page_size: int, pages_per_seq: int) -> list[int]:
+    full = page_size * pages_per_seq
+    return [1, page_size - 1, page_size, page_size + 1, full, 0, 2 * page_size + 3]
+
+
+# --------------------------------------------------------------------------- #
+# decode                                                                       #
+# --------------------------------------------------------------------------- #
+DECODE_CASES = [
+    # id, group, kv_heads, head_dim, page_size, dtype, pages_per_compute_block, num_splits
+    ("gqa1-d64-p16", 1, 4, 64, 16, "float32", None, None),
+    ("gqa3-d128-p8", 3, 2, 128, 8, "float32", 2, 3),
+    ("gqa4-d64-p32", 4, 2, 64, 32, "float32", 1, 2),
+    ("gqa8-d64-p16", 8, 2, 64, 16, "float32", 2, None),
+    ("mqa8-d128-p16", 8, 1, 128, 16, "float32", None, 4),
+    ("mqa16-d64-p8", 16, 1, 64, 8, "float32", 4, 2),
+    ("bf16-gqa4-d128-p16", 4, 2, 128, 16, "bfloat16", 1, 2),
+    ("bf16-gqa1-d64-p8", 1, 2, 64, 8, "bfloat16", None, None),
+    ("bf16-mqa8-d64-p32", 8, 1, 64, 32, "bfloat16", 1, 5),
+]
+
+
+@pytest.mark.parametrize(
+    "group,kv_heads,head_dim,page_size,dtype,ppcb,splits",
+    [c[1:] for c in DECODE_CASES],
+    ids=[c[0] for c in DECODE_CASES],
+)
+def test_decode_matches_float64_reference(group, kv_heads, head_dim, page_size, dtype, ppcb, splits):
+    rng = np.random.default_rng([group, kv_heads, head_dim, page_size])
+    pages_per_seq = 5
+    lengths = decode_lengths(page_size, pages_per_seq)
+    kv = make_paged_kv(rng, lengths, kv_heads=kv_heads, head_dim=head_dim,
+                       page_size=page_size, pages_per_seq=pages_per_seq)
+    q = jnp.asarray(rng.standard_normal((len(lengths), group * kv_heads, head_dim)), dtype)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        pages_per_compute_block=ppcb, num_splits=splits, interpret=INTERPRET,
+        poison_output=True, **kv.device(dtype),
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, **kv.host(dtype))
+    assert_close(out, expected, dtype, "decode")
+    assert np.all(np.asarray(out[lengths.index(0)], np.float32) == 0.0), "length 0 must give zeros"
+
+
+@pytest.mark.parametrize("poison,unowned", [("huge", "poison_pages"), ("nan", "out_of_range")])
+def test_decode_ignores_unowned_pages(poison, unowned):
+    rng = np.random.default_rng(7)
+    lengths = [3, 16, 33, 0]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=16, pages_per_seq=4,
+                       poison=poison, unowned=unowned)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 4, 64)), jnp.float32)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        pages_per_compute_block=4, num_splits=2, interpret=INTERPRET, poison_output=True,
+        **kv.device(jnp.float32),
+    )
+    expected = numpy_decode_reference(np.asarray(q), lengths=lengths, **kv.host(jnp.float32))
+    assert_close(out, expected, "float32", f"decode {poison}/{unowned}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_int8_kv(dtype):
+    rng = np.random.default_rng(11)
+    page_size, pages_per_seq = 16, 4
+    lengths = [1, 15, 17, 64, 0]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=page_size,
+                       pages_per_seq=pages_per_seq, int8=True)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 8, 64)), dtype)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        pages_per_compute_block=1, num_splits=2, interpret=INTERPRET, poison_output=True,
+        **kv.device(dtype),
+    )
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, **kv.host(dtype))
+    assert_close(out, expected, dtype, "decode int8")
+
+
+@pytest.mark.parametrize("window,splits", [(1, 3), (16, 2), (35, None)])
+def test_decode_sliding_window(window, splits):
+    rng = np.random.default_rng(window)
+    page_size, pages_per_seq = 8, 8
+    lengths = [1, 7, 8, 9, 40, 64, 0]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=page_size,
+                       pages_per_seq=pages_per_seq)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 6, 64)), jnp.float32)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        sliding_window=window, pages_per_compute_block=2, num_splits=splits,
+        interpret=INTERPRET, poison_output=True, **kv.device(jnp.float32),
+    )
+    expected = numpy_decode_reference(np.asarray(q), lengths=lengths, sliding_window=window,
+                                      **kv.host(jnp.float32))
+    assert_close(out, expected, "float32", f"decode window {window}")
+
+
+def test_decode_all_empty_and_sm_scale():
+    rng = np.random.default_rng(3)
+    kv = make_paged_kv(rng, [0, 0, 0], kv_heads=1, head_dim=64, page_size=16, pages_per_seq=4)
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.zeros((3,), jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        pages_per_compute_block=1, num_splits=4, sm_scale=0.3, interpret=INTERPRET,
+        poison_output=True, **kv.device(jnp.float32),
+    )
+    assert np.all(np.asarray(out) == 0.0)
+
+
+def test_public_decode_and_xla_reference_agree():
+    """The package-level entry point and the jax.numpy reference, on the same poisoned inputs."""
+    rng = np.random.default_rng(5)
+    lengths = [5, 32, 47, 0]
+    for int8 in (False, True):
+        kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=16, pages_per_seq=3,
+                           int8=int8)
+        q = jnp.asarray(rng.standard_normal((len(lengths), 6, 64)), jnp.float32)
+        args = (q, *[kv.device(jnp.float32)[key] for key in ("k_pages", "v_pages")],
+                jnp.asarray(lengths, jnp.int32), jnp.asarray(kv.page_indices))
+        scales = {k: v for k, v in kv.device(jnp.float32).items() if k.endswith("scales")}
+        expected = numpy_decode_reference(np.asarray(q), lengths=lengths, sliding_window=20,
+                                          **kv.host(jnp.float32))
+        out = pallas_kernels.paged_attention(*args, sliding_window=20, interpret=INTERPRET, **scales)
+        ref = pallas_kernels.paged_attention_reference(*args, sliding_window=20, **scales)
+        assert_close(out, expected, "float32", "public decode")
+        assert_close(ref, expected, "float32", "xla decode reference")
+
+
+def test_decode_rejects_bad_arguments():
+    q = jnp.zeros((1, 4, 64), jnp.float32)
+    pages = jnp.zeros((2, 4, 16, 64), jnp.float32)
+    lengths, table = jnp.ones((1,), jnp.int32), jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="pages_per_compute_block"):
+        pallas_kernels.paged_attention(q, pages, pages, lengths, table,
+                                       pages_per_compute_block=3, interpret=True)
+    with pytest.raises(ValueError, match="multiple"):
+        pallas_kernels.paged_attention(jnp.zeros((1, 3, 64)), pages, pages, lengths, table,
+                                       interpret=True)
+    with pytest.raises(ValueError, match="scales"):
+        int8 = pages.astype(jnp.int8)
+        pallas_kernels.paged_attention(q, int8, int8, lengths, table, interpret=True)
+
+
+# --------------------------------------------------------------------------- #
+# ragged prefill / extend                                                      #
+# --------------------------------------------------------------------------- #
+MIXED = [(1, 37), (16, 16), (5, 40), (17, 17), (0, 9), (3, 3)]  # (q_len, kv_len)
+
+
+def make_ragged(rng, seqs, *, kv_heads, group, head_dim, page_size, dtype, extra_seq_slots=2,
+                tail_tokens=3, int8=False):
+    """Inputs with NaN tail tokens and garbage cu_q_lens/kv_lens in inactive slots."""
+    q_lens = [s[0] for s in seqs]
+    kv_lens = [s[1] for s in seqs]
+    pages_per_seq = max(math.ceil(n / page_size) for n in kv_lens) + 1
+    max_seqs = len(seqs) + extra_seq_slots
+    kv = make_paged_kv(rng, kv_lens + [0] * extra_seq_slots, kv_heads=kv_heads,
+                       head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq,
+                       int8=int8)
+    used = sum(q_lens)
+    num_tokens = used + tail_tokens
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1: len(seqs) + 1] = np.cumsum(q_lens)
+    cu[len(seqs) + 1:] = 10**6  # garbage past num_seqs
+    kv_lens_arr = np.asarray(kv_lens + [10**6] * extra_seq_slots, np.int32)
+    q = rng.standard_normal((num_tokens, kv_heads * group, head_dim)).astype(np.float32)
+    q[used:] = np.nan
+    return dict(q=jnp.asarray(q, dtype), kv_lens=kv_lens_arr, cu_q_lens=cu,
+                num_seqs=np.asarray([len(seqs)], np.int32), kv=kv)
+
+
+RAGGED_CASES = [
+    # id, seqs, group, kv_heads, head_dim, page_size, dtype, window, ppcb, int8
+    ("mixed-gqa1-d64-p16", MIXED, 1, 2, 64, 16, "float32", None, 1, False),
+    ("mixed-gqa3-d128-p8", MIXED, 3, 2, 128, 8, "float32", None, None, False),
+    ("mixed-gqa4-d64-p32-win5", MIXED, 4, 2, 64, 32, "float32", 5, 1, False),
+    ("mixed-mqa8-d64-p16", MIXED, 8, 1, 64, 16, "float32", None, 2, False),
+    ("mixed-bf16-gqa4-d128-p16", MIXED, 4, 2, 128, 16, "bfloat16", None, 1, False),
+    ("mixed-bf16-gqa1-d64-p8-win20", MIXED, 1, 2, 64, 8, "bfloat16", 20, 2, False),
+    ("mixed-int8-gqa2-d64-p16", MIXED, 2, 2, 64, 16, "float32", None, 1, True),
+    ("prefill-only-gqa4", [(50, 50), (7, 7)], 4, 2, 64, 16, "float32", None, 1, False),
+    ("decode-only-gqa8", [(1, 1), (1, 16), (1, 17), (1, 50)], 8, 2, 128, 16, "float32", 9, 1, False),
+]
+
+
+@pytest.mark.parametrize(
+    "seqs,group,kv_heads,head_dim,page_size,dtype,window,ppcb,int8",
+    [c[1:] for c in RAGGED_CASES],
+    ids=[c[0] for c in RAGGED_CASES],
+)
+def test_ragged_matches_float64_reference(seqs, group, kv_heads, head_dim, page_size, dtype,
+                                          window, ppcb, int8):
+    rng = np.random.default_rng([len(seqs), group, head_dim, page_size])
+    inp = make_ragged(rng, seqs, kv_heads=kv_heads, group=group, head_dim=head_dim,
+                      page_size=page_size, dtype=dtype, int8=int8)
+    kv = inp["kv"]
+    out = triton_ragged.ragged_paged_attention(
+        inp["q"], kv_lens=jnp.asarray(inp["kv_lens"]), page_indices=jnp.asarray(kv.page_indices),
+        cu_q_lens=jnp.asarray(inp["cu_q_lens"]), num_seqs=jnp.asarray(inp["num_seqs"]),
+        sliding_window=window, pages_per_compute_block=ppcb, interpret=INTERPRET,
+        poison_output=True, **kv.device(dtype),
+    )
+    assert out.shape == inp["q"].shape and out.dtype == inp["q"].dtype
+    expected = numpy_ragged_reference(
+        np.asarray(inp["q"], np.float64), kv_lens=inp["kv_lens"], cu_q_lens=inp["cu_q_lens"],
+        num_seqs=inp["num_seqs"], sliding_window=window, **kv.host(dtype),
+    )
+    assert_close(out, expected, dtype, "ragged")
+    used = int(inp["cu_q_lens"][len(seqs)])
+    assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
+
+
+def test_public_ragged_and_xla_reference_agree():
+    rng = np.random.default_rng(13)
+    inp = make_ragged(rng, MIXED, kv_heads=2, group=2, head_dim=64, page_size=16, dtype="float32")
+    kv = inp["kv"]
+    dev = kv.device(jnp.float32)
+    args = (inp["q"], dev["k_pages"], dev["v_pages"], jnp.asarray(inp["kv_lens"]),
+            jnp.asarray(kv.page_indices), jnp.asarray(inp["cu_q_lens"]))
+    expected = numpy_ragged_reference(
+        np.asarray(inp["q"]), kv_lens=inp["kv_lens"], cu_q_lens=inp["cu_q_lens"],
+        num_seqs=inp["num_seqs"], sliding_window=12, **kv.host(jnp.float32),
+    )
+    num_seqs_scalar = jnp.int32(len(MIXED))
+    out = pallas_kernels.ragged_paged_attention(*args, num_seqs_scalar, sliding_window=12,
+                                                interpret=INTERPRET)
+    ref = pallas_kernels.ragged_paged_attention_reference(*args, jnp.asarray(inp["num_seqs"]),
+                                                          sliding_window=12)
+    assert_close(out, expected, "float32", "public ragged")
+    assert_close(ref, expected, "float32", "xla ragged reference")
+
+
+def test_ragged_decode_rows_equal_decode_kernel():
+    """q_len = 1 everywhere: the ragged kernel must agree with the decode kernel."""
+    rng = np.random.default_rng(17)
+    lengths = [1, 9, 16, 40]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=6)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 4, 64)), jnp.float32)
+    dev = kv.device(jnp.float32)
+    table = jnp.asarray(kv.page_indices)
+    lens = jnp.asarray(lengths, jnp.int32)
+    dec = pallas_kernels.paged_attention(q, dev["k_pages"], dev["v_pages"], lens, table,
+                                         num_splits=2, pages_per_compute_block=2,
+                                         interpret=INTERPRET)
+    rag = pallas_kernels.ragged_paged_attention(
+        q, dev["k_pages"], dev["v_pages"], lens, table,
+        jnp.arange(len(lengths) + 1, dtype=jnp.int32), jnp.asarray([len(lengths)], jnp.int32),
+        pages_per_compute_block=2, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(dec), np.asarray(rag), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# XLA-side planning helpers                                                    #
+# --------------------------------------------------------------------------- #
+def test_sanitize_page_indices_zeroes_unowned_entries():
+    table = jnp.asarray([[5, 6, -1, 10**6], [7, 8, 9, 3], [4, 4, 4, 4]], jnp.int32)
+    lengths = jnp.asarray([17, 64, 0], jnp.int32)
+    got = planning.sanitize_page_indices(table, lengths, page_size=16, width=6)
+    np.testing.assert_array_equal(
+        np.asarray(got), [[5, 6, 0, 0, 0, 0], [7, 8, 9, 3, 0, 0], [0, 0, 0, 0, 0, 0]]
+    )
+
+
+def test_ragged_work_list_covers_every_token_once():
+    q_lens, kv_lens = [1, 16, 5, 0, 17], [37, 16, 40, 9, 17]
+    tail, tokens_per_tile = 3, 4
+    num_tokens = sum(q_lens) + tail
+    cu = np.concatenate([[0], np.cumsum(q_lens), [10**6]]).astype(np.int32)  # 1 inactive slot
+    plan_tiles = planning.cdiv(num_tokens, tokens_per_tile) + len(q_lens) + 1
+    work = planning.ragged_work_list(
+        jnp.asarray(cu), jnp.asarray(kv_lens + [10**6], jnp.int32), jnp.asarray([len(q_lens)]),
+        num_tokens, tokens_per_tile, plan_tiles,
+    )
+    seq, first_row, rows, first_pos, kv_len = (np.asarray(a) for a in work.as_tuple())
+    covered = np.zeros(num_tokens, int)
+    for t in range(plan_tiles):
+        covered[first_row[t]: first_row[t] + rows[t]] += 1
+        if rows[t] and first_row[t] < sum(q_lens):
+            s = seq[t]
+            offset = first_row[t] - cu[s]
+            assert first_pos[t] == kv_lens[s] - q_lens[s] + offset and kv_len[t] == kv_lens[s]
+        elif rows[t]:
+            assert kv_len[t] == 0  # padded tail: no keys, zero output
+    np.testing.assert_array_equal(covered, 1)
