@@ -1,0 +1,10 @@
+"""jaxserve: a JAX/XLA inference engine for LLMs — paged KV cache, continuous batching, Pallas kernels."""
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.llm import LLM
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The engine: host-side bookkeeping (sequences, pages, scheduling) around a jitted device step."""

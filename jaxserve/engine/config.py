@@ -1,0 +1,80 @@
+"""`EngineConfig`: every engine option (vLLM's names where one exists), with checks and derived defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 2*smallest, ... up to and including `largest` (which need not be a power of two)."""
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    max_num_seqs: int = 64  # decode slots
+    max_model_len: int | None = None  # default: min(model's max_position_embeddings, 2048)
+    page_size: int = 16
+    num_kv_pages: int | None = None  # default: from kv_cache_memory_fraction (accelerators) or enough for all slots (CPU)
+    kv_cache_memory_fraction: float = 0.85
+    max_num_batched_tokens: int = 512  # tokens per step, decode + prefill chunks (chunked prefill)
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
+    attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret"; default pallas on GPU, xla on CPU
+    seed: int = 0
+    scheduling_policy: str = "fcfs"  # or "priority" (lower value first, aged so nothing starves)
+    priority_aging_seconds: float = 10.0  # waiting this long counts as one priority level
+    decode_batch_buckets: tuple[int, ...] | None = None
+    decode_page_buckets: tuple[int, ...] | None = None
+    warmup: bool = True  # compile every shape at start-up
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
+    max_waiting: int | None = None  # bounded waiting queue (None: unbounded)
+
+    def __post_init__(self) -> None:
+        platform = jax.default_backend()
+        if self.dtype is None:
+            self.dtype = "float32" if platform == "cpu" else "bfloat16"
+        if self.attention_backend is None:
+            self.attention_backend = "pallas" if platform == "gpu" else "xla"
+        checks = [
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("page_size", self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+             "must be a power of two"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 16, "must be >= 16"),
+            ("kv_cache_memory_fraction", 0 < self.kv_cache_memory_fraction <= 1, "must be in (0, 1]"),
+            ("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
+            ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "must be 'fcfs' or 'priority'"),
+        ]
+        for field, ok, message in checks:
+            if not ok:
+                raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+
+    def resolve(self, model_max_len: int) -> None:
+        """Fills the defaults that depend on the model."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max_len, 2048)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.decode_batch_buckets is None:
+            self.decode_batch_buckets = tuple(sorted({min(b, self.max_num_seqs) for b in (1, 4, 16, 64, 256)}
+                                                     | {self.max_num_seqs}))
+        if self.decode_page_buckets is None:
+            self.decode_page_buckets = power_of_two_buckets(min(8, self.pages_per_seq), self.pages_per_seq)[::2] + (
+                self.pages_per_seq,)
+            self.decode_page_buckets = tuple(sorted(set(self.decode_page_buckets)))
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return power_of_two_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)

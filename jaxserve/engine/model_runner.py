@@ -1,0 +1,181 @@
+"""`ModelRunner`: the device side of the engine — params, the paged KV pool, the penalty state, and the jitted steps.
+
+The narrow interface the host loop uses (after JetStream's engine_api):
+
+* `insert(slot, token_ids, num_prompt_tokens, ban_ids)`: resets the slot's penalty statistics for a
+  newly admitted sequence (only needed when it uses penalties or min_tokens).
+* `prefill(slot, chunk, start, page_table_row, sampling)`: computes K/V for a chunk of one sequence's
+  tokens and samples the token after it; one compiled shape per chunk-length bucket.
+* `decode(slots, tokens, positions, page_tables, sampling)`: one token for each of a batch of
+  sequences; one compiled shape per (batch bucket, pages bucket).
+
+Every step is a pure jitted function (params, KV pool, penalty state, inputs) -> (sampled tokens,
+new KV pool, new penalty state) with the pool and penalty state donated, so no step copies them.
+Results stay on device until the host fetches them all at once (`fetch`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.config import EngineConfig, power_of_two_buckets
+from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, sample
+from jaxserve.models import forward
+
+logger = logging.getLogger(__name__)
+BAN_IDS_BUCKET = 16
+
+
+def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if size <= bucket:
+            return bucket
+    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+
+
+def _prefill_step(config, backend, dtype, page_size, params, kv_cache, penalties: PenaltyState, token_ids,
+                  start, num_tokens, page_table, slot, sampling: SamplingBatch, is_final):
+    chunk = token_ids.shape[0]
+    positions = start + jnp.arange(chunk, dtype=jnp.int32)
+    valid = jnp.arange(chunk) < num_tokens
+    page_index = jnp.minimum(positions // page_size, page_table.shape[0] - 1)
+    slot_mapping = jnp.where(valid, page_table[page_index] * page_size + positions % page_size, 0)
+    meta = AttentionMetadata(positions=positions[None], slot_mapping=slot_mapping[None], page_tables=page_table[None],
+                             context_lens=(start + num_tokens)[None], query_lens=num_tokens[None])
+    logits, kv_cache = forward(params, config, backend, token_ids[None], kv_cache, meta,
+                               logits_indices=(num_tokens - 1)[None], dtype=dtype)
+    result = sample(logits, sampling, penalties, slot[None])
+    counts = penalties.output_counts.at[slot, result.tokens[0]].add(is_final.astype(jnp.int32))
+    return result, kv_cache, penalties.replace(output_counts=counts)
+
+
+def _decode_step(config, backend, dtype, page_size, params, kv_cache, penalties: PenaltyState, slots, token_ids,
+                 positions, page_tables, active, sampling: SamplingBatch):
+    rows = token_ids.shape[0]
+    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
+    page = jnp.take_along_axis(page_tables, page_index[:, None], axis=1)[:, 0]
+    slot_mapping = jnp.where(active, page * page_size + positions % page_size, 0)
+    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping[:, None], page_tables=page_tables,
+                             context_lens=jnp.where(active, positions + 1, 0),
+                             query_lens=jnp.ones((rows,), jnp.int32))
+    logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
+                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype)
+    result = sample(logits, sampling, penalties, slots)
+    counts = penalties.output_counts.at[slots, result.tokens].add(active.astype(jnp.int32))
+    return result, kv_cache, penalties.replace(output_counts=counts)
+
+
+def _insert_step(vocab_size, penalties: PenaltyState, slot, token_ids, num_prompt_tokens, num_tokens, ban_ids):
+    index = jnp.arange(token_ids.shape[0])
+    prompt_ids = jnp.where(index < num_prompt_tokens, token_ids, vocab_size)  # out of range: dropped
+    output_ids = jnp.where((index >= num_prompt_tokens) & (index < num_tokens), token_ids, vocab_size)
+    prompt_row = jnp.zeros((vocab_size,), bool).at[prompt_ids].set(True, mode="drop")
+    count_row = jnp.zeros((vocab_size,), jnp.int32).at[output_ids].add(1, mode="drop")
+    ban_row = jnp.zeros((vocab_size,), bool).at[jnp.where(ban_ids >= 0, ban_ids, vocab_size)].set(True, mode="drop")
+    return PenaltyState(prompt_mask=penalties.prompt_mask.at[slot].set(prompt_row),
+                        output_counts=penalties.output_counts.at[slot].set(count_row),
+                        min_tokens_ban=penalties.min_tokens_ban.at[slot].set(ban_row))
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params, engine_config: EngineConfig):
+        self.config = config
+        self.engine_config = engine_config
+        self.dtype = jnp.bfloat16 if engine_config.dtype == "bfloat16" else jnp.float32
+        self.backend = AttentionBackend(engine_config.attention_backend)
+        self.page_size = engine_config.page_size
+        self.params = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), params)
+        self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
+        pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = [(jnp.zeros(pool_shape, self.dtype), jnp.zeros(pool_shape, self.dtype))
+                         for _ in range(config.num_layers)]
+        slots, vocab = engine_config.max_num_seqs, config.vocab_size
+        self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab), bool),
+                                      output_counts=jnp.zeros((slots, vocab), jnp.int32),
+                                      min_tokens_ban=jnp.zeros((slots, vocab), bool))
+        static = (config, self.backend, self.dtype, self.page_size)
+        self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1, 2))
+        self._decode = jax.jit(functools.partial(_decode_step, *static), donate_argnums=(1, 2))
+        self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
+        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s layout %s)", self.num_pages,
+                    self.page_size, self.num_pages * self.page_size, self.kv_pool_bytes / 2**20,
+                    engine_config.dtype, self.backend.name, pool_shape)
+
+    @property
+    def page_bytes(self) -> int:
+        cfg = self.config
+        return 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def _pages_for_memory_budget(self) -> int:
+        ec = self.engine_config
+        enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return max(2, int(free * ec.kv_cache_memory_fraction) // self.page_bytes)
+        cpu_budget = 4 * 2**30  # host memory: cap the pool at 4 GiB
+        return max(2, min(enough_for_all_slots, cpu_budget // self.page_bytes))
+
+    # -- the step interface ------------------------------------------------------------------------------------
+
+    def insert(self, slot: int, token_ids: list[int], num_prompt_tokens: int, ban_ids: list[int]) -> None:
+        length = bucket_for(len(token_ids), power_of_two_buckets(16, max(16, self.engine_config.max_model_len)))
+        ids = np.zeros(length, np.int32)
+        ids[:len(token_ids)] = token_ids
+        bans = np.full(max(BAN_IDS_BUCKET, 1 << (len(ban_ids) - 1).bit_length() if ban_ids else 0), -1, np.int32)
+        bans[:len(ban_ids)] = ban_ids
+        self.penalties = self._insert(self.penalties, np.int32(slot), ids, np.int32(num_prompt_tokens),
+                                      np.int32(len(token_ids)), bans)
+
+    def prefill(self, slot: int, chunk: list[int], start: int, page_table_row: np.ndarray,
+                sampling: SamplingBatch, is_final: bool) -> SampleResult:
+        bucket = bucket_for(len(chunk), self.engine_config.prefill_buckets)
+        ids = np.zeros(bucket, np.int32)
+        ids[:len(chunk)] = chunk
+        result, self.kv_cache, self.penalties = self._prefill(
+            self.params, self.kv_cache, self.penalties, ids, np.int32(start), np.int32(len(chunk)),
+            page_table_row, np.int32(slot), sampling, np.bool_(is_final))
+        return result
+
+    def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
+               active: np.ndarray, sampling: SamplingBatch) -> SampleResult:
+        """Inputs are already padded to a batch bucket and `page_tables` cut to a pages bucket."""
+        result, self.kv_cache, self.penalties = self._decode(
+            self.params, self.kv_cache, self.penalties, slots, token_ids, positions, page_tables, active, sampling)
+        return result
+
+    @staticmethod
+    def fetch(results):
+        """One device->host transfer for everything a step produced."""
+        return jax.device_get(results)
+
+    # -- start-up ----------------------------------------------------------------------------------------------
+
+    def warmup(self, neutral_sampling) -> float:
+        """Runs every compiled shape once on scratch-only inputs, so no request ever waits for a compile."""
+        started = time.perf_counter()
+        ec = self.engine_config
+        full_row = np.zeros(ec.pages_per_seq, np.int32)  # all entries = scratch page
+        for bucket in ec.prefill_buckets:
+            self.fetch(self.prefill(0, [0] * bucket, 0, full_row, neutral_sampling(1), False))
+        for rows in ec.decode_batch_buckets:
+            for pages in ec.decode_page_buckets:
+                zeros = np.zeros(rows, np.int32)
+                self.fetch(self.decode(zeros, zeros, zeros, np.zeros((rows, pages), np.int32),
+                                       np.zeros(rows, bool), neutral_sampling(rows)))
+        for length in power_of_two_buckets(16, max(16, ec.max_model_len)):
+            self.insert(0, [0] * length, length, [])
+        jax.block_until_ready(self.penalties)
+        return time.perf_counter() - started

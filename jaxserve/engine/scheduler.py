@@ -1,0 +1,149 @@
+"""`Scheduler`: iteration-level scheduling of sequences into decode slots, with chunked prefill and preemption.
+
+Each `schedule()` call plans one engine step under a token budget (`max_num_batched_tokens`):
+1. every running sequence that is decoding gets one token (oldest first); if the pool has no page
+   for it, the most recently admitted running sequence is preempted by recompute (pages freed,
+   requeued at the front) until it fits;
+2. running sequences still prefilling get the next chunk of their tokens;
+3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
+   longest cached prefix, while budget, slots and pages last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def is_final(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so its sample is the next output token."""
+        return self.start + self.num_tokens == len(self.seq)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    prefills: list[PrefillChunk]
+    decodes: list[Sequence]
+    admitted: list[Sequence]
+    preempted: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retires `seq` at once: its slot and pages are free for the next step."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput([], [], [], [])
+        for seq in sorted(self.running, key=lambda s: s.admission_order):
+            if seq.status != SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if self._make_room(seq, len(seq), out):
+                out.decodes.append(seq)
+        budget -= len(out.decodes)
+
+        for seq in sorted(self.running, key=lambda s: s.admission_order):
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING or not seq.is_prefilling:
+                continue
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            if self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
+                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
+                budget -= num_tokens
+
+        while self.waiting and self.free_slots and budget > 0:
+            seq = self._next_waiting()
+            self.block_manager.admit(seq, self.block_manager.match_prefix(seq))
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+                self.block_manager.free(seq)
+                break
+            self.waiting.remove(seq)
+            seq.slot = self.free_slots.pop()
+            seq.mark_admitted()
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocates pages for `seq`, preempting newer sequences as needed; False if `seq` itself was preempted."""
+        while not self.block_manager.allocate(seq, num_tokens):
+            victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING),
+                         key=self._preemption_order)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preemption_order(self, seq: Sequence):
+        if self.config.scheduling_policy == "priority":
+            return seq.priority, seq.admission_order
+        return seq.admission_order
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.prefills = [chunk for chunk in out.prefills if chunk.seq is not seq]
+        out.decodes = [s for s in out.decodes if s is not seq]
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+
+    def _next_waiting(self) -> Sequence:
+        if self.config.scheduling_policy == "fcfs":
+            return self.waiting[0]
+        now = time.monotonic()
+        aging = self.config.priority_aging_seconds
+        return min(self.waiting, key=lambda s: (s.priority - (now - s.arrival_time) / aging, s.arrival_time))

@@ -1,0 +1,75 @@
+"""`Sequence`: the host-side state of one completion being generated (tokens, pages, slot, stop checks)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_admission_counter = itertools.count()
+
+
+class Sequence:
+    """Token ids (prompt + output), how many of them have KV in the cache, and the pages holding it.
+
+    `num_computed_tokens` tokens have K/V in `page_table`; the next step feeds the rest (a prefill
+    chunk) or, once only the last sampled token is left, one decode token.
+    """
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, arrival_time: float, priority: int = 0):
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
+        self.page_table: list[int] = []
+        self.page_hashes: list[int] = []  # chained hashes of this sequence's full pages, in order
+        self.slot: int | None = None
+        self.admission_order = -1
+        self.num_preemptions = 0
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}#{self.index}, {self.status.value}, {len(self)} tokens)"
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last sampled token still lacks K/V (a prompt, or a recompute)."""
+        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def mark_admitted(self) -> None:
+        self.status = SequenceStatus.RUNNING
+        self.admission_order = next(_admission_counter)

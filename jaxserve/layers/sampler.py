@@ -1,0 +1,120 @@
+"""On-device sampling: penalties, temperature, min-p, top-k, top-p, seeded draws and logprobs, for a batch of rows.
+
+Everything here runs inside the jitted step. Each row carries its own parameters; rows with
+temperature 0 take the argmax. The costly parts (a sort over the vocabulary for top-k/top-p,
+random draws, top-k logprobs) sit behind `lax.cond` so a batch that needs none of them skips them.
+A row's random key is derived from its request's seed and its output index alone, so a seeded
+request draws the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+NEG_INF = -jnp.inf
+
+
+@flax.struct.dataclass
+class SamplingBatch:
+    """Per-row sampling parameters, `[rows]` each (built on the host from `SamplingParams`)."""
+
+    temperature: jax.Array  # float32; 0 = greedy
+    top_p: jax.Array  # float32
+    top_k: jax.Array  # int32; 0 = off
+    min_p: jax.Array  # float32
+    repetition_penalty: jax.Array  # float32
+    presence_penalty: jax.Array  # float32
+    frequency_penalty: jax.Array  # float32
+    seed: jax.Array  # uint32
+    output_index: jax.Array  # int32: how many tokens this row's sequence has generated so far
+    min_tokens: jax.Array  # int32
+    wants_logprobs: jax.Array  # bool
+
+
+@flax.struct.dataclass
+class PenaltyState:
+    """Per-slot token statistics the penalties need, `[slots, vocab]`, kept on device and donated each step."""
+
+    prompt_mask: jax.Array  # bool: token occurs in the prompt (repetition penalty)
+    output_counts: jax.Array  # int32: occurrences in the output (all three penalties)
+    min_tokens_ban: jax.Array  # bool: tokens banned until min_tokens outputs (EOS and stop_token_ids)
+
+
+@flax.struct.dataclass
+class SampleResult:
+    tokens: jax.Array  # int32 [rows]
+    logprobs: jax.Array  # float32 [rows]: logprob of the sampled token under the model's distribution
+    top_ids: jax.Array  # int32 [rows, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # float32 [rows, MAX_LOGPROBS]
+
+
+def apply_penalties(logits, batch: SamplingBatch, penalties: PenaltyState, slots):
+    """vLLM's penalties: repetition (prompt + output), presence and frequency (output), min_tokens bans."""
+    prompt_mask, output_counts = penalties.prompt_mask[slots], penalties.output_counts[slots]
+    seen = prompt_mask | (output_counts > 0)
+    rep = batch.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - batch.frequency_penalty[:, None] * output_counts
+    logits = logits - batch.presence_penalty[:, None] * (output_counts > 0)
+    too_short = (batch.output_index < batch.min_tokens)[:, None]
+    return jnp.where(too_short & penalties.min_tokens_ban[slots], NEG_INF, logits)
+
+
+def _truncate_top_k_top_p(logits, top_k, top_p):
+    """Masks tokens outside each row's top-k and nucleus (top-p); one descending sort per row."""
+    vocab = logits.shape[-1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranks = jnp.arange(vocab)[None, :]
+    sorted_logits = jnp.where(ranks < k[:, None], sorted_logits, NEG_INF)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (ranks == 0)
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, NEG_INF)
+
+
+def _draw(logits, batch: SamplingBatch):
+    """Temperature, min-p, top-k/top-p, then a Gumbel-max draw with each row's own key."""
+    temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
+    logits = logits / temperature
+    probs = jax.nn.softmax(logits, axis=-1)
+    min_allowed = batch.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    logits = jnp.where(probs >= min_allowed, logits, NEG_INF)
+    needs_sort = jnp.any((batch.top_k > 0) | (batch.top_p < 1))
+    logits = jax.lax.cond(needs_sort, _truncate_top_k_top_p, lambda l, k, p: l, logits, batch.top_k, batch.top_p)
+
+    def row_noise(seed, index):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+    noise = jax.vmap(row_noise)(batch.seed, batch.output_index)
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slots: jax.Array) -> SampleResult:
+    """Samples one token per row of float32 `logits [rows, vocab]`; row i uses penalty slot `slots[i]`."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    needs_penalties = jnp.any((batch.repetition_penalty != 1) | (batch.presence_penalty != 0)
+                              | (batch.frequency_penalty != 0) | (batch.output_index < batch.min_tokens))
+    logits = jax.lax.cond(needs_penalties, lambda l: apply_penalties(l, batch, penalties, slots), lambda l: l, logits)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    all_greedy = jnp.all(batch.temperature == 0)
+    drawn = jax.lax.cond(all_greedy, lambda l: greedy_tokens, lambda l: _draw(l, batch), logits)
+    tokens = jnp.where(batch.temperature == 0, greedy_tokens, drawn)
+    sampled_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    def top_logprobs(lp):
+        values, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return ids.astype(jnp.int32), values
+
+    def no_logprobs(lp):
+        rows = lp.shape[0]
+        return jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32)
+
+    top_ids, top_values = jax.lax.cond(jnp.any(batch.wants_logprobs), top_logprobs, no_logprobs, raw_logprobs)
+    return SampleResult(tokens, sampled_logprobs, top_ids, top_values)

@@ -1,0 +1,104 @@
+"""`LLM`: the offline, vLLM-compatible Python API — `generate` and `chat` over an `LLMEngine`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as SequenceType
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM(model=None, **engine_options)`: None loads the embedded default model (SmolLM2-135M-Instruct).
+
+    Engine options are `EngineConfig`'s fields: max_num_seqs, max_model_len, page_size, num_kv_pages,
+    kv_cache_memory_fraction, max_num_batched_tokens, enable_prefix_caching, dtype, seed,
+    attention_backend, scheduling_policy, ...
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | SequenceType[PromptType],
+                 sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: SequenceType[int] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                       else list(sampling_params))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        # validate everything before queueing anything, so a bad prompt leaves the engine untouched
+        request_ids = []
+        pending = []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            _, token_ids = self.engine._tokenize(prompt)
+            self.engine.validate_prompt(token_ids, params)
+            pending.append((prompt, params, priority[index] if priority else 0))
+        for prompt, params, prio in pending:
+            request_ids.append(self.engine.add_request(None, prompt, params, priority=prio))
+        return self._run(request_ids, use_tqdm and len(prompts) > 4)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or (tokenizer.chat_template is None and chat_template is None):
+            raise ValueError("this model has no chat template")
+        validate_messages(messages)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            chat_template=chat_template, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        wanted = set(request_ids)
+        while len(results) < len(request_ids):
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    results[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[request_id] for request_id in request_ids]
+
+
+def validate_messages(messages: Any) -> None:
+    """Raises ValueError unless `messages` is a non-empty list of {"role": str, "content": str} dicts."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{index}] must be an object with a string 'role'")
+        if message["role"] not in ("system", "user", "assistant", "tool", "developer"):
+            raise ValueError(f"messages[{index}].role {message['role']!r} is not one of system/user/assistant/tool")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{index}].content must be a string")

@@ -1,0 +1,88 @@
+"""`SamplingParams`: vLLM's per-request sampling options, names and meanings, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_LOGPROBS = 20  # top-k logprobs returned per token at most (vLLM's default max_logprobs)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise `ValueError` naming the field.
+
+    temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 or -1 = off. min_p in [0, 1].
+    repetition_penalty > 0 (1 = off, applies to prompt and output tokens); presence/frequency
+    penalties in [-2, 2] (output tokens). seed: same seed -> same output, whatever the batch.
+    stop: strings ending generation (excluded from the text). logprobs: top-k logprobs per token.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(field: str, message: str) -> None:
+            raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
