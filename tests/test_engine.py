@@ -1,0 +1,212 @@
+"""The engine end to end on a tiny random model: batching, staggering, preemption, prefix caching, sampling,
+bad input, donation and recompiles."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from tests.conftest import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE_OPTIONS = dict(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, **ENGINE_OPTIONS)
+
+
+def token_ids(outputs):
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def test_greedy_matches_transformers(llm, tiny_llama_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    prompts = random_prompts(3, 500, 5, 40, seed=3)
+    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref
+
+
+def test_batch_invariance(llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(20, 500, 1, 90, seed=4)]
+    together = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts]
+    assert together == alone
+
+
+def test_staggered_arrival_short_requests_do_not_wait(llm):
+    engine = llm.engine
+    long_params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    short_params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = random_prompts(4, 500, 5, 30, seed=5)
+    engine.add_request("long", {"prompt_token_ids": prompts[0]}, long_params)
+    finished_at = {}
+    for step in range(200):
+        if step == 5:
+            engine.add_request("short-a", {"prompt_token_ids": prompts[1]}, short_params)
+        if step == 8:
+            engine.add_request("short-b", {"prompt_token_ids": prompts[2]}, short_params)
+        for out in engine.step():
+            if out.finished:
+                finished_at[out.request_id] = (step, out.outputs[0].token_ids)
+        if len(finished_at) == 3:
+            break
+    assert finished_at["short-a"][0] < finished_at["long"][0] and finished_at["short-b"][0] < finished_at["long"][0]
+    alone = token_ids(llm.generate([{"prompt_token_ids": prompts[0]}], long_params))[0]
+    assert finished_at["long"][1] == alone
+    assert finished_at["short-a"][1] == token_ids(llm.generate([{"prompt_token_ids": prompts[1]}], short_params))[0]
+
+
+def test_preemption_gives_identical_outputs(llm, tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(16, 500, 10, 60, seed=6)]
+    small = LLM(tiny_llama_dir, max_num_seqs=16, max_model_len=256, page_size=16, num_kv_pages=41,
+                max_num_batched_tokens=64)
+    constrained = token_ids(small.generate(prompts, params, use_tqdm=False))
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.num_free_pages == 40
+    assert constrained == token_ids(llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_prefix_caching_hits_and_matches_uncached(tiny_llama_dir):
+    prefix = random_prompts(1, 500, 200, 200, seed=7)[0]
+    prompts = [{"prompt_token_ids": prefix + tail} for tail in random_prompts(6, 500, 3, 20, seed=8)]
+    cached = LLM(tiny_llama_dir, **ENGINE_OPTIONS)
+    first = token_ids(cached.generate(prompts[:1], GREEDY))
+    rest = token_ids(cached.generate(prompts[1:], GREEDY, use_tqdm=False))
+    manager = cached.engine.block_manager
+    assert manager.num_prefix_hits >= 5 * 192
+    uncached = LLM(tiny_llama_dir, enable_prefix_caching=False, **ENGINE_OPTIONS)
+    assert first + rest == token_ids(uncached.generate(prompts, GREEDY, use_tqdm=False))
+    assert uncached.engine.block_manager.num_prefix_hits == 0
+    # after unrelated traffic, a request gives what a fresh engine gives
+    other = {"prompt_token_ids": random_prompts(1, 500, 50, 50, seed=9)[0]}
+    assert token_ids(cached.generate([other], GREEDY)) == token_ids(uncached.generate([other], GREEDY))
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 500, 4, 30, seed=10)]
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = token_ids(llm.generate(prompts[:1], params))[0]
+    again = token_ids(llm.generate(prompts[:1], params))[0]
+    mixed = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 4
+    batched = token_ids(llm.generate(prompts, [params] + mixed, use_tqdm=False))[0]
+    assert alone == again == batched
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=16, ignore_eos=True)
+    assert token_ids(llm.generate(prompts[:1], other_seed))[0] != alone
+
+
+def test_top_k_one_equals_greedy(llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 4, 30, seed=11)]
+    top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True, seed=5)
+    assert token_ids(llm.generate(prompts, top1, use_tqdm=False)) == token_ids(llm.generate(prompts, GREEDY))
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = {"prompt_token_ids": random_prompts(1, 500, 20, 20, seed=12)[0]}
+    free_run = token_ids(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))[0]
+    stop_token = free_run[5]
+    first_at = free_run.index(stop_token)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                stop_token_ids=[stop_token]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    assert out.token_ids == free_run[:first_at + 1]
+    # min_tokens bans the stop token until enough tokens exist
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=first_at + 3,
+                                                stop_token_ids=[stop_token]))[0].outputs[0]
+    assert len(out.token_ids) >= first_at + 3
+    assert stop_token not in out.token_ids[:first_at + 2]
+
+
+def test_stop_strings_end_generation_and_are_excluded(llm):
+    prompt = {"prompt_token_ids": random_prompts(1, 256, 20, 20, seed=13)[0]}
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) > 8, text
+    stop = text[4:7]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == text[:text.index(stop)]
+    assert stop not in completion.text
+
+
+def test_n_gives_distinct_completions_and_logprobs(llm):
+    prompt = {"prompt_token_ids": random_prompts(1, 500, 10, 10, seed=14)[0]}
+    out = llm.generate([prompt], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True,
+                                                logprobs=3))[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    for completion in out.outputs:
+        assert len(completion.logprobs) == 10
+        for token, step_logprobs in zip(completion.token_ids, completion.logprobs):
+            assert token in step_logprobs and len(step_logprobs) in (3, 4)
+            assert all(v <= 0 for v in step_logprobs.values())
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(lp[t] for t, lp in zip(completion.token_ids, completion.logprobs)), rel=1e-5)
+
+
+@pytest.mark.parametrize("make_bad, message", [
+    (lambda: SamplingParams(max_tokens=-1), "max_tokens"),
+    (lambda: SamplingParams(top_p=2), "top_p"),
+    (lambda: SamplingParams(temperature=-1), "temperature"),
+    (lambda: SamplingParams(n=0), "n must"),
+])
+def test_bad_sampling_params_raise(make_bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_bad()
+
+
+def test_bad_prompts_raise_and_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [5] * 300}], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 100000]}], GREEDY)
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        llm.generate([{"prompt_token_ids": [5] * 250}], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_abort_frees_slot_and_pages(llm):
+    engine = llm.engine
+    free_before = engine.block_manager.num_free_pages
+    engine.add_request("to-abort", {"prompt_token_ids": list(range(3, 40))},
+                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("to-abort")
+    outputs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outputs if o.request_id == "to-abort"] == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.num_running == 0 and engine.block_manager.num_free_pages == free_before
+
+
+def test_kv_pool_is_donated_and_no_recompiles_after_warmup(llm, caplog):
+    runner = llm.engine.runner
+    old_pool = runner.kv_cache[0][0]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 500, 1, 120, seed=15)]
+    params = [SamplingParams(temperature=t, top_p=0.8, max_tokens=m, seed=1, logprobs=2 if t else None,
+                             repetition_penalty=1.1 if t else 1.0, ignore_eos=True)
+              for t, m in zip((0, 0.7, 0, 1.0, 0, 0.5), (3, 20, 40, 7, 60, 100))]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        llm.generate(prompts, params, use_tqdm=False)
+        compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+        jax.jit(lambda x: x + 1)(np.ones(7))  # proves the capture sees a compile when one happens
+        assert len([r for r in caplog.records if "Compiling" in r.getMessage()]) == len(compiles) + 1
+    assert compiles == []
+    assert old_pool.is_deleted()
