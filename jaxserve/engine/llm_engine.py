@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import queue
+import threading
 import time
 from typing import Any
 
@@ -98,6 +99,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._new_commands = threading.Event()
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._slot_params = _SlotParams(self.config.max_num_seqs)
@@ -131,10 +133,19 @@ class LLMEngine:
                                                  params.include_stop_str_in_output))
         request = Request(request_id, prompt_text, token_ids, params, seqs, detoks, arrival_time)
         self._commands.put(("add", request))
+        self._new_commands.set()
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+        self._new_commands.set()
+
+    def wait_for_requests(self, timeout: float | None = None) -> bool:
+        """Blocks an idle stepping thread until a request or abort arrives (or `timeout`); True if work is pending."""
+        if self.has_unfinished_requests():
+            return True
+        self._new_commands.wait(timeout)
+        return self.has_unfinished_requests()
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
@@ -285,6 +296,7 @@ class LLMEngine:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _apply_commands(self) -> set[str]:
+        self._new_commands.clear()
         changed = set()
         while True:
             try:
