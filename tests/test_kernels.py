@@ -498,3 +498,57 @@ def test_ragged_work_list_covers_every_token_once():
         elif rows[t]:
             assert kv_len[t] == 0  # padded tail: no keys, zero output
     np.testing.assert_array_equal(covered, 1)
+
+
+# --------------------------------------------------------------------------- #
+# Triton lowering without a GPU                                                #
+# --------------------------------------------------------------------------- #
+def _jaxlib_lowers_triton_without_gpu() -> bool:
+    """jaxlib <= 0.10.2 embeds Triton IR at lowering time (no GPU needed); later ones compile."""
+    import jaxlib
+
+    version = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+    return version <= (0, 10, 2) and hasattr(jax.export, "DisabledSafetyCheck")
+
+
+LOWERING_CASES = [
+    # id, kernel, dtype, int8, group, head_dim, page_size, extra kwargs
+    ("decode-f32-split3-window", "decode", jnp.float32, False, 3, 64, 16,
+     dict(num_splits=3, sliding_window=20, pages_per_compute_block=1)),
+    ("decode-bf16-int8-mqa", "decode", jnp.bfloat16, True, 8, 128, 8, dict(num_splits=1)),
+    ("ragged-f32-window", "ragged", jnp.float32, False, 4, 64, 32, dict(sliding_window=7)),
+    ("ragged-bf16-int8-gqa1", "ragged", jnp.bfloat16, True, 1, 128, 16,
+     dict(pages_per_compute_block=2)),
+]
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU runs compile the kernels for real")
+@pytest.mark.skipif(not _jaxlib_lowers_triton_without_gpu(), reason="needs jaxlib <= 0.10.2")
+@pytest.mark.parametrize("kernel,dtype,int8,group,head_dim,page_size,extra",
+                         [c[1:] for c in LOWERING_CASES], ids=[c[0] for c in LOWERING_CASES])
+def test_kernels_lower_to_triton_ir(kernel, dtype, int8, group, head_dim, page_size, extra):
+    """Cross-lowers for CUDA on this CPU: every primitive must have a Triton lowering
+    and every loaded tile a power-of-two size (it does not run or compile Triton)."""
+    spec = jax.ShapeDtypeStruct
+    kv_heads, num_pages, pages_per_seq, rows = 2, 37, 5, 7
+    pages = spec((kv_heads, num_pages, page_size, head_dim), jnp.int8 if int8 else dtype)
+    scales = {}
+    if int8:
+        scales = dict(k_scales=spec(pages.shape[:3], jnp.float32),
+                      v_scales=spec(pages.shape[:3], jnp.float32))
+    q = spec((rows, kv_heads * group, head_dim), dtype)
+    if kernel == "decode":
+        fn = lambda q, k, v, lens, table, kw: triton_decode.paged_attention(  # noqa: E731
+            q, k, v, lens, table, poison_output=True, **kw, **extra)
+        args = (q, pages, pages, spec((rows,), jnp.int32), spec((rows, pages_per_seq), jnp.int32))
+    else:
+        fn = lambda q, k, v, lens, table, cu, n, kw: triton_ragged.ragged_paged_attention(  # noqa: E731
+            q, k, v, lens, table, cu, n, poison_output=True, **kw, **extra)
+        args = (q, pages, pages, spec((3,), jnp.int32), spec((3, pages_per_seq), jnp.int32),
+                spec((4,), jnp.int32), spec((1,), jnp.int32))
+    exported = jax.export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args, scales)
+    assert "xla.gpu.triton" in exported.mlir_module()
