@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -154,16 +155,18 @@ def plan_decode(
     *,
     pages_per_compute_block: int | None,
     num_splits: int | None,
+    kv_itemsize: int = 2,
     target_programs: int = 264,
-    target_block_tokens: int = 128,
 ) -> DecodePlan:
     """Chooses tiles and the split-K factor for a decode call.
 
-    With ``num_splits=None`` the KV length is split until ``batch * num_kv_heads *
+    The default KV tile is 128 tokens for 1- and 2-byte K/V and 64 for float32
+    (about the same bytes in registers).  With ``num_splits=None`` the KV length is split until ``batch * num_kv_heads *
     num_splits`` programs reach ``target_programs`` (about two waves on a 132-SM
     H100/H200), but never into more splits than there are KV tiles.
     """
     group_size = num_q_heads // num_kv_heads
+    target_block_tokens = 128 if kv_itemsize <= 2 else 64
     pages_per_block = pages_per_kv_block(
         page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
     )
@@ -245,18 +248,14 @@ def plan_ragged(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedWorkList:
-    """Per-tile scalars telling a ragged kernel program what to do (int32[num_tiles])."""
+class RaggedWorkList(NamedTuple):
+    """Per-tile scalars telling a ragged kernel program what to do (each int32[num_tiles])."""
 
     seq: jax.Array  # which page-table row to read
     first_row: jax.Array  # first query token (row of q) of the tile
     rows: jax.Array  # valid query tokens in the tile (0: idle tile)
     first_pos: jax.Array  # absolute position of the tile's first query token
     kv_len: jax.Array  # the sequence's kv length (0 for the padded tail)
-
-    def as_tuple(self) -> tuple[jax.Array, ...]:
-        return (self.seq, self.first_row, self.rows, self.first_pos, self.kv_len)
 
 
 def ragged_work_list(

@@ -43,7 +43,7 @@ def paged_attention(
       sliding_window: if set, keys at positions ``< length - sliding_window``
         are masked (Mistral-style), and the tiles before the window are skipped.
       pages_per_compute_block: pages per KV tile (a power of two, tile >= 16
-        tokens); default about 128 tokens.
+        tokens); default 128 tokens (64 for float32 K/V).
       num_splits: split-K partitions of the KV length, merged by log-sum-exp;
         default targets ~264 programs (two waves of an H100/H200).
       k_scales, v_scales: float32 [num_kv_heads, num_pages, page_size]

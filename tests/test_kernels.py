@@ -483,11 +483,12 @@ def test_ragged_work_list_covers_every_token_once():
     num_tokens = sum(q_lens) + tail
     cu = np.concatenate([[0], np.cumsum(q_lens), [10**6]]).astype(np.int32)  # 1 inactive slot
     plan_tiles = planning.cdiv(num_tokens, tokens_per_tile) + len(q_lens) + 1
-    work = planning.ragged_work_list(
+    work_list = jax.jit(planning.ragged_work_list, static_argnums=(3, 4, 5))
+    work = work_list(
         jnp.asarray(cu), jnp.asarray(kv_lens + [10**6], jnp.int32), jnp.asarray([len(q_lens)]),
         num_tokens, tokens_per_tile, plan_tiles,
     )
-    seq, first_row, rows, first_pos, kv_len = (np.asarray(a) for a in work.as_tuple())
+    seq, first_row, rows, first_pos, kv_len = (np.asarray(a) for a in work)
     covered = np.zeros(num_tokens, int)
     for t in range(plan_tiles):
         covered[first_row[t]: first_row[t] + rows[t]] += 1

@@ -144,6 +144,7 @@ def paged_attention(
         pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits,
+        kv_itemsize=k_pages.dtype.itemsize,
     )
     scale = planning.default_sm_scale(head_dim) if sm_scale is None else float(sm_scale)
 

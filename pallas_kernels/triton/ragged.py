@@ -190,7 +190,7 @@ def ragged_paged_attention(
         pages_spec,
         pages_spec,
     ]
-    inputs = [*work.as_tuple(), page_table, q_rows, k_pages, v_pages]
+    inputs = [*work, page_table, q_rows, k_pages, v_pages]
     if quantized:
         scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda t, h: (h, 0, 0))
         in_specs += [scale_spec, scale_spec]
