@@ -38,7 +38,7 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     config = tiny_hf_config(family)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits small; larger weights make logits differ visibly between tokens
         for param in model.parameters():
             if param.dim() >= 2:

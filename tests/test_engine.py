@@ -28,7 +28,7 @@ def token_ids(outputs):
 
 
 def test_greedy_matches_transformers(llm, tiny_llama_dir):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompts = random_prompts(3, 500, 5, 40, seed=3)
     ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))
     for prompt, tokens in zip(prompts, ours):

@@ -45,7 +45,7 @@ def hf_logits(hf_model, token_ids: list[int]) -> np.ndarray:
 def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
     path = tiny_model_dirs[family]
     loaded = load_model(path)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = np.random.default_rng(1)
     # the 40-token prompt crosses the Mistral sliding window (16) and several pages
     prompts = [rng.integers(0, loaded.config.vocab_size, size=n).tolist() for n in (1, 7, 16, 40)]

@@ -1,0 +1,88 @@
+"""The embedded default model (SmolLM2-135M-Instruct from its GGUF) against transformers loading the same GGUF,
+and the converted-checkpoint store: round trip, corruption detection and rebuild."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading import DEFAULT_MODEL, checkpoint_root, default_gguf_path, load_model
+from jaxserve.loading.store import CorruptCheckpointError, load_store, save_store, verify_store
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128)
+
+
+def test_greedy_tokens_match_transformers_on_the_same_gguf(default_llm):
+    import torch
+    import transformers
+
+    gguf = Path(default_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                           dtype=torch.float32).eval()
+    tokenizer = default_llm.get_tokenizer()
+    prompts = [
+        default_llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+        tokenizer.encode("The three primary colors are"),
+        tokenizer.encode("def fibonacci(n):\n    "),
+        tokenizer.encode("Once upon a time, in a small village by the sea,"),
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ours = default_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    torch.set_num_threads(2)
+    for prompt, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref, tokenizer.decode(prompt)
+    assert "Paris" in ours[0].outputs[0].text
+
+
+def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(default_llm):
+    import transformers
+
+    gguf = Path(default_gguf_path())
+    reference = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ours = default_llm.get_tokenizer()
+    for text in ["Hello, world!", "  leading spaces and\ttabs\n", "naïve café — 東京 🚀", "x = [i**2 for i in y]"]:
+        assert ours.encode(text) == reference.encode(text)
+        assert ours.decode(ours.encode(text)) == text
+
+
+def test_store_round_trip_gives_identical_params(tmp_path):
+    store = checkpoint_root() / DEFAULT_MODEL
+    config, params, tokenizer = load_store(store)
+    copy = tmp_path / "copy"
+    save_store(copy, config, params, tokenizer)
+    config2, params2, _ = load_store(copy)
+    assert config2 == config
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params, params2))
+
+
+def test_truncated_store_is_detected_and_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CHECKPOINT_DIR", str(tmp_path))
+    shutil.copytree(Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL
+                    if (Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL).exists()
+                    else checkpoint_root() / DEFAULT_MODEL, tmp_path / DEFAULT_MODEL)
+    store = tmp_path / DEFAULT_MODEL
+    biggest = max((f for f in store.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as handle:
+        handle.truncate(biggest.stat().st_size // 2)
+    with pytest.raises(CorruptCheckpointError, match="corrupt"):
+        verify_store(store)
+    loaded = load_model(None)  # detects the damage, deletes the store and converts again
+    verify_store(store)
+    assert loaded.config.num_layers == 30
+    os.remove(store / "jaxserve_manifest.json")
+    with pytest.raises(CorruptCheckpointError, match="did not finish"):
+        verify_store(store)
