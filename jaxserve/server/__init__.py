@@ -1,0 +1,53 @@
+"""jaxserve's OpenAI-compatible HTTP server: `jaxserve serve ...` runs `serve_main`.
+
+Files, one idea each: `protocol` (request models), `async_engine` (the engine thread <-> asyncio
+bridge, admission control), `serving_completion` / `serving_chat` (the two generation routes),
+`serving` (shared route helpers), `http_utils` (body parsing, SSE, disconnect detection),
+`middleware` (body limit, API key), `metrics` (Prometheus + the periodic stats line), `errors`
+(OpenAI's error JSON), `api_server` (app factory, routes, uvicorn), `cli_args` (options).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def serve_main(argv: list[str]) -> None:
+    """Parses `jaxserve serve` options, starts the HTTP server at once and loads the engine in the background."""
+    from jaxserve.server.api_server import ServerSettings, create_app, run_server
+    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.server.cli_args import build_parser, engine_config
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_waiting < 0:
+        parser.error("--max-waiting must be >= 0")
+    try:
+        config = engine_config(args)
+    except ValueError as err:
+        parser.error(str(err))
+
+    def build_engine():
+        from jaxserve.engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+
+    engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                              max_body_bytes=args.max_body_bytes, log_stats_interval=args.log_stats_interval)
+    app = create_app(engine, settings)
+    status = run_server(app, engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    if engine.thread_alive:  # still loading or compiling: do not wait for it (or crash tearing it down)
+        logger.warning("the engine thread is still busy; exiting without it")
+        logging.shutdown()
+        os._exit(status)
+    logging.shutdown()
+    if status:
+        sys.exit(status)
+
+
+__all__ = ["serve_main"]

@@ -1,0 +1,202 @@
+"""The FastAPI app: routes, error handlers, middlewares and lifespan, and `run_server` (uvicorn).
+
+`create_app` takes an `AsyncEngine` (so tests can hand in one over a fake engine). The engine loads
+in the background after the HTTP server starts: `/health` is 503 until it is ready (and again if the
+engine thread crashes). Every error is OpenAI's error JSON; nothing a client sends yields a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import jaxserve
+from jaxserve.server.async_engine import AsyncEngine, EngineState
+from jaxserve.server.errors import APIError, bad_request, error_body
+from jaxserve.server.http_utils import read_json
+from jaxserve.server.metrics import ServerMetrics, StatLogger
+from jaxserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
+from jaxserve.server.protocol import DetokenizeRequest, TokenizeRequest, normalize_messages
+from jaxserve.server.serving import ServingContext, now
+from jaxserve.server.serving_chat import create_chat_completion
+from jaxserve.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    log_stats_interval: float = 10.0  # seconds; 0 disables the periodic stats line
+    engine_stop_timeout: float = 10.0  # seconds to wait for the engine thread at shutdown
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    ctx = ServingContext(engine, settings.served_model_name)
+    metrics = ServerMetrics(lambda: engine.engine, lambda: ctx.model_name)
+    engine.metrics = metrics
+    stat_logger = StatLogger(lambda: engine.engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start(asyncio.get_running_loop())
+        stats_task = asyncio.create_task(_log_stats(stat_logger, settings.log_stats_interval))
+        try:
+            yield
+        finally:
+            stats_task.cancel()
+            logger.info("shutting down: aborting %d in-flight requests, stopping the engine",
+                        engine.num_inflight_requests)
+            if not await engine.shutdown(settings.engine_stop_timeout):
+                logger.warning("the engine thread did not stop within %.0fs", settings.engine_stop_timeout)
+
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.state == EngineState.READY:
+            return Response(status_code=200)
+        message = {EngineState.LOADING: "the model is loading", EngineState.DEAD: f"the engine crashed: {engine.error}",
+                   EngineState.LOAD_FAILED: f"the model failed to load: {engine.error}",
+                   EngineState.STOPPED: "the server is shutting down"}[engine.state]
+        return JSONResponse(error_body(message, "service_unavailable_error"), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": jaxserve.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        llm_engine = ctx.ready_engine()
+        return {"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": now(), "owned_by": "jaxserve",
+            "root": llm_engine.config.model or llm_engine.model.name, "parent": None,
+            "max_model_len": llm_engine.config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_json(request, TokenizeRequest)
+        ctx.check_model(body.model)
+        llm_engine = ctx.ready_engine()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt or messages")
+        if body.prompt is not None:
+            tokens = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            try:
+                messages = normalize_messages(body.messages)
+            except ValueError as err:
+                raise bad_request(str(err), param="messages") from None
+            tokens = await ctx.apply_chat_template(messages, body.add_generation_prompt is not False)
+        return {"count": len(tokens), "max_model_len": llm_engine.config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_json(request, DetokenizeRequest)
+        ctx.check_model(body.model)
+        vocab_size = ctx.ready_engine().vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        return {"prompt": ctx.decode(body.tokens)}
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
+        return APIError(413, str(err)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
+        return bad_request(message, param=loc[0] if loc else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return APIError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return APIError(500, f"internal server error: {type(err).__name__}: {err}").response()
+
+
+async def _log_stats(stat_logger: StatLogger, interval: float) -> None:
+    if interval <= 0:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            stat_logger.log()
+        except Exception:  # noqa: BLE001 - a stats line must never take the server down
+            logger.exception("stats logging failed")
+
+
+def run_server(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = 30.0) -> int:
+    """Serves until SIGTERM/SIGINT (graceful: stop accepting, let requests finish up to `shutdown_timeout`,
+    abort the rest); returns the exit status: 0, or 1 if the model failed to load."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
+                            timeout_keep_alive=5, log_level="info")
+    server = uvicorn.Server(config)
+
+    def load_failed(error: BaseException) -> None:
+        logger.error("exiting: the model failed to load (%s)", error)
+        server.should_exit = True
+
+    engine.on_load_failed = load_failed
+    # uvicorn re-raises the signal that stopped it once it is done; make that a no-op so a graceful stop exits 0
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if engine.state == EngineState.LOAD_FAILED:
+        return 1
+    if not server.started:
+        return 1
+    return 0
+
+
+__all__ = ["ServerSettings", "create_app", "run_server"]

@@ -1,0 +1,262 @@
+"""`AsyncEngine`: the bridge between the asyncio server and the `LLMEngine`, which steps in its own thread.
+
+The engine is built in that thread too (load + warm-up take a while), so the HTTP server answers
+`/health` with 503 meanwhile. Requests go in with `submit()` (validated at once, from the event loop);
+every step's outputs come back through `loop.call_soon_threadsafe` into the `Submission` of the HTTP
+request that asked for them. Leaving a `Submission` early (client gone, handler cancelled) aborts its
+unfinished engine requests, which frees their slots and pages at the engine's next step.
+
+Admission control: at most `max_num_seqs + max_waiting` sequences are in flight; beyond that
+`submit()` raises `ServerOverloaded` (answered 503 with Retry-After). If the engine thread crashes,
+every in-flight request fails with `EngineDeadError` and the engine reports itself unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.outputs import RequestOutput
+    from jaxserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_SECONDS = 0.2
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    LOAD_FAILED = "load_failed"
+    DEAD = "dead"  # the stepping thread crashed
+    STOPPED = "stopped"
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take requests now (loading, stopped or dead): a 503 for the client."""
+
+
+class ServerOverloaded(Exception):
+    """The waiting queue is full: a 503 with Retry-After."""
+
+
+class EngineDeadError(Exception):
+    """The engine thread crashed while this request was in flight: the server's fault, a 500."""
+
+
+class Submission:
+    """The engine requests made for one HTTP request. Iterate `results()` for `(prompt_index, output)` pairs."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self._index = {request_id: index for index, request_id in enumerate(request_ids)}
+        self._pending = set(request_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def results(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs (cumulative) as the engine produces them, until every request finished; aborts the rest on exit."""
+        try:
+            while self._pending:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                request_id, output = item
+                if output.finished:
+                    self._pending.discard(request_id)
+                yield self._index[request_id], output
+        finally:
+            self.abort()
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """Waits for every request to finish; the final outputs in prompt order."""
+        final: dict[int, RequestOutput] = {}
+        async for index, output in self.results():
+            if output.finished:
+                final[index] = output
+        return [final[index] for index in range(len(self.request_ids))]
+
+    def abort(self) -> None:
+        """Aborts the requests that have not finished (idempotent)."""
+        for request_id in list(self._pending):
+            self._engine.abort(request_id)
+        self._pending.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 256):
+        self._engine_factory = engine_factory
+        self.max_waiting = max_waiting
+        self.engine: LLMEngine | None = None
+        self.state = EngineState.LOADING
+        self.error: BaseException | None = None
+        self.metrics: ServerMetrics | None = None
+        self.on_load_failed: Callable[[BaseException], None] | None = None
+        self.num_inflight_seqs = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._submissions: dict[str, Submission] = {}
+        self._num_seqs: dict[str, int] = {}
+        self._last_token_time: dict[str, float] = {}
+
+    # -- lifecycle (event loop) -------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the engine thread, which builds the engine and then steps it."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._thread_main, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> bool:
+        """Aborts what is still in flight and stops the engine thread; True if it stopped within `timeout`."""
+        if self.state in (EngineState.LOADING, EngineState.READY):
+            self.state = EngineState.STOPPED
+        for request_id in list(self._submissions):
+            self.abort(request_id)
+        self._stop.set()
+        if self._thread is None:
+            return True
+        await asyncio.to_thread(self._thread.join, timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == EngineState.READY
+
+    def ready_engine(self) -> LLMEngine:
+        """The engine if it takes requests, else raises EngineUnavailable saying why."""
+        if self.state == EngineState.READY and self.engine is not None:
+            return self.engine
+        reasons = {
+            EngineState.LOADING: "the model is still loading; retry shortly",
+            EngineState.LOAD_FAILED: f"the model failed to load: {self.error}",
+            EngineState.DEAD: f"the engine crashed: {self.error}",
+            EngineState.STOPPED: "the server is shutting down",
+        }
+        raise EngineUnavailable(reasons[self.state])
+
+    # -- requests (event loop) --------------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> Submission:
+        """Validates and queues one engine request per prompt; raises ValueError, EngineUnavailable or overload."""
+        engine = self.ready_engine()
+        for token_ids in prompts:
+            engine.validate_prompt(token_ids, params)
+        num_seqs = len(prompts) * params.n
+        capacity = engine.config.max_num_seqs + self.max_waiting
+        if num_seqs > capacity:
+            raise ValueError(f"this request needs {num_seqs} sequences (prompts x n), more than the server holds "
+                             f"at once ({capacity})")
+        if self.num_inflight_seqs + num_seqs > capacity:
+            raise ServerOverloaded(f"the server is at capacity ({self.num_inflight_seqs} sequences in flight, "
+                                   f"{engine.config.max_num_seqs} running + {self.max_waiting} waiting); "
+                                   "retry later")
+        request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+        submission = Submission(self, request_ids)
+        added = []
+        try:
+            for engine_request_id, token_ids in zip(request_ids, prompts):
+                self._submissions[engine_request_id] = submission
+                self._num_seqs[engine_request_id] = params.n
+                self.num_inflight_seqs += params.n
+                added.append(engine_request_id)
+                engine.add_request(engine_request_id, token_ids, params)
+        except BaseException:
+            for engine_request_id in added:
+                self.abort(engine_request_id)
+            raise
+        return submission
+
+    def abort(self, request_id: str) -> None:
+        """Forgets `request_id` here and tells the engine to drop it (its slot and pages free at the next step)."""
+        if self._forget(request_id) and self.engine is not None and self.state == EngineState.READY:
+            self.engine.abort_request(request_id)
+
+    @property
+    def num_inflight_requests(self) -> int:
+        return len(self._submissions)
+
+    def _forget(self, request_id: str) -> bool:
+        if self._submissions.pop(request_id, None) is None:
+            return False
+        self.num_inflight_seqs -= self._num_seqs.pop(request_id, 0)
+        self._last_token_time.pop(request_id, None)
+        return True
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the event loop: routes one step's outputs to their submissions and records latencies."""
+        for output in outputs:
+            request_id = output.request_id
+            submission = self._submissions.get(request_id)
+            if submission is None:
+                continue  # aborted by us already
+            metrics = output.metrics
+            if self.metrics is not None:
+                self.metrics.observe_progress(output, self._last_token_time.get(request_id))
+            if metrics is not None and metrics.last_token_time is not None:
+                self._last_token_time[request_id] = metrics.last_token_time
+            if output.finished:
+                self._forget(request_id)
+                if self.metrics is not None and not any(c.finish_reason == "abort" for c in output.outputs):
+                    self.metrics.observe_finished(output)
+            submission.queue.put_nowait((request_id, output))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Runs on the event loop after the engine thread died: every in-flight request gets the error."""
+        failed = set()
+        for request_id, submission in list(self._submissions.items()):
+            self._forget(request_id)
+            if id(submission) not in failed:
+                failed.add(id(submission))
+                submission.queue.put_nowait(EngineDeadError(f"the engine crashed: {error!r}"))
+
+    # -- the engine thread ------------------------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            engine = self._engine_factory()
+        except BaseException as error:  # noqa: BLE001 - reported to the server, which exits
+            logger.exception("loading the engine failed")
+            self.error = error
+            self.state = EngineState.LOAD_FAILED
+            self._call_in_loop(self._load_failed, error)
+            return
+        self.engine = engine
+        if self._stop.is_set():
+            return
+        self.state = EngineState.READY
+        logger.info("engine ready: %s, max_model_len=%d, max_num_seqs=%d", getattr(engine.model, "name", "?"),
+                    engine.config.max_model_len, engine.config.max_num_seqs)
+        try:
+            while not self._stop.is_set():
+                if not engine.wait_for_requests(IDLE_POLL_SECONDS):
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self._call_in_loop(self._dispatch, outputs)
+        except BaseException as error:  # noqa: BLE001 - fail in-flight requests instead of hanging them
+            logger.exception("the engine thread crashed; failing in-flight requests")
+            self.error = error
+            self.state = EngineState.DEAD
+            self._call_in_loop(self._fail_all, error)
+
+    def _load_failed(self, error: BaseException) -> None:
+        if self.on_load_failed is not None:
+            self.on_load_failed(error)
+
+    def _call_in_loop(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass

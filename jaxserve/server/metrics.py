@@ -1,0 +1,166 @@
+"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix, in a private registry per server.
+
+Gauges and counters are read from the engine at scrape time (the engine already counts them), so
+they can never drift from the engine's own numbers. Latency histograms are observed by the server as
+request outputs arrive. `StatLogger` writes a vLLM-like throughput line periodically while there is
+traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+PREFIX = "jaxserve:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineCollector(Collector):
+    """Reads the engine's gauges and counters when Prometheus scrapes (zeros while the engine is loading)."""
+
+    def __init__(self, get_engine, model_name):
+        self._get_engine = get_engine
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        engine: LLMEngine | None = self._get_engine()
+        labels = ["model_name"]
+        name = [self._model_name()]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + metric, doc, labels=labels)
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + metric, doc, labels=labels)
+            family.add_metric(name, value)
+            return family
+
+        scheduler = engine.scheduler if engine else None
+        blocks = engine.block_manager if engine else None
+        stats = engine.stats if engine else None
+        yield gauge("num_requests_running", "Sequences in decode slots (prefilling or decoding).",
+                    scheduler.num_running if scheduler else 0)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.",
+                    scheduler.num_waiting if scheduler else 0)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0 to 1).",
+                    blocks.usage if blocks else 0.0)
+        yield counter("prompt_tokens", "Prompt tokens received (per sequence).", stats.prompt_tokens if stats else 0)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens if stats else 0)
+        success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        finished = dict(stats.finished) if stats else {}
+        for reason in sorted(set(FINISH_REASONS) | set(finished)):
+            success.add_metric(name + [reason], finished.get(reason, 0))
+        yield success
+        yield counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV pages.",
+                      scheduler.num_preemptions if scheduler else 0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      blocks.num_prefix_queries if blocks else 0)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      blocks.num_prefix_hits if blocks else 0)
+
+
+class ServerMetrics:
+    """The registry of one server: engine-read gauges/counters plus request-latency histograms."""
+
+    def __init__(self, get_engine, model_name):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(get_engine, model_name))
+        self._model_name = model_name
+
+        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + metric, doc, labelnames=["model_name"], buckets=buckets,
+                             registry=self.registry)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token.",
+                                             TTFT_BUCKETS)
+        self.time_per_output_token = histogram("time_per_output_token_seconds",
+                                               "Mean time per output token after the first, per finished request.",
+                                               TOKEN_LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between successive output tokens of a request.",
+                                             TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish, per request.",
+                                             REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                            REQUEST_LATENCY_BUCKETS)
+
+    def observe_progress(self, output: RequestOutput, previous_token_time: float | None) -> None:
+        """Called for each output of a running request: records the first-token and inter-token latencies."""
+        metrics = output.metrics
+        if metrics is None or metrics.last_token_time is None:
+            return
+        label = self._model_name()
+        if previous_token_time is None:
+            if metrics.first_token_time is not None:
+                self.time_to_first_token.labels(label).observe(metrics.first_token_time - metrics.arrival_time)
+        elif metrics.last_token_time > previous_token_time:
+            self.inter_token_latency.labels(label).observe(metrics.last_token_time - previous_token_time)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Called once per finished (not aborted) request."""
+        metrics = output.metrics
+        if metrics is None:
+            return
+        label = self._model_name()
+        finished = metrics.finished_time or time.monotonic()
+        self.e2e_request_latency.labels(label).observe(finished - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.request_queue_time.labels(label).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        num_tokens = max(len(c.token_ids) for c in output.outputs) if output.outputs else 0
+        if num_tokens > 1 and metrics.first_token_time is not None and metrics.last_token_time is not None:
+            self.time_per_output_token.labels(label).observe(
+                (metrics.last_token_time - metrics.first_token_time) / (num_tokens - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatLogger:
+    """Logs throughput and occupancy, like vLLM's periodic line, whenever there was traffic since the last one."""
+
+    def __init__(self, get_engine):
+        self._get_engine = get_engine
+        self._last_time = time.monotonic()
+        self._last_prompt = self._last_generation = 0
+        self._last_queries = self._last_hits = 0
+
+    def log(self) -> None:
+        engine = self._get_engine()
+        if engine is None:
+            return
+        now = time.monotonic()
+        stats, scheduler, blocks = engine.stats, engine.scheduler, engine.block_manager
+        prompt = stats.prompt_tokens - self._last_prompt
+        generation = stats.generation_tokens - self._last_generation
+        queries = blocks.num_prefix_queries - self._last_queries
+        hits = blocks.num_prefix_hits - self._last_hits
+        seconds = max(now - self._last_time, 1e-9)
+        busy = scheduler.num_running or scheduler.num_waiting
+        if prompt or generation or busy:
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                        prompt / seconds, generation / seconds, scheduler.num_running, scheduler.num_waiting,
+                        100 * blocks.usage, 100 * hits / queries if queries else 0.0)
+        self._last_time = now
+        self._last_prompt, self._last_generation = stats.prompt_tokens, stats.generation_tokens
+        self._last_queries, self._last_hits = blocks.num_prefix_queries, blocks.num_prefix_hits

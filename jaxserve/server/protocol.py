@@ -1,0 +1,194 @@
+"""Request models of the OpenAI-compatible API (pydantic, strict types) and their translation to `SamplingParams`.
+
+Fields follow OpenAI's API, plus vLLM's sampling extras in the body (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...). Types are strict: `"2"` is
+not an integer and `true` is not a number. Unknown fields are ignored, as in vLLM, but fields that
+ask for something this server cannot do (`logit_bias`, `suffix`, `tools`, JSON response formats,
+`best_of` > n) are refused rather than silently dropped. Responses are plain dicts built by the
+serving modules, in OpenAI's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from jaxserve.sampling_params import SamplingParams
+
+MAX_TEMPERATURE = 100.0
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(StrictModel):
+    """The fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # accepted only in their no-op form
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Raises ValueError for valid-looking fields this server does not implement or for inconsistent ones."""
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of is not supported (it must equal n)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming the field for values out of range."""
+        top_k = self.top_k if self.top_k is not None else 0
+        if top_k >= vocab_size:
+            top_k = 0  # keeping the whole vocabulary is the same as no top-k
+        return SamplingParams(
+            n=self.n if self.n is not None else 1,
+            temperature=self.temperature if self.temperature is not None else 1.0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=top_k,
+            min_p=self.min_p if self.min_p is not None else 0.0,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            presence_penalty=self.presence_penalty if self.presence_penalty is not None else 0.0,
+            frequency_penalty=self.frequency_penalty if self.frequency_penalty is not None else 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens if self.min_tokens is not None else 0,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None else True,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by `prompts()`
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list of strings and token-id lists; raises ValueError if `prompt` has another shape."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(item, str) for item in prompt):
+                return list(prompt)
+            if all(_is_int(item) for item in prompt):
+                return [list(prompt)]
+            if all(isinstance(item, list) and all(_is_int(t) for t in item) for item in prompt):
+                return [list(item) for item in prompt]
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Any  # list of {"role", "content"}, checked by `chat_messages()`
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported "
+                             "(only 'text')")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """`max_completion_tokens` (OpenAI's current name) or `max_tokens`, and which field it came from."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return normalize_messages(self.messages)
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages with string contents (OpenAI's list-of-text-parts contents joined); ValueError if ill-formed."""
+    from jaxserve.llm import validate_messages
+
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    normalized = []
+    for index, message in enumerate(messages):
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            parts = message["content"]
+            texts = []
+            for part_index, part in enumerate(parts):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{index}].content[{part_index}] must be a text part "
+                                     "({\"type\": \"text\", \"text\": ...}); other content types are not supported")
+                texts.append(part["text"])
+            message = {**message, "content": "".join(texts)}
+        normalized.append(message)
+    validate_messages(normalized)
+    return [{"role": m["role"], "content": m["content"]} for m in normalized]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
