@@ -1,0 +1,309 @@
+"""Offline throughput of jaxserve through `LLM.generate`: tok/s, req/s, peak KV usage, prefix hit rate.
+
+Owns the offline measurement other scripts reuse (`compare.py`, `run_default_suite.py`):
+* `run_offline`: one `LLM.generate` call over the whole workload, timed from the call to its return
+  (engine start-up is measured and reported separately). A `StepProbe` wraps `engine.step` to sample the
+  KV-cache usage around every step and count steps; prefix hit rate is the change of the block manager's
+  hit/query token counters over the run.
+* `run_closed_loop`: the same engine kept at exactly `c` requests in flight (a new request as soon as one
+  finishes), for the throughput-vs-concurrency curve without restarting the engine per level.
+* `single_stream_decode`: batch-1 decode speed, (n - 1) tokens over first-to-last token time.
+
+    python benchmarks/throughput.py --dataset random --num-prompts 64 --input-len 128 --output-len 64
+    python benchmarks/throughput.py --dataset shared-prefix --num-prompts 64 --prefix-len 256
+    python benchmarks/throughput.py --concurrency 1 4 16 64   # adds a closed-loop sweep and its plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common, datasets
+from benchmarks.datasets import RequestRecord
+
+NAME = "throughput"
+
+
+class StepProbe:
+    """Wraps `llm.engine.step` while active: samples KV usage before and after every step, counts steps."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.samples: list[float] = []
+        self.steps = 0
+
+    def __enter__(self) -> "StepProbe":
+        original = self.engine.step
+        block_manager = self.engine.block_manager
+
+        def probed_step():
+            self.samples.append(block_manager.usage)
+            outputs = original()
+            self.samples.append(block_manager.usage)
+            self.steps += 1
+            return outputs
+
+        self.engine.step = probed_step
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        del self.engine.step  # the instance attribute goes; the class method is back
+
+    @property
+    def peak_usage(self) -> float:
+        return max(self.samples, default=0.0)
+
+    @property
+    def mean_usage(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else 0.0
+
+
+@dataclasses.dataclass
+class OfflineResult:
+    """One offline run. Throughputs are per second of generation time (start-up excluded)."""
+
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    steps: int
+    peak_kv_usage: float
+    mean_kv_usage: float
+    prefix_hit_rate: float | None  # cached prompt tokens / prompt tokens looked up; None if caching is off
+    preemptions: int
+    output_token_ids: list[list[int]] = dataclasses.field(repr=False, default_factory=list)
+
+    @property
+    def request_throughput(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def summary(self) -> dict[str, Any]:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "output_token_ids"}
+        data.update(request_throughput=self.request_throughput, output_throughput=self.output_throughput,
+                    total_throughput=self.total_throughput)
+        return data
+
+
+def sampling_params_for(records: Sequence[RequestRecord], temperature: float = 0.0, ignore_eos: bool = True,
+                        seed: int = 0) -> list:
+    from jaxserve import SamplingParams
+
+    return [SamplingParams(temperature=temperature, max_tokens=r.expected_output_len, ignore_eos=ignore_eos,
+                           seed=seed + i if temperature > 0 else None) for i, r in enumerate(records)]
+
+
+def _prefix_counters(llm: Any) -> tuple[int, int]:
+    bm = llm.engine.block_manager
+    return bm.num_prefix_queries, bm.num_prefix_hits
+
+
+def run_offline(llm: Any, records: Sequence[RequestRecord], temperature: float = 0.0, ignore_eos: bool = True,
+                seed: int = 0, use_tqdm: bool = True) -> OfflineResult:
+    """One `llm.generate` over all records; times only the call."""
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
+    params = sampling_params_for(records, temperature, ignore_eos, seed)
+    queries_before, hits_before = _prefix_counters(llm)
+    preemptions_before = llm.engine.scheduler.num_preemptions
+    with StepProbe(llm.engine) as probe:
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        elapsed = time.perf_counter() - started
+    queries_after, hits_after = _prefix_counters(llm)
+    queries = queries_after - queries_before
+    return OfflineResult(
+        elapsed_s=elapsed, num_requests=len(outputs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
+        prefix_hit_rate=(hits_after - hits_before) / queries if llm.engine.config.enable_prefix_caching and queries
+        else None,
+        preemptions=llm.engine.scheduler.num_preemptions - preemptions_before,
+        output_token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+
+
+def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int, temperature: float = 0.0,
+                    ignore_eos: bool = True, seed: int = 0, use_tqdm: bool = True) -> OfflineResult:
+    """Keeps `concurrency` requests in flight (refilled as they finish) by driving `engine.step` directly."""
+    from tqdm.auto import tqdm
+
+    engine = llm.engine
+    params = sampling_params_for(records, temperature, ignore_eos, seed)
+    pending = list(range(len(records)))[::-1]
+    in_flight: set[str] = set()
+    finished: dict[str, Any] = {}
+    queries_before, hits_before = _prefix_counters(llm)
+    preemptions_before = engine.scheduler.num_preemptions
+    progress = tqdm(total=len(records), desc=f"concurrency {concurrency}", disable=not use_tqdm, dynamic_ncols=True)
+    with StepProbe(engine) as probe:
+        started = time.perf_counter()
+        while pending or in_flight:
+            while pending and len(in_flight) < concurrency:
+                index = pending.pop()
+                request_id = f"closed-{concurrency}-{index}"
+                engine.add_request(request_id, {"prompt_token_ids": records[index].prompt_token_ids}, params[index])
+                in_flight.add(request_id)
+            for output in engine.step():
+                if output.finished and output.request_id in in_flight:
+                    in_flight.discard(output.request_id)
+                    finished[output.request_id] = output
+                    progress.update(1)
+        elapsed = time.perf_counter() - started
+    progress.close()
+    queries_after, hits_after = _prefix_counters(llm)
+    queries = queries_after - queries_before
+    outputs = list(finished.values())
+    return OfflineResult(
+        elapsed_s=elapsed, num_requests=len(outputs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
+        prefix_hit_rate=(hits_after - hits_before) / queries if engine.config.enable_prefix_caching and queries
+        else None,
+        preemptions=engine.scheduler.num_preemptions - preemptions_before)
+
+
+def single_stream_decode(llm: Any, prompt_token_ids: list[int], output_len: int) -> dict[str, float]:
+    """Batch-1 decode: tok/s over the first-to-last token interval (prefill excluded), plus end-to-end tok/s."""
+    from jaxserve import SamplingParams
+
+    if output_len < 2:
+        raise ValueError("single-stream decode needs output_len >= 2")
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    started = time.perf_counter()
+    output = llm.generate({"prompt_token_ids": prompt_token_ids}, params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - started
+    metrics = output.metrics
+    tokens = len(output.outputs[0].token_ids)
+    decode_s = metrics.last_token_time - metrics.first_token_time
+    return {"prompt_len": len(prompt_token_ids), "output_tokens": tokens, "elapsed_s": elapsed,
+            "ttft_s": metrics.first_token_time - metrics.arrival_time,
+            "decode_tok_s": (tokens - 1) / decode_s if decode_s > 0 else float("nan"),
+            "end_to_end_tok_s": tokens / elapsed}
+
+
+def warm_up(llm: Any, vocab_size: int, num_requests: int = 2, seed: int = 12345) -> None:
+    """A tiny generate before timing, so first-call overheads outside the compiled steps are not timed."""
+    if num_requests <= 0:
+        return
+    records = datasets.random_dataset(num_requests, 16, 4, vocab_size, seed=seed)
+    run_offline(llm, records, use_tqdm=False)
+
+
+def start_engine(options: dict[str, Any]) -> tuple[Any, float]:
+    """`LLM(**options)` and its start-up seconds (load + warm-up compiles)."""
+    from jaxserve import LLM
+
+    started = time.perf_counter()
+    llm = LLM(**options)
+    return llm, time.perf_counter() - started
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    datasets.add_dataset_args(parser)
+    common.add_engine_args(parser)
+    common.add_common_args(parser)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate exactly the expected output length")
+    parser.add_argument("--num-warmup-requests", type=int, default=2, help="untimed tiny requests first")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[],
+                        help="also run a closed-loop sweep at these in-flight request counts (same engine)")
+    parser.add_argument("--sweep-waves", type=int, default=2,
+                        help="closed-loop sweep: requests per level = concurrency x waves")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    common.quiet_logs()
+    common.seed_everything(args.seed)
+    load_before = common.load_average()
+    llm, startup_s = start_engine(common.engine_options(args))
+    config = llm.engine.config
+    tokenizer, vocab = llm.get_tokenizer(), llm.engine.vocab_size
+    records = datasets.build_requests(args, tokenizer, vocab, config.max_model_len)
+    warm_up(llm, vocab, args.num_warmup_requests)
+    result = run_offline(llm, records, args.temperature, args.ignore_eos, args.seed, not args.disable_tqdm)
+
+    sweep = []
+    if args.concurrency:
+        sweep_args = argparse.Namespace(**{**vars(args), "num_prompts": max(args.concurrency) * args.sweep_waves})
+        sweep_records = datasets.build_requests(sweep_args, tokenizer, vocab, config.max_model_len)
+        for level in args.concurrency:
+            if level > config.max_num_seqs:
+                print(f"concurrency {level} > max_num_seqs {config.max_num_seqs}: requests will queue")
+            point = run_closed_loop(llm, sweep_records[:level * args.sweep_waves], level, args.temperature,
+                                    args.ignore_eos, args.seed, not args.disable_tqdm)
+            sweep.append({"concurrency": level, **point.summary()})
+
+    payload = {
+        "model": common.model_label(args.model),
+        "engine": {k: v for k, v in vars(config).items() if not k.startswith("_")},
+        "workload": {**datasets.describe(args), **datasets.length_stats(records)},
+        "startup_s": startup_s,
+        "result": result.summary(),
+        "closed_loop_sweep": sweep,
+        "load_average_before": load_before,
+        "load_average_after": common.load_average(),
+    }
+    path = common.write_result(f"{NAME}-{args.dataset}", payload, args.result_file, argv)
+    if sweep and not args.no_plot:
+        from benchmarks import plots
+
+        png = plots.throughput_vs_concurrency(
+            {"offline closed loop": [(p["concurrency"], p["output_throughput"]) for p in sweep]},
+            path.with_suffix(".png"), f"jaxserve offline, {payload['model']}, {common.machine_label(common.machine_info())}")
+        print(f"plot: {png}")
+    report(payload)
+    print(f"result: {path}")
+    return payload
+
+
+def report(payload: dict[str, Any]) -> None:
+    res, work = payload["result"], payload["workload"]
+    hit = res["prefix_hit_rate"]
+    rows = [
+        ("Model:", payload["model"]),
+        ("Workload:", f"{work['dataset']} x{work['requests']}"),
+        ("Engine start-up (s):", common.fmt(payload["startup_s"], 1)),
+        ("Generation time (s):", common.fmt(res["elapsed_s"])),
+        ("Prompt tokens:", str(res["prompt_tokens"])),
+        ("Output tokens:", str(res["output_tokens"])),
+        ("Request throughput (req/s):", common.fmt(res["request_throughput"])),
+        ("Output token throughput (tok/s):", common.fmt(res["output_throughput"])),
+        ("Total token throughput (tok/s):", common.fmt(res["total_throughput"])),
+        ("Peak KV cache usage (%):", common.fmt(100 * res["peak_kv_usage"], 1)),
+        ("Mean KV cache usage (%):", common.fmt(100 * res["mean_kv_usage"], 1)),
+        ("Prefix cache hit rate (%):", "off" if hit is None else common.fmt(100 * hit, 1)),
+        ("Engine steps:", str(res["steps"])),
+        ("Preemptions:", str(res["preemptions"])),
+    ]
+    common.print_block("Offline Throughput Result", rows)
+    if payload["closed_loop_sweep"]:
+        print(common.format_table(
+            ["concurrency", "requests", "output tok/s", "total tok/s", "req/s", "peak KV %"],
+            [[p["concurrency"], p["num_requests"], p["output_throughput"], p["total_throughput"],
+              p["request_throughput"], 100 * p["peak_kv_usage"]] for p in payload["closed_loop_sweep"]]))
+
+
+if __name__ == "__main__":
+    main()
