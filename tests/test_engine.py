@@ -210,3 +210,16 @@ def test_kv_pool_is_donated_and_no_recompiles_after_warmup(llm, caplog):
         assert len([r for r in caplog.records if "Compiling" in r.getMessage()]) == len(compiles) + 1
     assert compiles == []
     assert old_pool.is_deleted()
+
+
+def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model_dirs):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 40, seed=16)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for family in ("mistral",):  # sliding window (16) and GQA through both kernels
+        options = dict(ENGINE_OPTIONS, max_num_seqs=4, decode_batch_buckets=(4,), decode_page_buckets=(8,),
+                       max_model_len=64)
+        xla = LLM(tiny_model_dirs[family], attention_backend="xla", **options)
+        pallas = LLM(tiny_model_dirs[family], attention_backend="pallas-interpret", **options)
+        assert pallas.engine.runner.kv_cache[0][0].shape[0] == 2  # heads-major pool layout for the kernels
+        assert token_ids(pallas.generate(prompts, params, use_tqdm=False)) == token_ids(
+            xla.generate(prompts, params, use_tqdm=False))
