@@ -274,6 +274,6 @@ def quiet_logs() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src.xla_bridge", "httpx", "httpcore", "orbax", "jax._src.compilation_cache"):
+    for noisy in ("absl", "jax._src.xla_bridge", "httpx", "httpcore", "orbax", "jax._src.compilation_cache", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -182,6 +182,6 @@ def serving_report_rows(metrics: ServingMetrics, max_concurrency: int | None,
         rows.append((f"Mean {short} (ms):", number(stats["mean"])))
         rows.append((f"Median {short} (ms):", number(stats["median"])))
         for key, value in stats.items():
-            if key.startswith("p"):
+            if key.startswith("p") and key != "p50":  # the median row already shows it
                 rows.append((f"P{key[1:]} {short} (ms):", number(value)))
     return rows

@@ -1,0 +1,273 @@
+"""Roofline of one decode step: measured device ceilings, the model's FLOPs and bytes, and the engine's step time.
+
+Owns:
+* `measure_ceilings`: the device's copy bandwidth (`benchmarks/timing.py`) and large-matmul FLOP/s (jax).
+* `decode_cost`: per decode step at batch B and context C, counted from the loaded parameter tree:
+  bytes = every weight read once (a tied embedding is read whole as the LM head; an untied one only for B
+  rows) + the KV cache read (B * C tokens x layers x 2 x kv_heads x head_dim, window-limited for sliding
+  layers) + the new K/V written; FLOPs = 2 x matmul params x B + attention 4 x layers x q_heads x head_dim x C x B.
+* `time_decode_step`: the engine's jitted decode step (`llm.engine.runner.decode`) on a filled batch of B
+  sequences at context C, with the engine's own batch and page buckets (the bucket is reported: the step
+  attends over the whole page bucket, so bucket padding is lost roofline).
+The floor is max(bytes / bandwidth, FLOPs / matmul rate); percent of roofline = floor / measured x 100.
+
+    python benchmarks/roofline.py --batch-sizes 1 4 16 64 --context 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common
+
+NAME = "roofline"
+
+
+# -- device ceilings -----------------------------------------------------------------------------------------
+
+
+def measure_matmul_flops(size: int, dtype: str = "float32", repeats: int = 5) -> float:
+    """FLOP/s of a jitted square matmul (size^3 x 2 FLOPs) in `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import time_fn
+
+    key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(key_a, (size, size), jnp.float32).astype(dtype)
+    b = jax.random.normal(key_b, (size, size), jnp.float32).astype(dtype)
+    timing = time_fn(jax.jit(jnp.matmul), a, b, warmup=2, repeats=repeats, min_sample_s=0.05)
+    return 2.0 * size**3 / timing.median_s
+
+
+def measure_ceilings(dtype: str = "float32", bandwidth_bytes: int | None = None,
+                     matmul_size: int | None = None) -> dict[str, Any]:
+    """Copy bandwidth (bytes/s, read + write) and matmul FLOP/s on the default jax device."""
+    import jax
+
+    from benchmarks.timing import device_summary, measure_copy_bandwidth
+
+    on_cpu = jax.default_backend() == "cpu"
+    bandwidth_bytes = bandwidth_bytes or (256 << 20 if on_cpu else 1 << 30)
+    matmul_size = matmul_size or (2048 if on_cpu else 8192)
+    return {"device": device_summary(), "copy_bandwidth_bytes_s": measure_copy_bandwidth(bandwidth_bytes, repeats=5),
+            "bandwidth_probe_bytes": bandwidth_bytes, "matmul_flops_s": measure_matmul_flops(matmul_size, dtype),
+            "matmul_size": matmul_size, "dtype": dtype}
+
+
+# -- the model's cost ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    matmul: int  # every weight used in a matmul, LM head included (a tied embedding counts here as the LM head)
+    embedding: int  # the input embedding table
+    other: int  # norms and the like, read once per step
+    tied_embeddings: bool
+
+
+def param_counts(params: Any) -> ParamCounts:
+    """Classifies the loaded parameter tree by path: embedding, norms, matmul weights (kernels and biases)."""
+    import jax
+
+    matmul = embedding = other = 0
+    has_lm_head = False
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = "/".join(str(getattr(key, "key", key)) for key in path).lower()
+        size = int(math.prod(leaf.shape))
+        if "embed" in name:
+            embedding += size
+        elif "norm" in name or name.endswith("scale"):
+            other += size
+        else:
+            matmul += size
+            has_lm_head |= "lm_head" in name
+    if not has_lm_head:
+        matmul += embedding
+    return ParamCounts(matmul=matmul, embedding=embedding, other=other, tied_embeddings=not has_lm_head)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+    batch: int
+    context: int
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / self.bytes
+
+
+def decode_cost(model_config: Any, counts: ParamCounts, batch: int, context: int, dtype_bytes: int) -> DecodeCost:
+    """FLOPs and bytes of one decode step for `batch` sequences that each attend over `context` tokens."""
+    cfg = model_config
+    hidden = cfg.hidden_size
+    weights = (counts.matmul + counts.other) * dtype_bytes
+    if not counts.tied_embeddings:
+        weights += batch * hidden * dtype_bytes  # the embedding rows looked up
+    windows = cfg.layer_sliding_windows or (None,) * cfg.num_layers
+    attended = sum(min(context, window) if window else context for window in windows)  # summed over layers
+    kv_read = batch * attended * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    kv_write = batch * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    flops = 2.0 * counts.matmul * batch + 4.0 * cfg.num_q_heads * cfg.head_dim * attended * batch
+    return DecodeCost(batch=batch, context=context, flops=flops, weight_bytes=float(weights),
+                      kv_bytes=float(kv_read + kv_write))
+
+
+def floor_seconds(cost: DecodeCost, bandwidth: float, flops_rate: float) -> tuple[float, str]:
+    memory_s, compute_s = cost.bytes / bandwidth, cost.flops / flops_rate
+    return (memory_s, "memory") if memory_s >= compute_s else (compute_s, "compute")
+
+
+# -- the engine's step ---------------------------------------------------------------------------------------
+
+
+def greedy_sampling(rows: int) -> Any:
+    """A `SamplingBatch` of `rows` greedy rows with every penalty and filter off."""
+    import numpy as np
+
+    from jaxserve.layers.sampler import SamplingBatch
+
+    neutral = {"temperature": np.zeros(rows, np.float32), "top_p": np.ones(rows, np.float32),
+               "top_k": np.zeros(rows, np.int32), "min_p": np.zeros(rows, np.float32),
+               "repetition_penalty": np.ones(rows, np.float32), "presence_penalty": np.zeros(rows, np.float32),
+               "frequency_penalty": np.zeros(rows, np.float32), "seed": np.zeros(rows, np.uint32),
+               "output_index": np.zeros(rows, np.int32), "min_tokens": np.zeros(rows, np.int32),
+               "wants_logprobs": np.zeros(rows, bool)}
+    names = [field.name for field in dataclasses.fields(SamplingBatch)]
+    unknown = [name for name in names if name not in neutral]
+    if unknown:
+        raise RuntimeError(f"SamplingBatch has fields this benchmark does not know: {unknown}")
+    return SamplingBatch(**{name: neutral[name] for name in names})
+
+
+def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+    """Seconds per `runner.decode` for `batch` sequences at position `context - 1`, engine buckets applied.
+
+    Writes K/V into pages the engine may hold as cached prefixes, so it resets the prefix cache afterwards;
+    call it only while the engine has no requests.
+    """
+    import numpy as np
+
+    from benchmarks.timing import time_fn
+    from jaxserve.engine.model_runner import bucket_for
+
+    engine = llm.engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("time_decode_step needs an idle engine")
+    config, runner = engine.config, engine.runner
+    if batch > config.max_num_seqs:
+        raise ValueError(f"batch {batch} > max_num_seqs {config.max_num_seqs}")
+    if not 1 <= context <= config.max_model_len:
+        raise ValueError(f"context {context} must be in [1, max_model_len={config.max_model_len}]")
+    pages_per_seq = -(-context // config.page_size)
+    if batch * pages_per_seq > runner.num_pages - 1:
+        raise ValueError(f"batch {batch} x {pages_per_seq} pages exceeds the pool ({runner.num_pages - 1} pages)")
+    rows = bucket_for(batch, config.decode_batch_buckets)
+    page_bucket = bucket_for(pages_per_seq, config.decode_page_buckets)
+    page_tables = np.zeros((rows, page_bucket), np.int32)
+    for row in range(batch):
+        page_tables[row, :pages_per_seq] = 1 + row * pages_per_seq + np.arange(pages_per_seq)
+    slots = np.arange(rows, dtype=np.int32)
+    tokens = np.random.default_rng(seed).integers(0, engine.vocab_size, rows).astype(np.int32)
+    positions = np.full(rows, context - 1, np.int32)
+    active = np.arange(rows) < batch
+    sampling = greedy_sampling(rows)
+    timing = time_fn(lambda: runner.decode(slots, tokens, positions, page_tables, active, sampling),
+                     warmup=2, repeats=repeats, min_sample_s=0.02)
+    engine.block_manager.reset_prefix_cache()
+    return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,
+            "batch_bucket": rows, "page_bucket": page_bucket, "attended_tokens_per_seq": page_bucket * config.page_size}
+
+
+def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int, repeats: int = 5) -> dict[str, Any]:
+    """Cost, floor and measured step for one batch size; the row `roofline.py` prints."""
+    runner = llm.engine.runner
+    counts = param_counts(runner.params)
+    dtype_bytes = 2 if llm.engine.config.dtype == "bfloat16" else 4
+    cost = decode_cost(llm.engine.model.config, counts, batch, context, dtype_bytes)
+    floor_s, bound = floor_seconds(cost, ceilings["copy_bandwidth_bytes_s"], ceilings["matmul_flops_s"])
+    measured = time_decode_step(llm, batch, context, repeats)
+    return {"batch": batch, "context": context, "gflop": cost.flops / 1e9, "weight_mb": cost.weight_bytes / 1e6,
+            "kv_mb": cost.kv_bytes / 1e6, "arithmetic_intensity": cost.arithmetic_intensity,
+            "floor_s": floor_s, "bound": bound, **measured,
+            "percent_of_roofline": 100.0 * floor_s / measured["step_s"],
+            "measured_tok_s": batch / measured["step_s"], "floor_tok_s": batch / floor_s,
+            "params": dataclasses.asdict(counts)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--context", type=int, default=256, help="tokens each sequence attends over")
+    parser.add_argument("--repeats", type=int, default=5, help="timed samples per batch size (median reported)")
+    parser.add_argument("--bandwidth-bytes", type=int, default=None, help="copy probe size (default 256 MiB on CPU)")
+    parser.add_argument("--matmul-size", type=int, default=None, help="square matmul probe (default 2048 on CPU)")
+    common.add_engine_args(parser)
+    common.add_common_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    common.quiet_logs()
+    common.seed_everything(args.seed)
+    from tqdm.auto import tqdm
+
+    from jaxserve import LLM
+
+    options = common.engine_options(args)
+    options["max_num_seqs"] = max(args.max_num_seqs, max(args.batch_sizes))
+    options["max_model_len"] = max(args.max_model_len, args.context)
+    llm = LLM(**options, warmup=False)  # only the measured shapes compile (in the timing warm-up)
+    ceilings = measure_ceilings(args.dtype, args.bandwidth_bytes, args.matmul_size)
+    points = [roofline_point(llm, ceilings, batch, args.context, args.repeats)
+              for batch in tqdm(args.batch_sizes, desc="batch sizes", disable=args.disable_tqdm)]
+    payload = {"model": common.model_label(args.model), "context": args.context, "ceilings": ceilings,
+               "engine": {k: v for k, v in vars(llm.engine.config).items() if not k.startswith("_")},
+               "points": points, "load_average_after": common.load_average()}
+    path = common.write_result(NAME, payload, args.result_file, argv)
+    if not args.no_plot:
+        from benchmarks import plots
+
+        png = plots.roofline_percentage([(p["batch"], p["percent_of_roofline"]) for p in points],
+                                        path.with_suffix(".png"),
+                                        f"decode step vs roofline, {payload['model']}, ctx {args.context}, "
+                                        f"{common.machine_label(common.machine_info())}")
+        print(f"plot: {png}")
+    report(payload)
+    print(f"result: {path}")
+    return payload
+
+
+def report(payload: dict[str, Any]) -> None:
+    ceilings = payload["ceilings"]
+    print(f"device: {ceilings['device']['device_kind']} ({ceilings['device']['backend']}); copy bandwidth "
+          f"{ceilings['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s; {ceilings['dtype']} matmul "
+          f"{ceilings['matmul_flops_s'] / 1e9:.1f} GFLOP/s (n={ceilings['matmul_size']})")
+    print(common.format_table(
+        ["batch", "ctx", "page bucket", "GFLOP", "MB moved", "FLOP/B", "floor ms", "bound", "step ms", "% roofline",
+         "tok/s", "floor tok/s"],
+        [[p["batch"], p["context"], p["page_bucket"], p["gflop"], p["weight_mb"] + p["kv_mb"],
+          p["arithmetic_intensity"], 1000 * p["floor_s"], p["bound"], 1000 * p["step_s"], p["percent_of_roofline"],
+          p["measured_tok_s"], p["floor_tok_s"]] for p in payload["points"]]))
+
+
+if __name__ == "__main__":
+    main()
