@@ -531,14 +531,43 @@ def test_engine_crash_fails_requests_with_500_and_health_503():
     async def check(http: httpx.AsyncClient, async_engine) -> None:
         body = {"prompt": "hi", "max_tokens": 2}
         pending = asyncio.create_task(http.post("/v1/completions", json=body))
-        while async_engine.num_inflight_seqs < 1:
+        streaming = asyncio.create_task(http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}))
+        while async_engine.num_inflight_seqs < 2:
             await asyncio.sleep(0.01)
         engine.mode = "crash"
         engine.wake.set()
         answer = await pending
         assert answer.status_code == 500 and "crashed" in answer.json()["error"]["message"]
+        events = [line for line in (await streaming).text.splitlines() if line.startswith("data: ")]
+        assert "crashed" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
         assert (await http.get("/health")).status_code == 503
         later = await http.post("/v1/completions", json=body)
         assert later.status_code == 503
 
     run_in_process(engine, check)
+
+
+@slow
+def test_sigterm_finishes_in_flight_requests_then_exits_0(server):
+    """Runs last: SIGTERM mid-stream; the stream still completes, new connections are refused, exit status 0."""
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    events = []
+    refused = None
+    with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) == 2:
+                server.process.send_signal(signal.SIGTERM)
+            if len(events) == 4 and refused is None:
+                time.sleep(0.3)
+                try:
+                    httpx.get(server.url + "/health", timeout=2)
+                    refused = False
+                except httpx.TransportError:
+                    refused = True
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert refused, "the server kept accepting connections after SIGTERM"
+    assert server.process.wait(timeout=60) == 0

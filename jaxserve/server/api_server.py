@@ -189,6 +189,8 @@ def run_server(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
+    except SystemExit as exit:  # uvicorn exits this way when it cannot bind or start
+        return exit.code if isinstance(exit.code, int) else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -116,8 +116,11 @@ class AsyncEngine:
 
     async def shutdown(self, timeout: float = 10.0) -> bool:
         """Aborts what is still in flight and stops the engine thread; True if it stopped within `timeout`."""
+        was_loading = self.state == EngineState.LOADING
         if self.state in (EngineState.LOADING, EngineState.READY):
             self.state = EngineState.STOPPED
+        if was_loading:
+            timeout = 0.0  # loading and compiling cannot be interrupted; the caller exits without the thread
         for request_id in list(self._submissions):
             self.abort(request_id)
         self._stop.set()

@@ -67,7 +67,7 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event carrying JSON (or the literal `[DONE]`)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n"
 
 
