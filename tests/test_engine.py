@@ -223,3 +223,17 @@ def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model
         assert pallas.engine.runner.kv_cache[0][0].shape[0] == 2  # heads-major pool layout for the kernels
         assert token_ids(pallas.generate(prompts, params, use_tqdm=False)) == token_ids(
             xla.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("aging_seconds, expected", [(1e6, ["p0", "p1", "p5"]), (1e-9, ["p5", "p0", "p1"])])
+def test_priority_scheduling_with_aging(tiny_llama_dir, aging_seconds, expected):
+    llm = LLM(tiny_llama_dir, max_num_seqs=1, max_model_len=64, page_size=8, max_num_batched_tokens=16,
+              scheduling_policy="priority", priority_aging_seconds=aging_seconds)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for name, priority in (("p5", 5), ("p0", 0), ("p1", 1)):  # arrival order p5, p0, p1
+        llm.engine.add_request(name, {"prompt_token_ids": [3, 4, 5]}, params, priority=priority)
+    finished = []
+    while llm.engine.has_unfinished_requests():
+        finished += [out.request_id for out in llm.engine.step() if out.finished]
+    # with slow aging the priority decides; with instant aging the wait dominates (no starvation)
+    assert finished == expected
