@@ -16,8 +16,10 @@ Results stay on device until the host fetches them all at once (`fetch`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -105,6 +107,7 @@ class ModelRunner:
         self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1, 2))
         self._decode = jax.jit(functools.partial(_decode_step, *static), donate_argnums=(1, 2))
         self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
+        self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s layout %s)", self.num_pages,
                     self.page_size, self.num_pages * self.page_size, self.kv_pool_bytes / 2**20,
                     engine_config.dtype, self.backend.name, pool_shape)
@@ -131,29 +134,28 @@ class ModelRunner:
     # -- the step interface ------------------------------------------------------------------------------------
 
     def insert(self, slot: int, token_ids: list[int], num_prompt_tokens: int, ban_ids: list[int]) -> None:
-        length = bucket_for(len(token_ids), power_of_two_buckets(16, max(16, self.engine_config.max_model_len)))
-        ids = np.zeros(length, np.int32)
+        ids = np.zeros(bucket_for(len(token_ids), self.insert_buckets), np.int32)
         ids[:len(token_ids)] = token_ids
         bans = np.full(max(BAN_IDS_BUCKET, 1 << (len(ban_ids) - 1).bit_length() if ban_ids else 0), -1, np.int32)
         bans[:len(ban_ids)] = ban_ids
-        self.penalties = self._insert(self.penalties, np.int32(slot), ids, np.int32(num_prompt_tokens),
-                                      np.int32(len(token_ids)), bans)
+        self.penalties = self._call("insert", self._insert, (self.penalties,),
+                                    (np.int32(slot), ids, np.int32(num_prompt_tokens), np.int32(len(token_ids)), bans))
 
     def prefill(self, slot: int, chunk: list[int], start: int, page_table_row: np.ndarray,
                 sampling: SamplingBatch, is_final: bool) -> SampleResult:
-        bucket = bucket_for(len(chunk), self.engine_config.prefill_buckets)
-        ids = np.zeros(bucket, np.int32)
+        ids = np.zeros(bucket_for(len(chunk), self.engine_config.prefill_buckets), np.int32)
         ids[:len(chunk)] = chunk
-        result, self.kv_cache, self.penalties = self._prefill(
-            self.params, self.kv_cache, self.penalties, ids, np.int32(start), np.int32(len(chunk)),
-            page_table_row, np.int32(slot), sampling, np.bool_(is_final))
+        result, self.kv_cache, self.penalties = self._call(
+            "prefill", self._prefill, (self.params, self.kv_cache, self.penalties),
+            (ids, np.int32(start), np.int32(len(chunk)), page_table_row, np.int32(slot), sampling, np.bool_(is_final)))
         return result
 
     def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
                active: np.ndarray, sampling: SamplingBatch) -> SampleResult:
         """Inputs are already padded to a batch bucket and `page_tables` cut to a pages bucket."""
-        result, self.kv_cache, self.penalties = self._decode(
-            self.params, self.kv_cache, self.penalties, slots, token_ids, positions, page_tables, active, sampling)
+        result, self.kv_cache, self.penalties = self._call(
+            "decode", self._decode, (self.params, self.kv_cache, self.penalties),
+            (slots, token_ids, positions, page_tables, active, sampling))
         return result
 
     @staticmethod
@@ -161,21 +163,48 @@ class ModelRunner:
         """One device->host transfer for everything a step produced."""
         return jax.device_get(results)
 
+    def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
+        """Runs the executable compiled at start-up for these shapes, or (warm-up off) the lazily compiling jit."""
+        executable = self._compiled.get((kind, _shape_key(inputs)))
+        return (executable or jitted)(*state, *inputs)
+
     # -- start-up ----------------------------------------------------------------------------------------------
 
-    def warmup(self, neutral_sampling) -> float:
-        """Runs every compiled shape once on scratch-only inputs, so no request ever waits for a compile."""
-        started = time.perf_counter()
+    @property
+    def insert_buckets(self) -> tuple[int, ...]:
+        return power_of_two_buckets(16, max(16, self.engine_config.max_model_len))
+
+    def example_inputs(self, neutral_sampling):
+        """`(kind, jitted, state, inputs)` for every shape the engine can run."""
         ec = self.engine_config
-        full_row = np.zeros(ec.pages_per_seq, np.int32)  # all entries = scratch page
+        state = (self.params, self.kv_cache, self.penalties)
         for bucket in ec.prefill_buckets:
-            self.fetch(self.prefill(0, [0] * bucket, 0, full_row, neutral_sampling(1), False))
+            yield "prefill", self._prefill, state, (
+                np.zeros(bucket, np.int32), np.int32(0), np.int32(bucket), np.zeros(ec.pages_per_seq, np.int32),
+                np.int32(0), neutral_sampling(1), np.bool_(False))
         for rows in ec.decode_batch_buckets:
             for pages in ec.decode_page_buckets:
                 zeros = np.zeros(rows, np.int32)
-                self.fetch(self.decode(zeros, zeros, zeros, np.zeros((rows, pages), np.int32),
-                                       np.zeros(rows, bool), neutral_sampling(rows)))
-        for length in power_of_two_buckets(16, max(16, ec.max_model_len)):
-            self.insert(0, [0] * length, length, [])
-        jax.block_until_ready(self.penalties)
+                yield "decode", self._decode, state, (zeros, zeros, zeros, np.zeros((rows, pages), np.int32),
+                                                      np.zeros(rows, bool), neutral_sampling(rows))
+        for length in self.insert_buckets:
+            yield "insert", self._insert, (self.penalties,), (
+                np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0),
+                np.full(BAN_IDS_BUCKET, -1, np.int32))
+
+    def warmup(self, neutral_sampling) -> float:
+        """Compiles every shape ahead of time (lowered in turn, compiled in parallel), so no request waits."""
+        started = time.perf_counter()
+        lowered = {}
+        for kind, jitted, state, inputs in self.example_inputs(neutral_sampling):
+            lowered[(kind, _shape_key(inputs))] = jitted.lower(*state, *inputs)
+        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # XLA releases the GIL while compiling
+            executables = pool.map(lambda item: item.compile(), lowered.values())
+            self._compiled = dict(zip(lowered.keys(), executables))
         return time.perf_counter() - started
+
+
+def _shape_key(args) -> tuple:
+    """The shapes and dtypes of a step's inputs past the state arguments: which executable serves them."""
+    return tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(args))
