@@ -77,6 +77,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             return Response(status_code=200)
         message = {EngineState.LOADING: "the model is loading", EngineState.DEAD: f"the engine crashed: {engine.error}",
                    EngineState.LOAD_FAILED: f"the model failed to load: {engine.error}",
+                   EngineState.DRAINING: "the server is shutting down",
                    EngineState.STOPPED: "the server is shutting down"}[engine.state]
         return JSONResponse(error_body(message, "service_unavailable_error"), status_code=503)
 
@@ -173,12 +174,18 @@ async def _log_stats(stat_logger: StatLogger, interval: float) -> None:
 
 def run_server(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = 30.0) -> int:
     """Serves until SIGTERM/SIGINT (graceful: stop accepting, let requests finish up to `shutdown_timeout`,
-    abort the rest); returns the exit status: 0, or 1 if the model failed to load."""
+    then end the rest with an error answer); returns the exit status: 0, or 1 if the model failed to load."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            engine.drain(shutdown_timeout)
+            await super().shutdown(sockets)
+
+    # uvicorn's own timeout is only a backstop: drain() answers every request before it
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + 5,
                             timeout_keep_alive=5, log_level="info")
-    server = uvicorn.Server(config)
+    server = Server(config)
 
     def load_failed(error: BaseException) -> None:
         logger.error("exiting: the model failed to load (%s)", error)

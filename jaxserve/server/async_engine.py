@@ -9,6 +9,8 @@ unfinished engine requests, which frees their slots and pages at the engine's ne
 Admission control: at most `max_num_seqs + max_waiting` sequences are in flight; beyond that
 `submit()` raises `ServerOverloaded` (answered 503 with Retry-After). If the engine thread crashes,
 every in-flight request fails with `EngineDeadError` and the engine reports itself unavailable.
+On shutdown, `drain(timeout)` stops taking requests and, after `timeout`, fails what is still in
+flight with `ServerShuttingDown`, so every client gets a complete answer rather than a cut connection.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ IDLE_POLL_SECONDS = 0.2
 class EngineState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
+    DRAINING = "draining"  # shutting down: in-flight requests finish, new ones are refused
     LOAD_FAILED = "load_failed"
     DEAD = "dead"  # the stepping thread crashed
     STOPPED = "stopped"
@@ -46,8 +49,24 @@ class ServerOverloaded(Exception):
     """The waiting queue is full: a 503 with Retry-After."""
 
 
-class EngineDeadError(Exception):
+class RequestFailed(Exception):
+    """An in-flight request ended by the server, not by the engine's output; `status` is the HTTP status."""
+
+    status = 500
+    code = "request_failed"
+
+
+class EngineDeadError(RequestFailed):
     """The engine thread crashed while this request was in flight: the server's fault, a 500."""
+
+    code = "engine_dead"
+
+
+class ServerShuttingDown(RequestFailed):
+    """The server stopped before this request finished (graceful-shutdown timeout): a 503."""
+
+    status = 503
+    code = "server_shutting_down"
 
 
 class Submission:
@@ -114,10 +133,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._thread_main, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
+    def drain(self, timeout: float) -> None:
+        """Refuses new requests from now on; fails those still in flight after `timeout` seconds."""
+        if self.state != EngineState.READY:
+            return
+        self.state = EngineState.DRAINING
+        logger.info("draining: %d requests in flight get up to %.0fs to finish", len(self._submissions), timeout)
+        self._loop.call_later(timeout, self._fail_all, ServerShuttingDown(
+            f"the server shut down before this request finished (after {timeout:g}s of grace)"))
+
     async def shutdown(self, timeout: float = 10.0) -> bool:
         """Aborts what is still in flight and stops the engine thread; True if it stopped within `timeout`."""
         was_loading = self.state == EngineState.LOADING
-        if self.state in (EngineState.LOADING, EngineState.READY):
+        if self.state in (EngineState.LOADING, EngineState.READY, EngineState.DRAINING):
             self.state = EngineState.STOPPED
         if was_loading:
             timeout = 0.0  # loading and compiling cannot be interrupted; the caller exits without the thread
@@ -145,6 +173,7 @@ class AsyncEngine:
             EngineState.LOADING: "the model is still loading; retry shortly",
             EngineState.LOAD_FAILED: f"the model failed to load: {self.error}",
             EngineState.DEAD: f"the engine crashed: {self.error}",
+            EngineState.DRAINING: "the server is shutting down",
             EngineState.STOPPED: "the server is shutting down",
         }
         raise EngineUnavailable(reasons[self.state])
@@ -183,8 +212,13 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Forgets `request_id` here and tells the engine to drop it (its slot and pages free at the next step)."""
-        if self._forget(request_id) and self.engine is not None and self.state == EngineState.READY:
+        if self._forget(request_id) and self._engine_alive:
             self.engine.abort_request(request_id)
+
+    @property
+    def _engine_alive(self) -> bool:
+        return self.engine is not None and self.state in (EngineState.READY, EngineState.DRAINING,
+                                                          EngineState.STOPPED)
 
     @property
     def num_inflight_requests(self) -> int:
@@ -215,14 +249,14 @@ class AsyncEngine:
                     self.metrics.observe_finished(output)
             submission.queue.put_nowait((request_id, output))
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Runs on the event loop after the engine thread died: every in-flight request gets the error."""
+    def _fail_all(self, error: RequestFailed) -> None:
+        """Runs on the event loop: every in-flight request ends with `error` (and is aborted if the engine lives)."""
         failed = set()
         for request_id, submission in list(self._submissions.items()):
-            self._forget(request_id)
+            self.abort(request_id)
             if id(submission) not in failed:
                 failed.add(id(submission))
-                submission.queue.put_nowait(EngineDeadError(f"the engine crashed: {error!r}"))
+                submission.queue.put_nowait(error)
 
     # -- the engine thread ------------------------------------------------------------------------------------
 
@@ -252,7 +286,7 @@ class AsyncEngine:
             logger.exception("the engine thread crashed; failing in-flight requests")
             self.error = error
             self.state = EngineState.DEAD
-            self._call_in_loop(self._fail_all, error)
+            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {error!r}"))
 
     def _load_failed(self, error: BaseException) -> None:
         if self.on_load_failed is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from jaxserve.engine.config import EngineConfig
 
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--max-waiting", type=int, default=256,
                         help="sequences allowed to wait beyond the running ones; more get 503 + Retry-After")
-    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSERVE_API_KEY)")
     server.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model, "
                                                                    "or the default model's name)")
     server.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator
 
-from jaxserve.server.async_engine import (AsyncEngine, EngineDeadError, EngineUnavailable, ServerOverloaded,
+from jaxserve.server.async_engine import (AsyncEngine, EngineUnavailable, RequestFailed, ServerOverloaded,
                                           Submission)
 from jaxserve.server.errors import APIError, bad_request, param_of
 
@@ -137,17 +137,18 @@ def sorted_top(top: dict[int, float], limit: int | None = None) -> list[tuple[in
     return ranked if limit is None else ranked[:limit]
 
 
-def engine_dead(err: EngineDeadError) -> APIError:
-    return APIError(500, str(err), type="server_error", code="engine_dead")
+def request_failed(err: RequestFailed) -> APIError:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if err.status == 503 else None
+    return APIError(err.status, str(err), code=err.code, headers=headers)
 
 
 @contextlib.contextmanager
 def engine_failures() -> Iterator[None]:
-    """Maps an engine crash seen while waiting for results to a 500 (the server's fault)."""
+    """Maps a request the server had to end (engine crash: 500, shutdown: 503) to its HTTP error."""
     try:
         yield
-    except EngineDeadError as err:
-        raise engine_dead(err) from None
+    except RequestFailed as err:
+        raise request_failed(err) from None
 
 
 class DeltaTracker:

@@ -11,12 +11,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.server.async_engine import EngineDeadError, Submission
+from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.protocol import ChatCompletionRequest
-from jaxserve.server.serving import (DeltaTracker, ServingContext, engine_dead, engine_failures, invalid, new_id,
-                                     now, sorted_top, stop_reason, usage)
+from jaxserve.server.serving import (DeltaTracker, ServingContext, engine_failures, invalid, new_id,
+                                     now, sorted_top, request_failed, stop_reason, usage)
 
 
 async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> Response:
@@ -107,8 +107,8 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
                 yield sse(chunk(choices))
         if include_usage and final is not None:
             yield sse(chunk([], usage([final])))
-    except EngineDeadError as err:
-        yield sse(engine_dead(err).body())
+    except RequestFailed as err:
+        yield sse(request_failed(err).body())
     except ValueError as err:
         yield sse(bad_request(str(err)).body())
     yield sse("[DONE]")
