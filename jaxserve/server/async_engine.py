@@ -270,8 +270,8 @@ class AsyncEngine:
             self._call_in_loop(self._load_failed, error)
             return
         self.engine = engine
-        if self._stop.is_set():
-            return
+        if self._stop.is_set() or self.state != EngineState.LOADING:
+            return  # shut down while loading
         self.state = EngineState.READY
         logger.info("engine ready: %s, max_model_len=%d, max_num_seqs=%d", getattr(engine.model, "name", "?"),
                     engine.config.max_model_len, engine.config.max_num_seqs)
