@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence as SequenceType
 
+from jaxserve.chat import render_chat
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
@@ -45,7 +46,7 @@ class LLM:
         request_ids = []
         pending = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            _, token_ids = self.engine._tokenize(prompt)
+            _, token_ids = self.engine.tokenize(prompt)
             self.engine.validate_prompt(token_ids, params)
             pending.append((prompt, params, priority[index] if priority else 0))
         for prompt, params, prio in pending:
@@ -64,13 +65,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or (tokenizer.chat_template is None and chat_template is None):
-            raise ValueError("this model has no chat template")
-        validate_messages(messages)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            chat_template=chat_template, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, chat_template)
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -90,15 +85,3 @@ class LLM:
             progress.close()
         return [results[request_id] for request_id in request_ids]
 
-
-def validate_messages(messages: Any) -> None:
-    """Raises ValueError unless `messages` is a non-empty list of {"role": str, "content": str} dicts."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ValueError(f"messages[{index}] must be an object with a string 'role'")
-        if message["role"] not in ("system", "user", "assistant", "tool", "developer"):
-            raise ValueError(f"messages[{index}].role {message['role']!r} is not one of system/user/assistant/tool")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{index}].content must be a string")

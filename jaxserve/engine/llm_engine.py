@@ -120,7 +120,7 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> str:
         """Validates and queues a request; raises ValueError naming the problem. Returns the request id."""
         params = params or SamplingParams()
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         arrival_time = arrival_time or time.monotonic()
@@ -163,7 +163,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -175,7 +175,7 @@ class LLMEngine:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)):
-            return self._tokenize({"prompt_token_ids": list(prompt)})
+            return self.tokenize({"prompt_token_ids": list(prompt)})
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:

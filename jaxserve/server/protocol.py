@@ -170,7 +170,7 @@ class DetokenizeRequest(StrictModel):
 
 def normalize_messages(messages: Any) -> list[dict[str, str]]:
     """Chat messages with string contents (OpenAI's list-of-text-parts contents joined); ValueError if ill-formed."""
-    from jaxserve.llm import validate_messages
+    from jaxserve.chat import validate_messages
 
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from jaxserve.server.async_engine import (AsyncEngine, EngineUnavailable, RequestFailed, ServerOverloaded,
                                           Submission)
+from jaxserve.chat import render_chat
 from jaxserve.server.errors import APIError, bad_request, param_of
 
 if TYPE_CHECKING:
@@ -83,17 +84,12 @@ class ServingContext:
         tokenizer = self.tokenizer()
         if tokenizer.chat_template is None:
             raise bad_request("this model has no chat template: use /v1/completions", param="messages")
-
-        def render() -> list[int]:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
         try:
             if sum(len(m["content"]) for m in messages) > LARGE_TEXT_CHARS:
-                return await asyncio.to_thread(render)
-            return render()
-        except Exception as err:  # noqa: BLE001 - template errors (e.g. unsupported roles) are the client's input
-            raise bad_request(f"cannot apply the chat template to these messages: {err}", param="messages") from None
+                return await asyncio.to_thread(render_chat, tokenizer, messages, add_generation_prompt)
+            return render_chat(tokenizer, messages, add_generation_prompt)
+        except ValueError as err:
+            raise bad_request(str(err), param="messages") from None
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer().decode(token_ids)
