@@ -152,8 +152,8 @@ def report(payload: dict[str, Any]) -> None:
     print(common.format_table(["metric", "jaxserve", "HF transformers", "jaxserve / HF"], rows))
     if js.get("roofline"):
         point = js["roofline"]
-        print(f"jaxserve decode step at batch {point['batch']}, ctx {point['context']} (page bucket "
-              f"{point['page_bucket']} pages): {1000 * point['step_s']:.1f} ms vs floor {1000 * point['floor_s']:.1f} "
+        print(f"jaxserve decode step at batch {point['batch']}, ctx {point['context']}: "
+              f"{1000 * point['step_s']:.1f} ms vs floor {1000 * point['floor_s']:.1f} "
               f"ms ({point['bound']}-bound) = {point['percent_of_roofline']:.1f}% of roofline")
     if payload.get("greedy_agreement"):
         agree = payload["greedy_agreement"]

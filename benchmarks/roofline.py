@@ -178,8 +178,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     if batch * pages_per_seq > runner.num_pages - 1:
         raise ValueError(f"batch {batch} x {pages_per_seq} pages exceeds the pool ({runner.num_pages - 1} pages)")
     rows = bucket_for(batch, config.decode_batch_buckets)
-    page_bucket = bucket_for(pages_per_seq, config.decode_page_buckets)
-    page_tables = np.zeros((rows, page_bucket), np.int32)
+    page_tables = np.zeros((rows, config.pages_per_seq), np.int32)  # attention loops over the pages in use only
     for row in range(batch):
         page_tables[row, :pages_per_seq] = 1 + row * pages_per_seq + np.arange(pages_per_seq)
     slots = np.arange(rows, dtype=np.int32)
@@ -191,7 +190,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
                      warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.block_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,
-            "batch_bucket": rows, "page_bucket": page_bucket, "attended_tokens_per_seq": page_bucket * config.page_size}
+            "batch_bucket": rows, "attended_tokens_per_seq": -(-context // 64) * 64}
 
 
 def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int, repeats: int = 5) -> dict[str, Any]:
@@ -262,9 +261,9 @@ def report(payload: dict[str, Any]) -> None:
           f"{ceilings['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s; {ceilings['dtype']} matmul "
           f"{ceilings['matmul_flops_s'] / 1e9:.1f} GFLOP/s (n={ceilings['matmul_size']})")
     print(common.format_table(
-        ["batch", "ctx", "page bucket", "GFLOP", "MB moved", "FLOP/B", "floor ms", "bound", "step ms", "% roofline",
+        ["batch", "ctx", "attended", "GFLOP", "MB moved", "FLOP/B", "floor ms", "bound", "step ms", "% roofline",
          "tok/s", "floor tok/s"],
-        [[p["batch"], p["context"], p["page_bucket"], p["gflop"], p["weight_mb"] + p["kv_mb"],
+        [[p["batch"], p["context"], p["attended_tokens_per_seq"], p["gflop"], p["weight_mb"] + p["kv_mb"],
           p["arithmetic_intensity"], 1000 * p["floor_s"], p["bound"], 1000 * p["step_s"], p["percent_of_roofline"],
           p["measured_tok_s"], p["floor_tok_s"]] for p in payload["points"]]))
 

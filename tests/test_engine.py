@@ -216,7 +216,7 @@ def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 40, seed=16)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for family in ("mistral",):  # sliding window (16) and GQA through both kernels
-        options = dict(ENGINE_OPTIONS, max_num_seqs=4, decode_batch_buckets=(4,), decode_page_buckets=(8,),
+        options = dict(ENGINE_OPTIONS, max_num_seqs=4, decode_batch_buckets=(4,),
                        max_model_len=64)
         xla = LLM(tiny_model_dirs[family], attention_backend="xla", **options)
         pallas = LLM(tiny_model_dirs[family], attention_backend="pallas-interpret", **options)

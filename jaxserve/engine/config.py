@@ -32,8 +32,7 @@ class EngineConfig:
     seed: int = 0
     scheduling_policy: str = "fcfs"  # or "priority" (lower value first, aged so nothing starves)
     priority_aging_seconds: float = 10.0  # waiting this long counts as one priority level
-    decode_batch_buckets: tuple[int, ...] | None = None
-    decode_page_buckets: tuple[int, ...] | None = None
+    decode_batch_buckets: tuple[int, ...] | None = None  # default: 1, 16, 64, ... up to max_num_seqs
     warmup: bool = True  # compile every shape at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
     max_waiting: int | None = None  # bounded waiting queue (None: unbounded)
@@ -63,13 +62,12 @@ class EngineConfig:
             self.max_model_len = min(model_max_len, 2048)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.decode_batch_buckets is None:
-            self.decode_batch_buckets = tuple(sorted({min(b, self.max_num_seqs) for b in (1, 4, 16, 64, 256)}
+        if self.decode_batch_buckets is None:  # matmuls cost about the same from 1 to 16 rows on CPU
+            self.decode_batch_buckets = tuple(sorted({min(b, self.max_num_seqs) for b in (1, 16, 64, 256)}
                                                      | {self.max_num_seqs}))
-        if self.decode_page_buckets is None:
-            self.decode_page_buckets = power_of_two_buckets(min(8, self.pages_per_seq), self.pages_per_seq)[::2] + (
-                self.pages_per_seq,)
-            self.decode_page_buckets = tuple(sorted(set(self.decode_page_buckets)))
+        if max(self.decode_batch_buckets) < self.max_num_seqs:
+            raise ValueError(f"decode_batch_buckets {self.decode_batch_buckets} must reach max_num_seqs "
+                             f"({self.max_num_seqs})")
 
     @property
     def pages_per_seq(self) -> int:

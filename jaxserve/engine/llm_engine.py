@@ -106,8 +106,8 @@ class LLMEngine:
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
         if self.config.warmup:
             seconds = self.runner.warmup(lambda rows: _SlotParams(rows).batch(np.arange(rows), np.zeros(rows, np.int32)))
-            logger.info("warm-up compiled %d prefill, %d decode shapes in %.1fs", len(self.config.prefill_buckets),
-                        len(self.config.decode_batch_buckets) * len(self.config.decode_page_buckets), seconds)
+            logger.info("warm-up compiled %d prefill and %d decode shapes in %.1fs", len(self.config.prefill_buckets),
+                        len(self.config.decode_batch_buckets), seconds)
         self.ready = True
 
     @property
@@ -241,8 +241,7 @@ class LLMEngine:
 
     def _run_decode(self, seqs: list[Sequence]):
         rows = bucket_for(len(seqs), self.config.decode_batch_buckets)
-        longest = max(len(seq) for seq in seqs)
-        pages = bucket_for(-(-longest // self.config.page_size), self.config.decode_page_buckets)
+        pages = self.config.pages_per_seq
         slots = np.zeros(rows, np.int32)
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)

@@ -7,7 +7,7 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 * `prefill(slot, chunk, start, page_table_row, sampling)`: computes K/V for a chunk of one sequence's
   tokens and samples the token after it; one compiled shape per chunk-length bucket.
 * `decode(slots, tokens, positions, page_tables, sampling)`: one token for each of a batch of
-  sequences; one compiled shape per (batch bucket, pages bucket).
+  sequences; one compiled shape per batch bucket (attention loops only over the pages in use).
 
 Every step is a pure jitted function (params, KV pool, penalty state, inputs) -> (sampled tokens,
 new KV pool, new penalty state) with the pool and penalty state donated, so no step copies them.
@@ -152,7 +152,7 @@ class ModelRunner:
 
     def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
                active: np.ndarray, sampling: SamplingBatch) -> SampleResult:
-        """Inputs are already padded to a batch bucket and `page_tables` cut to a pages bucket."""
+        """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`."""
         result, self.kv_cache, self.penalties = self._call(
             "decode", self._decode, (self.params, self.kv_cache, self.penalties),
             (slots, token_ids, positions, page_tables, active, sampling))
@@ -183,10 +183,9 @@ class ModelRunner:
                 np.zeros(bucket, np.int32), np.int32(0), np.int32(bucket), np.zeros(ec.pages_per_seq, np.int32),
                 np.int32(0), neutral_sampling(1), np.bool_(False))
         for rows in ec.decode_batch_buckets:
-            for pages in ec.decode_page_buckets:
-                zeros = np.zeros(rows, np.int32)
-                yield "decode", self._decode, state, (zeros, zeros, zeros, np.zeros((rows, pages), np.int32),
-                                                      np.zeros(rows, bool), neutral_sampling(rows))
+            zeros = np.zeros(rows, np.int32)
+            yield "decode", self._decode, state, (zeros, zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
+                                                  np.zeros(rows, bool), neutral_sampling(rows))
         for length in self.insert_buckets:
             yield "insert", self._insert, (self.penalties,), (
                 np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0),
