@@ -7,8 +7,8 @@ Owns:
   rows) + the KV cache read (B * C tokens x layers x 2 x kv_heads x head_dim, window-limited for sliding
   layers) + the new K/V written; FLOPs = 2 x matmul params x B + attention 4 x layers x q_heads x head_dim x C x B.
 * `time_decode_step`: the engine's jitted decode step (`llm.engine.runner.decode`) on a filled batch of B
-  sequences at context C, with the engine's own batch and page buckets (the bucket is reported: the step
-  attends over the whole page bucket, so bucket padding is lost roofline).
+  sequences at context C, with the engine's own batch bucket and page-table width; the K/V tokens the step
+  really attends over per sequence are reported (padding beyond C is work the floor does not count).
 The floor is max(bytes / bandwidth, FLOPs / matmul rate); percent of roofline = floor / measured x 100.
 
     python benchmarks/roofline.py --batch-sizes 1 4 16 64 --context 256
@@ -178,7 +178,8 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     if batch * pages_per_seq > runner.num_pages - 1:
         raise ValueError(f"batch {batch} x {pages_per_seq} pages exceeds the pool ({runner.num_pages - 1} pages)")
     rows = bucket_for(batch, config.decode_batch_buckets)
-    page_tables = np.zeros((rows, config.pages_per_seq), np.int32)  # attention loops over the pages in use only
+    table_pages, attended = _decode_table_width(config, pages_per_seq)
+    page_tables = np.zeros((rows, table_pages), np.int32)
     for row in range(batch):
         page_tables[row, :pages_per_seq] = 1 + row * pages_per_seq + np.arange(pages_per_seq)
     slots = np.arange(rows, dtype=np.int32)
@@ -190,7 +191,28 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
                      warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.block_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,
-            "batch_bucket": rows, "attended_tokens_per_seq": -(-context // 64) * 64}
+            "batch_bucket": rows, "page_table_width": table_pages,
+            "attended_tokens_per_seq": attended if attended is not None else context}
+
+
+def _decode_table_width(config: Any, pages_per_seq: int) -> tuple[int, int | None]:
+    """Page-table width the engine's decode step gets, and the K/V tokens per sequence it then attends over.
+
+    Engines with decode page buckets pad the table to the bucket and attend over all of it; without them the
+    table is always `pages_per_seq` wide and the attention loop stops at the batch's longest context, in
+    blocks of `DECODE_BLOCK_TOKENS` when the attention module declares that.
+    """
+    from jaxserve.engine.model_runner import bucket_for
+
+    buckets = getattr(config, "decode_page_buckets", None)
+    if buckets:
+        width = bucket_for(pages_per_seq, buckets)
+        return width, width * config.page_size
+    from jaxserve.layers import attention
+
+    block = getattr(attention, "DECODE_BLOCK_TOKENS", None)
+    tokens = pages_per_seq * config.page_size
+    return config.pages_per_seq, (-(-tokens // block) * block if block else None)
 
 
 def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int, repeats: int = 5) -> dict[str, Any]:

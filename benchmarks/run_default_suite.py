@@ -53,23 +53,24 @@ ENGINE = ["--max-num-seqs", "64", "--max-model-len", "512", "--max-num-batched-t
 
 
 def default_steps(model: str | None) -> list[Step]:
+    """The suite: small versions of every benchmark. Estimates are from runs on a shared 2-core EPYC."""
     model_args = ["--model", model] if model else []
     return [
-        Step("compare", "compare.py", [*model_args, *ENGINE, "--dataset", "random", "--num-prompts", "64",
-                                       "--input-len", "128", "--output-len", "64", "--single-stream-tokens", "32"],
-             estimate_s=200),
+        Step("compare", "compare.py", [*model_args, *ENGINE, "--dataset", "random", "--num-prompts", "16",
+                                       "--input-len", "128", "--output-len", "64", "--hf-batch-size", "16",
+                                       "--single-stream-tokens", "32"], estimate_s=180),
         Step("roofline", "roofline.py", [*model_args, *ENGINE, "--batch-sizes", "1", "4", "16", "64",
-                                         "--context", "256"], estimate_s=90),
+                                         "--context", "256"], estimate_s=80),
         Step("throughput-shared-prefix", "throughput.py",
              [*model_args, *ENGINE, "--dataset", "shared-prefix", "--num-prompts", "64", "--num-prefixes", "4",
-              "--prefix-len", "256", "--suffix-len", "32", "--output-len", "32"], estimate_s=90),
+              "--prefix-len", "256", "--suffix-len", "32", "--output-len", "16"], estimate_s=90),
         Step("serving", "serving.py", ["--dataset", "prompts", "--num-prompts", "16", "--output-len", "32",
-                                       "--ignore-eos", "--max-concurrency", "1", "4", "16",
+                                       "--max-model-len", "512", "--ignore-eos", "--max-concurrency", "1", "4", "16",
                                        "--goodput", "ttft:2000", "tpot:250"],
              estimate_s=150, needs_server=True),
         Step("throughput-prompts", "throughput.py",
              [*model_args, *ENGINE, "--dataset", "prompts", "--num-prompts", "64", "--output-len", "64",
-              "--concurrency", "1", "4", "16", "64", "--sweep-waves", "1"], estimate_s=150),
+              "--concurrency", "1", "4", "16", "64", "--sweep-waves", "1"], estimate_s=200),
     ]
 
 

@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wait-for-server", type=float, default=0.0, metavar="SECONDS",
                         help="poll /health this long before starting")
     parser.add_argument("--request-timeout", type=float, default=3600.0)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="drop requests whose prompt + output exceed the server's context length")
     parser.add_argument("--label", default=None, help="server name for tables and plots (default: the model)")
     datasets.add_dataset_args(parser, num_prompts=64, input_len=128, output_len=64)
     common.add_common_args(parser)
@@ -246,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         wait_for_server(args.base_url, args.wait_for_server)
     model = args.model or served_model(args.base_url, headers)
     tokenizer = common.load_tokenizer(args.tokenizer)
-    records = datasets.build_requests(args, tokenizer, len(tokenizer))
+    records = datasets.build_requests(args, tokenizer, len(tokenizer), args.max_model_len)
     bodies = [build_payload(r, args.endpoint, model, args.prompt_format, args.ignore_eos, tokenizer, args.temperature)
               for r in records]
     prompt_lens = [r.prompt_len for r in records]
