@@ -37,6 +37,9 @@ def throughput_vs_concurrency(series: Mapping[str, Sequence[tuple[float, float]]
         for x, y in zip(xs, ys):
             ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.set_xscale("log", base=2)
+    ticks = sorted({x for points in series.values() for x, _ in points})
+    ax.set_xticks(ticks, [str(int(t)) if float(t).is_integer() else str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
     ax.set_title(title, fontsize=9)

@@ -48,9 +48,13 @@ def measure_matmul_flops(size: int, dtype: str = "float32", repeats: int = 5) ->
     return 2.0 * size**3 / timing.median_s
 
 
-def measure_ceilings(dtype: str = "float32", bandwidth_bytes: int | None = None,
-                     matmul_size: int | None = None) -> dict[str, Any]:
-    """Copy bandwidth (bytes/s, read + write) and matmul FLOP/s on the default jax device."""
+def measure_ceilings(dtype: str = "float32", bandwidth_bytes: int | None = None, matmul_size: int | None = None,
+                     bandwidth_override: float | None = None, flops_override: float | None = None) -> dict[str, Any]:
+    """Copy bandwidth (bytes/s, read + write) and matmul FLOP/s on the default jax device.
+
+    An override (bytes/s or FLOP/s, e.g. figures measured on a quiet machine) replaces the measurement and is
+    marked as given in the result.
+    """
     import jax
 
     from benchmarks.timing import device_summary, measure_copy_bandwidth
@@ -58,8 +62,11 @@ def measure_ceilings(dtype: str = "float32", bandwidth_bytes: int | None = None,
     on_cpu = jax.default_backend() == "cpu"
     bandwidth_bytes = bandwidth_bytes or (256 << 20 if on_cpu else 1 << 30)
     matmul_size = matmul_size or (2048 if on_cpu else 8192)
-    return {"device": device_summary(), "copy_bandwidth_bytes_s": measure_copy_bandwidth(bandwidth_bytes, repeats=5),
-            "bandwidth_probe_bytes": bandwidth_bytes, "matmul_flops_s": measure_matmul_flops(matmul_size, dtype),
+    return {"device": device_summary(),
+            "copy_bandwidth_bytes_s": bandwidth_override or measure_copy_bandwidth(bandwidth_bytes, repeats=5),
+            "bandwidth_source": "given" if bandwidth_override else f"measured, {bandwidth_bytes} byte copy",
+            "matmul_flops_s": flops_override or measure_matmul_flops(matmul_size, dtype),
+            "matmul_source": "given" if flops_override else f"measured, {matmul_size}^3 matmul",
             "matmul_size": matmul_size, "dtype": dtype}
 
 
@@ -239,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per batch size (median reported)")
     parser.add_argument("--bandwidth-bytes", type=int, default=None, help="copy probe size (default 256 MiB on CPU)")
     parser.add_argument("--matmul-size", type=int, default=None, help="square matmul probe (default 2048 on CPU)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="use this copy bandwidth (GB/s, read + write) instead of measuring it")
+    parser.add_argument("--matmul-gflops", type=float, default=None,
+                        help="use this matmul rate (GFLOP/s) instead of measuring it")
     common.add_engine_args(parser)
     common.add_common_args(parser)
     return parser
@@ -257,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options["max_num_seqs"] = max(args.max_num_seqs, max(args.batch_sizes))
     options["max_model_len"] = max(args.max_model_len, args.context)
     llm = LLM(**options, warmup=False)  # only the measured shapes compile (in the timing warm-up)
-    ceilings = measure_ceilings(args.dtype, args.bandwidth_bytes, args.matmul_size)
+    ceilings = measure_ceilings(args.dtype, args.bandwidth_bytes, args.matmul_size,
+                                args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None,
+                                args.matmul_gflops * 1e9 if args.matmul_gflops else None)
     points = [roofline_point(llm, ceilings, batch, args.context, args.repeats)
               for batch in tqdm(args.batch_sizes, desc="batch sizes", disable=args.disable_tqdm)]
     payload = {"model": common.model_label(args.model), "context": args.context, "ceilings": ceilings,
@@ -280,12 +293,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def report(payload: dict[str, Any]) -> None:
     ceilings = payload["ceilings"]
     print(f"device: {ceilings['device']['device_kind']} ({ceilings['device']['backend']}); copy bandwidth "
-          f"{ceilings['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s; {ceilings['dtype']} matmul "
-          f"{ceilings['matmul_flops_s'] / 1e9:.1f} GFLOP/s (n={ceilings['matmul_size']})")
+          f"{ceilings['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s ({ceilings['bandwidth_source']}); {ceilings['dtype']} "
+          f"matmul {ceilings['matmul_flops_s'] / 1e9:.1f} GFLOP/s ({ceilings['matmul_source']})")
     print(common.format_table(
-        ["batch", "ctx", "attended", "GFLOP", "MB moved", "FLOP/B", "floor ms", "bound", "step ms", "% roofline",
+        ["batch", "rows", "ctx", "attended", "GFLOP", "MB moved", "FLOP/B", "floor ms", "bound", "step ms", "% roofline",
          "tok/s", "floor tok/s"],
-        [[p["batch"], p["context"], p["attended_tokens_per_seq"], p["gflop"], p["weight_mb"] + p["kv_mb"],
+        [[p["batch"], p["batch_bucket"], p["context"], p["attended_tokens_per_seq"], p["gflop"], p["weight_mb"] + p["kv_mb"],
           p["arithmetic_intensity"], 1000 * p["floor_s"], p["bound"], 1000 * p["step_s"], p["percent_of_roofline"],
           p["measured_tok_s"], p["floor_tok_s"]] for p in payload["points"]]))
 
