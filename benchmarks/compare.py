@@ -150,6 +150,12 @@ def report(payload: dict[str, Any]) -> None:
             row("batch-1 decode tok/s", "single_stream", "decode_tok_s"),
             ["start-up / load (s)", js["startup_s"], hs["load_s"] if hs else None, None]]
     print(common.format_table(["metric", "jaxserve", "HF transformers", "jaxserve / HF"], rows))
+    split = js["result"].get("time_breakdown") or {}
+    if split.get("decode_steps"):
+        print(f"jaxserve time: {split['decode_steps_s']:.1f}s in {split['decode_steps']} pure decode steps (mean batch "
+              f"{split['mean_decode_batch']:.1f}, {split['decode_only_tok_s']:.0f} tok/s), "
+              f"{split['prefill_steps_s']:.1f}s in {split['prefill_steps']} steps with prefill, "
+              f"{split['outside_steps_s']:.1f}s outside steps")
     if js.get("roofline"):
         point = js["roofline"]
         print(f"jaxserve decode step at batch {point['batch']}, ctx {point['context']}: "

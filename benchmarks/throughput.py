@@ -33,22 +33,43 @@ NAME = "throughput"
 
 
 class StepProbe:
-    """Wraps `llm.engine.step` while active: samples KV usage before and after every step, counts steps."""
+    """Wraps `llm.engine.step` while active: KV usage before and after every step, and each step's duration,
+    split into pure decode steps (every running sequence decoding, nothing waiting or being admitted) and
+    steps that also prefill. Reads scheduler state only; changes nothing."""
 
     def __init__(self, engine: Any):
         self.engine = engine
         self.samples: list[float] = []
         self.steps = 0
+        self.decode_step_s: list[float] = []
+        self.decode_step_batch: list[int] = []
+        self.other_step_s: list[float] = []
+
+    def _decode_only(self) -> tuple[bool, int]:
+        scheduler = self.engine.scheduler
+        running = list(scheduler.running)
+        commands = getattr(self.engine, "_commands", None)
+        pending = commands is not None and not commands.empty()
+        decoding = all(seq.num_computed_tokens >= len(seq) - 1 for seq in running)
+        return bool(running) and decoding and not scheduler.waiting and not pending, len(running)
 
     def __enter__(self) -> "StepProbe":
         original = self.engine.step
         block_manager = self.engine.block_manager
 
         def probed_step():
+            decode_only, batch = self._decode_only()
             self.samples.append(block_manager.usage)
+            started = time.perf_counter()
             outputs = original()
+            seconds = time.perf_counter() - started
             self.samples.append(block_manager.usage)
             self.steps += 1
+            if decode_only:
+                self.decode_step_s.append(seconds)
+                self.decode_step_batch.append(batch)
+            else:
+                self.other_step_s.append(seconds)
             return outputs
 
         self.engine.step = probed_step
@@ -65,6 +86,17 @@ class StepProbe:
     def mean_usage(self) -> float:
         return sum(self.samples) / len(self.samples) if self.samples else 0.0
 
+    def breakdown(self, elapsed_s: float) -> dict[str, float | int | None]:
+        """Where the run's time went: pure decode steps, steps with prefill, and host time between steps."""
+        decode_s, other_s = sum(self.decode_step_s), sum(self.other_step_s)
+        tokens = sum(self.decode_step_batch)
+        return {"decode_steps": len(self.decode_step_s), "decode_steps_s": decode_s,
+                "mean_decode_batch": tokens / len(self.decode_step_batch) if self.decode_step_batch else None,
+                "mean_decode_step_s": decode_s / len(self.decode_step_s) if self.decode_step_s else None,
+                "decode_only_tok_s": tokens / decode_s if decode_s else None,
+                "prefill_steps": len(self.other_step_s), "prefill_steps_s": other_s,
+                "outside_steps_s": max(0.0, elapsed_s - decode_s - other_s)}
+
 
 @dataclasses.dataclass
 class OfflineResult:
@@ -79,6 +111,7 @@ class OfflineResult:
     mean_kv_usage: float
     prefix_hit_rate: float | None  # cached prompt tokens / prompt tokens looked up; None if caching is off
     preemptions: int
+    time_breakdown: dict[str, Any] = dataclasses.field(default_factory=dict)
     output_token_ids: list[list[int]] = dataclasses.field(repr=False, default_factory=list)
 
     @property
@@ -134,6 +167,7 @@ def run_offline(llm: Any, records: Sequence[RequestRecord], temperature: float =
         prefix_hit_rate=(hits_after - hits_before) / queries if llm.engine.config.enable_prefix_caching and queries
         else None,
         preemptions=llm.engine.scheduler.num_preemptions - preemptions_before,
+        time_breakdown=probe.breakdown(elapsed),
         output_token_ids=[list(o.outputs[0].token_ids) for o in outputs])
 
 
@@ -175,7 +209,7 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
         steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
         prefix_hit_rate=(hits_after - hits_before) / queries if engine.config.enable_prefix_caching and queries
         else None,
-        preemptions=engine.scheduler.num_preemptions - preemptions_before)
+        preemptions=engine.scheduler.num_preemptions - preemptions_before, time_breakdown=probe.breakdown(elapsed))
 
 
 def single_stream_decode(llm: Any, prompt_token_ids: list[int], output_len: int) -> dict[str, float]:
@@ -297,6 +331,20 @@ def report(payload: dict[str, Any]) -> None:
         ("Engine steps:", str(res["steps"])),
         ("Preemptions:", str(res["preemptions"])),
     ]
+    split = res.get("time_breakdown") or {}
+    if split:
+        rows += [
+            ("Where the time went", ""),
+            ("Pure decode steps:", str(split["decode_steps"])),
+            ("  time (s):", common.fmt(split["decode_steps_s"])),
+            ("  mean batch:", common.fmt(split["mean_decode_batch"], 1)),
+            ("  mean step (ms):", common.fmt(None if split["mean_decode_step_s"] is None
+                                             else 1000 * split["mean_decode_step_s"], 1)),
+            ("  decode tok/s:", common.fmt(split["decode_only_tok_s"])),
+            ("Steps with prefill:", str(split["prefill_steps"])),
+            ("  time (s):", common.fmt(split["prefill_steps_s"])),
+            ("Host time outside steps (s):", common.fmt(split["outside_steps_s"])),
+        ]
     common.print_block("Offline Throughput Result", rows)
     if payload["closed_loop_sweep"]:
         print(common.format_table(
