@@ -256,7 +256,8 @@ class LLMEngine:
             page_tables[row, :len(seq.page_table)] = seq.page_table
         active[:len(seqs)] = True
         batch = self._slot_params.batch(slots, output_index)
-        return self.runner.decode(slots, tokens, positions, page_tables, active, batch)
+        all_greedy = not np.any(batch.temperature[:len(seqs)] > 0)
+        return self.runner.decode(slots, tokens, positions, page_tables, active, batch, all_greedy)
 
     def _append_token(self, seq: Sequence, result, row: int, now: float) -> None:
         token = int(result.tokens[row])

@@ -7,7 +7,8 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 * `prefill(slot, chunk, start, page_table_row, sampling)`: computes K/V for a chunk of one sequence's
   tokens and samples the token after it; one compiled shape per chunk-length bucket.
 * `decode(slots, tokens, positions, page_tables, sampling)`: one token for each of a batch of
-  sequences; one compiled shape per batch bucket (attention loops only over the pages in use).
+  sequences; one compiled shape per batch bucket (attention loops only over the pages in use), in
+  two variants: with random draws, and greedy-only for batches without sampling.
 
 Every step is a pure jitted function (params, KV pool, penalty state, inputs) -> (sampled tokens,
 new KV pool, new penalty state) with the pool and penalty state donated, so no step copies them.
@@ -59,8 +60,8 @@ def _prefill_step(config, backend, dtype, page_size, params, kv_cache, penalties
     return result, kv_cache, penalties.replace(output_counts=counts)
 
 
-def _decode_step(config, backend, dtype, page_size, params, kv_cache, penalties: PenaltyState, slots, token_ids,
-                 positions, page_tables, active, sampling: SamplingBatch):
+def _decode_step(config, backend, dtype, page_size, may_draw, params, kv_cache, penalties: PenaltyState, slots,
+                 token_ids, positions, page_tables, active, sampling: SamplingBatch):
     rows = token_ids.shape[0]
     page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
     page = jnp.take_along_axis(page_tables, page_index[:, None], axis=1)[:, 0]
@@ -70,7 +71,7 @@ def _decode_step(config, backend, dtype, page_size, params, kv_cache, penalties:
                              query_lens=jnp.ones((rows,), jnp.int32))
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype)
-    result = sample(logits, sampling, penalties, slots)
+    result = sample(logits, sampling, penalties, slots, may_draw)
     counts = penalties.output_counts.at[slots, result.tokens].add(active.astype(jnp.int32))
     return result, kv_cache, penalties.replace(output_counts=counts)
 
@@ -105,7 +106,8 @@ class ModelRunner:
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool))
         static = (config, self.backend, self.dtype, self.page_size)
         self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1, 2))
-        self._decode = jax.jit(functools.partial(_decode_step, *static), donate_argnums=(1, 2))
+        self._decode = {may_draw: jax.jit(functools.partial(_decode_step, *static, may_draw), donate_argnums=(1, 2))
+                        for may_draw in (True, False)}
         self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s layout %s)", self.num_pages,
@@ -151,10 +153,11 @@ class ModelRunner:
         return result
 
     def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
-               active: np.ndarray, sampling: SamplingBatch) -> SampleResult:
+               active: np.ndarray, sampling: SamplingBatch, all_greedy: bool = False) -> SampleResult:
         """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`."""
+        kind = "decode-greedy" if all_greedy else "decode"
         result, self.kv_cache, self.penalties = self._call(
-            "decode", self._decode, (self.params, self.kv_cache, self.penalties),
+            kind, self._decode[not all_greedy], (self.params, self.kv_cache, self.penalties),
             (slots, token_ids, positions, page_tables, active, sampling))
         return result
 
@@ -184,8 +187,10 @@ class ModelRunner:
                 np.int32(0), neutral_sampling(1), np.bool_(False))
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
-            yield "decode", self._decode, state, (zeros, zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
-                                                  np.zeros(rows, bool), neutral_sampling(rows))
+            inputs = (zeros, zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32), np.zeros(rows, bool),
+                      neutral_sampling(rows))
+            yield "decode", self._decode[True], state, inputs
+            yield "decode-greedy", self._decode[False], state, inputs
         for length in self.insert_buckets:
             yield "insert", self._insert, (self.penalties,), (
                 np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0),
