@@ -35,7 +35,6 @@ class EngineConfig:
     decode_batch_buckets: tuple[int, ...] | None = None  # default: 1, 16, 64, ... up to max_num_seqs
     warmup: bool = True  # compile every shape at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
-    max_waiting: int | None = None  # bounded waiting queue (None: unbounded)
 
     def __post_init__(self) -> None:
         platform = jax.default_backend()
