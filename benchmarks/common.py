@@ -83,6 +83,16 @@ def memory_gib() -> float | None:
     return None
 
 
+_COMMIT_AT_START: list[str | None] = []
+
+
+def commit_at_start() -> str | None:
+    """The checkout's commit when this process first asked (scripts ask at start-up): what the run measured."""
+    if not _COMMIT_AT_START:
+        _COMMIT_AT_START.append(git_commit())
+    return _COMMIT_AT_START[0]
+
+
 def machine_info(include_jax: bool = True) -> dict[str, Any]:
     """What the numbers were measured on. `include_jax=False` avoids importing jax (e.g. in the HF baseline)."""
     info: dict[str, Any] = {
@@ -91,8 +101,11 @@ def machine_info(include_jax: bool = True) -> dict[str, Any]:
         "memory_gib": memory_gib(),
         "load_average_1_5_15": load_average(),
         "python": platform.python_version(),
-        "git_commit": git_commit(),
+        "git_commit": commit_at_start(),
     }
+    now = git_commit()
+    if now != info["git_commit"]:
+        info["git_commit_at_end"] = now
     if include_jax:
         import jax
         import jaxlib
@@ -200,9 +213,10 @@ def print_block(title: str, rows: Sequence[tuple[str, str]], width: int = 50) ->
 
 
 def seed_everything(seed: int) -> None:
-    """Python, numpy and (if loaded) torch RNGs."""
+    """Python, numpy and (if loaded) torch RNGs; also notes the checkout's commit at the start of the run."""
     import numpy as np
 
+    commit_at_start()
     random.seed(seed)
     np.random.seed(seed)
     if "torch" in sys.modules:

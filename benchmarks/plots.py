@@ -121,7 +121,9 @@ def draw_serving(data: dict, base: Path | str, label: str) -> list[Path]:
     runs = data["runs"]
 
     def run_name(run: dict) -> str:
-        return f"concurrency {run['max_concurrency'] or 'inf'}, rate {run['request_rate']}"
+        rate = run["request_rate"]
+        return (f"max concurrency {run['max_concurrency'] or 'unlimited'}, "
+                f"{'all at once' if rate == 'inf' else f'{rate} req/s'}")
 
     drawn = [latency_cdfs({run_name(r): {"ttft_ms": [1000 * q["ttft"] for q in r["requests"] if q["success"]],
                                          "tpot_ms": [1000 * q["tpot"] for q in r["requests"]
