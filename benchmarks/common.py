@@ -212,6 +212,36 @@ def print_block(title: str, rows: Sequence[tuple[str, str]], width: int = 50) ->
 # -- runs ----------------------------------------------------------------------------------------------------
 
 
+class OfflineThroughput:
+    """Throughput properties of an offline run dataclass with elapsed_s, num_requests, prompt_tokens and
+    output_tokens fields (jaxserve's and the baselines'), and its JSON summary without the token ids."""
+
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def request_throughput(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def summary(self) -> dict[str, Any]:
+        import dataclasses
+
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "output_token_ids"}
+        data.update(request_throughput=self.request_throughput, output_throughput=self.output_throughput,
+                    total_throughput=self.total_throughput)
+        return data
+
+
 def seed_everything(seed: int) -> None:
     """Python, numpy and (if loaded) torch RNGs; also notes the checkout's commit at the start of the run."""
     import numpy as np

@@ -99,7 +99,7 @@ class StepProbe:
 
 
 @dataclasses.dataclass
-class OfflineResult:
+class OfflineResult(common.OfflineThroughput):
     """One offline run. Throughputs are per second of generation time (start-up excluded)."""
 
     elapsed_s: float
@@ -114,24 +114,6 @@ class OfflineResult:
     time_breakdown: dict[str, Any] = dataclasses.field(default_factory=dict)
     output_token_ids: list[list[int]] = dataclasses.field(repr=False, default_factory=list)
 
-    @property
-    def request_throughput(self) -> float:
-        return self.num_requests / self.elapsed_s
-
-    @property
-    def output_throughput(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_throughput(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
-
-    def summary(self) -> dict[str, Any]:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "output_token_ids"}
-        data.update(request_throughput=self.request_throughput, output_throughput=self.output_throughput,
-                    total_throughput=self.total_throughput)
-        return data
-
 
 def sampling_params_for(records: Sequence[RequestRecord], temperature: float = 0.0, ignore_eos: bool = True,
                         seed: int = 0) -> list:
@@ -141,9 +123,24 @@ def sampling_params_for(records: Sequence[RequestRecord], temperature: float = 0
                            seed=seed + i if temperature > 0 else None) for i, r in enumerate(records)]
 
 
-def _prefix_counters(llm: Any) -> tuple[int, int]:
-    bm = llm.engine.block_manager
-    return bm.num_prefix_queries, bm.num_prefix_hits
+def _counters(llm: Any) -> tuple[int, int, int]:
+    """Prefix-cache queries and hits (tokens) and preemptions so far; a run reports the change."""
+    engine = llm.engine
+    return (engine.block_manager.num_prefix_queries, engine.block_manager.num_prefix_hits,
+            engine.scheduler.num_preemptions)
+
+
+def _offline_result(llm: Any, outputs: Sequence[Any], elapsed: float, probe: StepProbe,
+                    counters_before: tuple[int, int, int]) -> OfflineResult:
+    queries, hits, preemptions = (after - before for after, before in zip(_counters(llm), counters_before))
+    return OfflineResult(
+        elapsed_s=elapsed, num_requests=len(outputs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
+        prefix_hit_rate=hits / queries if llm.engine.config.enable_prefix_caching and queries else None,
+        preemptions=preemptions, time_breakdown=probe.breakdown(elapsed),
+        output_token_ids=[list(o.outputs[0].token_ids) for o in outputs])
 
 
 def run_offline(llm: Any, records: Sequence[RequestRecord], temperature: float = 0.0, ignore_eos: bool = True,
@@ -151,24 +148,12 @@ def run_offline(llm: Any, records: Sequence[RequestRecord], temperature: float =
     """One `llm.generate` over all records; times only the call."""
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
     params = sampling_params_for(records, temperature, ignore_eos, seed)
-    queries_before, hits_before = _prefix_counters(llm)
-    preemptions_before = llm.engine.scheduler.num_preemptions
+    counters = _counters(llm)
     with StepProbe(llm.engine) as probe:
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         elapsed = time.perf_counter() - started
-    queries_after, hits_after = _prefix_counters(llm)
-    queries = queries_after - queries_before
-    return OfflineResult(
-        elapsed_s=elapsed, num_requests=len(outputs),
-        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-        steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
-        prefix_hit_rate=(hits_after - hits_before) / queries if llm.engine.config.enable_prefix_caching and queries
-        else None,
-        preemptions=llm.engine.scheduler.num_preemptions - preemptions_before,
-        time_breakdown=probe.breakdown(elapsed),
-        output_token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+    return _offline_result(llm, outputs, elapsed, probe, counters)
 
 
 def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int, temperature: float = 0.0,
@@ -181,8 +166,7 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
     pending = list(range(len(records)))[::-1]
     in_flight: set[str] = set()
     finished: dict[str, Any] = {}
-    queries_before, hits_before = _prefix_counters(llm)
-    preemptions_before = engine.scheduler.num_preemptions
+    counters = _counters(llm)
     progress = tqdm(total=len(records), desc=f"concurrency {concurrency}", disable=not use_tqdm, dynamic_ncols=True)
     with StepProbe(engine) as probe:
         started = time.perf_counter()
@@ -199,17 +183,7 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
                     progress.update(1)
         elapsed = time.perf_counter() - started
     progress.close()
-    queries_after, hits_after = _prefix_counters(llm)
-    queries = queries_after - queries_before
-    outputs = list(finished.values())
-    return OfflineResult(
-        elapsed_s=elapsed, num_requests=len(outputs),
-        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-        steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
-        prefix_hit_rate=(hits_after - hits_before) / queries if engine.config.enable_prefix_caching and queries
-        else None,
-        preemptions=engine.scheduler.num_preemptions - preemptions_before, time_breakdown=probe.breakdown(elapsed))
+    return _offline_result(llm, list(finished.values()), elapsed, probe, counters)
 
 
 def single_stream_decode(llm: Any, prompt_token_ids: list[int], output_len: int) -> dict[str, float]:

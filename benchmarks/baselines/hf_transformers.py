@@ -88,7 +88,7 @@ def generate_batch(hf: Any, prompts: Sequence[list[int]], max_new_tokens: int) -
 
 
 @dataclasses.dataclass
-class HFResult:
+class HFResult(common.OfflineThroughput):
     elapsed_s: float
     num_requests: int
     prompt_tokens: int
@@ -96,24 +96,6 @@ class HFResult:
     generated_tokens: int  # including tokens generated past a request's own length in its static batch
     batch_size: int
     output_token_ids: list[list[int]] = dataclasses.field(repr=False, default_factory=list)
-
-    @property
-    def request_throughput(self) -> float:
-        return self.num_requests / self.elapsed_s
-
-    @property
-    def output_throughput(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_throughput(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
-
-    def summary(self) -> dict[str, Any]:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "output_token_ids"}
-        data.update(request_throughput=self.request_throughput, output_throughput=self.output_throughput,
-                    total_throughput=self.total_throughput)
-        return data
 
 
 def run_hf_offline(hf: Any, records: Sequence[RequestRecord], batch_size: int, use_tqdm: bool = True) -> HFResult:
