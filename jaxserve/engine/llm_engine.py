@@ -22,10 +22,10 @@ import jax
 import numpy as np
 
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import ModelRunner, bucket_for
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.layers.sampler import SamplingBatch
 from jaxserve.loading import LoadedModel, load_model
@@ -106,8 +106,8 @@ class LLMEngine:
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
         if self.config.warmup:
             seconds = self.runner.warmup(lambda rows: _SlotParams(rows).batch(np.arange(rows), np.zeros(rows, np.int32)))
-            logger.info("warm-up compiled %d prefill and %d decode shapes in %.1fs", len(self.config.prefill_buckets),
-                        len(self.config.decode_batch_buckets), seconds)
+            logger.info("warm-up compiled %d prefill and %d decode shapes in %.1fs", len(self.config.prefill_shapes),
+                        2 * len(self.config.decode_batch_buckets), seconds)
         self.ready = True
 
     @property
@@ -216,28 +216,60 @@ class LLMEngine:
                 bans = [] if seq.params.ignore_eos else sorted(self.eos_token_ids)
                 self.runner.insert(seq.slot, seq.token_ids, seq.num_prompt_tokens, bans + seq.params.stop_token_ids)
 
-        prefill_results = []
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            row = np.zeros(self.config.pages_per_seq, np.int32)
-            row[:len(seq.page_table)] = seq.page_table
-            batch = self._slot_params.batch(np.array([seq.slot]), np.array([seq.num_output_tokens], np.int32))
-            tokens = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
-            prefill_results.append(self.runner.prefill(seq.slot, tokens, chunk.start, row, batch, chunk.is_final))
+        groups = self._prefill_groups(plan.prefills)
+        prefill_results = [self._run_prefill(tokens, group) for tokens, group in groups]
         decode_result = self._run_decode(plan.decodes) if plan.decodes else None
         prefill_results, decode_result = self.runner.fetch((prefill_results, decode_result))
 
         self.stats.steps += 1
         now = time.monotonic()
-        for chunk, result in zip(plan.prefills, prefill_results):
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.commit_full_pages(chunk.seq)
-            if chunk.is_final:
-                self._append_token(chunk.seq, result, 0, now)
+        for (_, group), result in zip(groups, prefill_results):
+            for row, chunk in enumerate(group):
+                chunk.seq.num_computed_tokens += chunk.num_tokens
+                self.block_manager.commit_full_pages(chunk.seq)
+                if chunk.is_final:
+                    self._append_token(chunk.seq, result, row, now)
         for row, seq in enumerate(plan.decodes):
             seq.num_computed_tokens += 1
             self.block_manager.commit_full_pages(seq)
             self._append_token(seq, decode_result, row, now)
+
+    def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[tuple[int, list[PrefillChunk]]]:
+        """(token bucket, chunks) per prefill call: chunks sharing a bucket are packed PREFILL_ROWS at a time."""
+        by_bucket: dict[int, list[PrefillChunk]] = {}
+        for chunk in chunks:
+            by_bucket.setdefault(bucket_for(chunk.num_tokens, self.config.prefill_buckets), []).append(chunk)
+        groups = []
+        for tokens, members in by_bucket.items():
+            if (PREFILL_ROWS, tokens) not in self.config.prefill_shapes:
+                groups += [(tokens, [chunk]) for chunk in members]
+                continue
+            while len(members) >= PREFILL_ROWS - 1:  # three share a call too: one empty row beats a second call
+                groups.append((tokens, members[:PREFILL_ROWS]))
+                members = members[PREFILL_ROWS:]
+            groups += [(tokens, [chunk]) for chunk in members]
+        return groups
+
+    def _run_prefill(self, tokens: int, group: list[PrefillChunk]):
+        rows = 1 if len(group) == 1 else PREFILL_ROWS
+        slots = np.zeros(rows, np.int32)
+        token_ids = np.zeros((rows, tokens), np.int32)
+        starts = np.zeros(rows, np.int32)
+        num_tokens = np.zeros(rows, np.int32)
+        output_index = np.zeros(rows, np.int32)
+        page_tables = np.zeros((rows, self.config.pages_per_seq), np.int32)
+        is_final = np.zeros(rows, bool)
+        for row, chunk in enumerate(group):
+            seq = chunk.seq
+            slots[row] = seq.slot
+            token_ids[row, :chunk.num_tokens] = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
+            starts[row] = chunk.start
+            num_tokens[row] = chunk.num_tokens
+            output_index[row] = seq.num_output_tokens
+            page_tables[row, :len(seq.page_table)] = seq.page_table
+            is_final[row] = chunk.is_final
+        batch = self._slot_params.batch(slots, output_index)
+        return self.runner.prefill(slots, token_ids, starts, num_tokens, page_tables, batch, is_final)
 
     def _run_decode(self, seqs: list[Sequence]):
         rows = bucket_for(len(seqs), self.config.decode_batch_buckets)

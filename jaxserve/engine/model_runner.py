@@ -4,8 +4,8 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 
 * `insert(slot, token_ids, num_prompt_tokens, ban_ids)`: resets the slot's penalty statistics for a
   newly admitted sequence (only needed when it uses penalties or min_tokens).
-* `prefill(slot, chunk, start, page_table_row, sampling)`: computes K/V for a chunk of one sequence's
-  tokens and samples the token after it; one compiled shape per chunk-length bucket.
+* `prefill(slots, token_ids, starts, ...)`: computes K/V for chunks of one or several sequences and
+  samples the token after each; one compiled shape per (rows, chunk-length) bucket.
 * `decode(slots, tokens, positions, page_tables, sampling)`: one token for each of a batch of
   sequences; one compiled shape per batch bucket (attention loops only over the pages in use), in
   two variants: with random draws, and greedy-only for batches without sampling.
@@ -45,18 +45,20 @@ def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
 
 
 def _prefill_step(config, backend, dtype, page_size, params, kv_cache, penalties: PenaltyState, token_ids,
-                  start, num_tokens, page_table, slot, sampling: SamplingBatch, is_final):
-    chunk = token_ids.shape[0]
-    positions = start + jnp.arange(chunk, dtype=jnp.int32)
-    valid = jnp.arange(chunk) < num_tokens
-    page_index = jnp.minimum(positions // page_size, page_table.shape[0] - 1)
-    slot_mapping = jnp.where(valid, page_table[page_index] * page_size + positions % page_size, 0)
-    meta = AttentionMetadata(positions=positions[None], slot_mapping=slot_mapping[None], page_tables=page_table[None],
-                             context_lens=(start + num_tokens)[None], query_lens=num_tokens[None])
-    logits, kv_cache = forward(params, config, backend, token_ids[None], kv_cache, meta,
-                               logits_indices=(num_tokens - 1)[None], dtype=dtype)
-    result = sample(logits, sampling, penalties, slot[None])
-    counts = penalties.output_counts.at[slot, result.tokens[0]].add(is_final.astype(jnp.int32))
+                  starts, num_tokens, page_tables, slots, sampling: SamplingBatch, is_final):
+    """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`."""
+    rows, chunk = token_ids.shape
+    positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(chunk)[None, :] < num_tokens[:, None]
+    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
+    pages = jnp.take_along_axis(page_tables, page_index, axis=1)
+    slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
+    meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_tables=page_tables,
+                             context_lens=jnp.where(num_tokens > 0, starts + num_tokens, 0), query_lens=num_tokens)
+    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
+                               logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype)
+    result = sample(logits, sampling, penalties, slots)
+    counts = penalties.output_counts.at[slots, result.tokens].add(is_final.astype(jnp.int32))
     return result, kv_cache, penalties.replace(output_counts=counts)
 
 
@@ -143,13 +145,12 @@ class ModelRunner:
         self.penalties = self._call("insert", self._insert, (self.penalties,),
                                     (np.int32(slot), ids, np.int32(num_prompt_tokens), np.int32(len(token_ids)), bans))
 
-    def prefill(self, slot: int, chunk: list[int], start: int, page_table_row: np.ndarray,
-                sampling: SamplingBatch, is_final: bool) -> SampleResult:
-        ids = np.zeros(bucket_for(len(chunk), self.engine_config.prefill_buckets), np.int32)
-        ids[:len(chunk)] = chunk
+    def prefill(self, slots: np.ndarray, token_ids: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray,
+                page_tables: np.ndarray, sampling: SamplingBatch, is_final: np.ndarray) -> SampleResult:
+        """Chunks of several sequences, padded to a `(rows, tokens)` shape from `prefill_shapes` (empty rows: 0 tokens)."""
         result, self.kv_cache, self.penalties = self._call(
             "prefill", self._prefill, (self.params, self.kv_cache, self.penalties),
-            (ids, np.int32(start), np.int32(len(chunk)), page_table_row, np.int32(slot), sampling, np.bool_(is_final)))
+            (token_ids, starts, num_tokens, page_tables, slots, sampling, is_final))
         return result
 
     def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
@@ -181,10 +182,11 @@ class ModelRunner:
         """`(kind, jitted, state, inputs)` for every shape the engine can run."""
         ec = self.engine_config
         state = (self.params, self.kv_cache, self.penalties)
-        for bucket in ec.prefill_buckets:
+        for rows, tokens in ec.prefill_shapes:
+            zeros = np.zeros(rows, np.int32)
             yield "prefill", self._prefill, state, (
-                np.zeros(bucket, np.int32), np.int32(0), np.int32(bucket), np.zeros(ec.pages_per_seq, np.int32),
-                np.int32(0), neutral_sampling(1), np.bool_(False))
+                np.zeros((rows, tokens), np.int32), zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
+                zeros, neutral_sampling(rows), np.zeros(rows, bool))
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
             inputs = (zeros, zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32), np.zeros(rows, bool),
