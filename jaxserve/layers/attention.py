@@ -110,7 +110,7 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
     return out.reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-DECODE_BLOCK_TOKENS = 64  # keys per loop iteration: small enough to stay in cache, large enough to amortize
+DECODE_BLOCK_TOKENS = 32  # keys per loop iteration: measured fastest on CPU among 16-256 (cache-sized blocks)
 
 
 def _xla_decode_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale, sliding_window):
