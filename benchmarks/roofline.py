@@ -194,7 +194,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     positions = np.full(rows, context - 1, np.int32)
     active = np.arange(rows) < batch
     sampling = greedy_sampling(rows)
-    timing = time_fn(lambda: runner.decode(slots, tokens, positions, page_tables, active, sampling),
+    timing = time_fn(lambda: runner.decode(slots, tokens, positions, page_tables, active, sampling, plain=True),
                      warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.block_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,

@@ -67,10 +67,10 @@ def test_inverse_cdf_never_lands_on_zero_weight():
     assert np.all(np.asarray(weights)[np.arange(3), np.asarray(index)] > 0)
 
 
-def test_greedy_only_variant_matches_argmax(logits_row):
+def test_plain_variant_matches_argmax(logits_row):
     slots = _SlotParams(2)
     batch = slots.batch(np.arange(2), np.zeros(2, np.int32))
     penalties = PenaltyState(jnp.zeros((2, VOCAB), bool), jnp.zeros((2, VOCAB), jnp.int32), jnp.zeros((2, VOCAB), bool))
     logits = jax.random.normal(jax.random.key(0), (2, VOCAB))
-    tokens = jax.jit(sample, static_argnums=4)(logits, batch, penalties, jnp.arange(2), False).tokens
+    tokens = jax.jit(sample, static_argnums=4)(logits, batch, penalties, jnp.arange(2), True).tokens
     assert np.array_equal(tokens, np.argmax(logits, axis=-1))

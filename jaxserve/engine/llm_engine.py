@@ -288,8 +288,11 @@ class LLMEngine:
             page_tables[row, :len(seq.page_table)] = seq.page_table
         active[:len(seqs)] = True
         batch = self._slot_params.batch(slots, output_index)
-        all_greedy = not np.any(batch.temperature[:len(seqs)] > 0)
-        return self.runner.decode(slots, tokens, positions, page_tables, active, batch, all_greedy)
+        live = slice(0, len(seqs))
+        plain = not (np.any(batch.temperature[live] > 0) or np.any(batch.repetition_penalty[live] != 1)
+                     or np.any(batch.presence_penalty[live] != 0) or np.any(batch.frequency_penalty[live] != 0)
+                     or np.any(batch.output_index[live] < batch.min_tokens[live]))
+        return self.runner.decode(slots, tokens, positions, page_tables, active, batch, plain)
 
     def _append_token(self, seq: Sequence, result, row: int, now: float) -> None:
         token = int(result.tokens[row])

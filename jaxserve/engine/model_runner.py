@@ -8,7 +8,7 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   samples the token after each; one compiled shape per (rows, chunk-length) bucket.
 * `decode(slots, tokens, positions, page_tables, sampling)`: one token for each of a batch of
   sequences; one compiled shape per batch bucket (attention loops only over the pages in use), in
-  two variants: with random draws, and greedy-only for batches without sampling.
+  two variants: the full sampler, and a bare argmax for plain greedy batches.
 
 Every step is a pure jitted function (params, KV pool, penalty state, inputs) -> (sampled tokens,
 new KV pool, new penalty state) with the pool and penalty state donated, so no step copies them.
@@ -62,7 +62,7 @@ def _prefill_step(config, backend, dtype, page_size, params, kv_cache, penalties
     return result, kv_cache, penalties.replace(output_counts=counts)
 
 
-def _decode_step(config, backend, dtype, page_size, may_draw, params, kv_cache, penalties: PenaltyState, slots,
+def _decode_step(config, backend, dtype, page_size, plain, params, kv_cache, penalties: PenaltyState, slots,
                  token_ids, positions, page_tables, active, sampling: SamplingBatch):
     rows = token_ids.shape[0]
     page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
@@ -73,7 +73,7 @@ def _decode_step(config, backend, dtype, page_size, may_draw, params, kv_cache, 
                              query_lens=jnp.ones((rows,), jnp.int32))
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype)
-    result = sample(logits, sampling, penalties, slots, may_draw)
+    result = sample(logits, sampling, penalties, slots, plain)
     counts = penalties.output_counts.at[slots, result.tokens].add(active.astype(jnp.int32))
     return result, kv_cache, penalties.replace(output_counts=counts)
 
@@ -108,8 +108,8 @@ class ModelRunner:
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool))
         static = (config, self.backend, self.dtype, self.page_size)
         self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1, 2))
-        self._decode = {may_draw: jax.jit(functools.partial(_decode_step, *static, may_draw), donate_argnums=(1, 2))
-                        for may_draw in (True, False)}
+        self._decode = {plain: jax.jit(functools.partial(_decode_step, *static, plain), donate_argnums=(1, 2))
+                        for plain in (True, False)}
         self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s layout %s)", self.num_pages,
@@ -154,11 +154,14 @@ class ModelRunner:
         return result
 
     def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
-               active: np.ndarray, sampling: SamplingBatch, all_greedy: bool = False) -> SampleResult:
-        """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`."""
-        kind = "decode-greedy" if all_greedy else "decode"
+               active: np.ndarray, sampling: SamplingBatch, plain: bool = False) -> SampleResult:
+        """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`.
+
+        `plain`: every row is greedy without penalties or pending min_tokens (runs a bare-argmax sampler).
+        """
+        kind = "decode-plain" if plain else "decode"
         result, self.kv_cache, self.penalties = self._call(
-            kind, self._decode[not all_greedy], (self.params, self.kv_cache, self.penalties),
+            kind, self._decode[plain], (self.params, self.kv_cache, self.penalties),
             (slots, token_ids, positions, page_tables, active, sampling))
         return result
 
@@ -191,8 +194,8 @@ class ModelRunner:
             zeros = np.zeros(rows, np.int32)
             inputs = (zeros, zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32), np.zeros(rows, bool),
                       neutral_sampling(rows))
-            yield "decode", self._decode[True], state, inputs
-            yield "decode-greedy", self._decode[False], state, inputs
+            yield "decode", self._decode[False], state, inputs
+            yield "decode-plain", self._decode[True], state, inputs
         for length in self.insert_buckets:
             yield "insert", self._insert, (self.penalties,), (
                 np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0),
