@@ -27,8 +27,14 @@ def demo(argv: list[str]) -> None:
     seconds = time.perf_counter() - started
     completion = output.outputs[0]
     print(f"\nUser: {args.prompt}\nAssistant: {completion.text.strip()}\n")
-    print(f"{len(completion.token_ids)} tokens in {seconds:.2f}s = {len(completion.token_ids) / seconds:.1f} tokens/s "
-          f"(prompt {len(output.prompt_token_ids)} tokens, finish_reason={completion.finish_reason})")
+    metrics = output.metrics
+    generated = len(completion.token_ids)
+    ttft = metrics.first_token_time - metrics.arrival_time
+    decode_seconds = metrics.last_token_time - metrics.first_token_time
+    decode_rate = f"{(generated - 1) / decode_seconds:.1f} tokens/s" if generated > 1 and decode_seconds > 0 else "n/a"
+    print(f"{generated} tokens in {seconds:.2f}s: time to first token {1000 * ttft:.0f} ms "
+          f"(prompt {len(output.prompt_token_ids)} tokens), then {decode_rate}; "
+          f"finish_reason={completion.finish_reason}")
 
 
 def main(argv: list[str] | None = None) -> None:
