@@ -112,7 +112,7 @@ class ModelRunner:
                         for plain in (True, False)}
         self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
-        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s layout %s)", self.num_pages,
+        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s)", self.num_pages,
                     self.page_size, self.num_pages * self.page_size, self.kv_pool_bytes / 2**20,
                     engine_config.dtype, self.backend.name, pool_shape)
 

@@ -6,10 +6,10 @@ The model calls `backend.write_kv` and `backend.attend` and never knows which im
 * `pallas`: our Pallas kernels from `pallas_kernels` (default on GPU).
 * `pallas-interpret`: the same kernels in Pallas' interpreter, for tests on CPU.
 
-Each backend also owns the layout of one layer's page pool, because the fastest layout differs:
-the XLA gather wants `[num_pages, page_size, kv_heads, head_dim]` (a page is one contiguous block
-for all heads, measured fastest on CPU), while the Pallas kernels want
-`[kv_heads, num_pages, page_size, head_dim]` so that one grid cell streams one head's pages.
+All backends share one layout per layer's page pool: `[kv_heads, num_pages, page_size, head_dim]`.
+A Pallas grid cell then streams one head's pages, and the XLA decode loop contracts each head's
+keys without transposing them (measured ~20% faster on CPU than `[num_pages, page_size, kv_heads,
+head_dim]` with 32-token blocks).
 """
 
 from __future__ import annotations
@@ -45,14 +45,9 @@ class AttentionBackend:
         if self.name not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.name!r}")
 
-    @property
-    def heads_major(self) -> bool:
-        return self.name != "xla"
-
-    def pool_shape(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        if self.heads_major:
-            return (num_kv_heads, num_pages, page_size, head_dim)
-        return (num_pages, page_size, num_kv_heads, head_dim)
+    @staticmethod
+    def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_pages, page_size, head_dim)
 
     def write_kv(self, k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array,
                  slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -63,20 +58,12 @@ class AttentionBackend:
             # pool every step (measured: 3.5 s/step for a 1.5 GB pool); writing the row twice keeps it a scatter.
             slots = jnp.concatenate([slots, slots])
             k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
-        if self.heads_major:
-            heads, pages, page_size, head_dim = k_pool.shape
-            k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(k_pool.dtype)
-            v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(v_pool.dtype)
-            flat_shape = (heads, pages * page_size, head_dim)
-            k_pool = k_pool.reshape(flat_shape).at[:, slots].set(k_new).reshape(k_pool.shape)
-            v_pool = v_pool.reshape(flat_shape).at[:, slots].set(v_new).reshape(v_pool.shape)
-        else:
-            pages, page_size, heads, head_dim = k_pool.shape
-            flat_shape = (pages * page_size, heads, head_dim)
-            k_pool = k_pool.reshape(flat_shape).at[slots].set(k.reshape(-1, heads, head_dim).astype(k_pool.dtype))
-            v_pool = v_pool.reshape(flat_shape).at[slots].set(v.reshape(-1, heads, head_dim).astype(v_pool.dtype))
-            pool_shape = (pages, page_size, heads, head_dim)
-            k_pool, v_pool = k_pool.reshape(pool_shape), v_pool.reshape(pool_shape)
+        heads, pages, page_size, head_dim = k_pool.shape
+        k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(k_pool.dtype)
+        v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(v_pool.dtype)
+        flat_shape = (heads, pages * page_size, head_dim)
+        k_pool = k_pool.reshape(flat_shape).at[:, slots].set(k_new).reshape(k_pool.shape)
+        v_pool = v_pool.reshape(flat_shape).at[:, slots].set(v_new).reshape(v_pool.shape)
         return k_pool, v_pool
 
     def attend(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, *,
@@ -92,13 +79,13 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
     if q.shape[1] == 1:
         return _xla_decode_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window)
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads, _, page_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     max_kv = meta.page_tables.shape[1] * page_size
-    keys = k_pool[meta.page_tables].reshape(batch, max_kv, num_kv_heads, head_dim)
-    values = v_pool[meta.page_tables].reshape(batch, max_kv, num_kv_heads, head_dim)
+    keys = k_pool[:, meta.page_tables].reshape(num_kv_heads, batch, max_kv, head_dim)
+    values = v_pool[:, meta.page_tables].reshape(num_kv_heads, batch, max_kv, head_dim)
     q = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.einsum("btkgd,kbsd->bkgts", q, keys, preferred_element_type=jnp.float32) * sm_scale
     key_pos = jnp.arange(max_kv)[None, None, :]
     query_pos = meta.positions[:, :, None]
     visible = (key_pos <= query_pos) & (key_pos < meta.context_lens[:, None, None])
@@ -106,7 +93,7 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
         visible &= key_pos > query_pos - sliding_window
     scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,kbsd->btkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     return out.reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -121,7 +108,7 @@ def _xla_decode_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scal
     context on CPU, and equal at 128.
     """
     batch, _, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads, _, page_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     pages_per_block = max(1, DECODE_BLOCK_TOKENS // page_size)
     block_tokens = pages_per_block * page_size
@@ -136,9 +123,9 @@ def _xla_decode_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scal
     def block(index, carry):
         running_max, denominator, accumulator = carry
         pages = jax.lax.dynamic_slice_in_dim(page_tables, index * pages_per_block, pages_per_block, axis=1)
-        keys = k_pool[pages].reshape(batch, block_tokens, num_kv_heads, head_dim)
-        values = v_pool[pages].reshape(batch, block_tokens, num_kv_heads, head_dim)
-        scores = jnp.einsum("bkgd,bskd->bkgs", query, keys, preferred_element_type=jnp.float32)
+        keys = k_pool[:, pages].reshape(num_kv_heads, batch, block_tokens, head_dim)
+        values = v_pool[:, pages].reshape(num_kv_heads, batch, block_tokens, head_dim)
+        scores = jnp.einsum("kbsd,bkgd->bkgs", keys, query, preferred_element_type=jnp.float32)
         key_pos = index * block_tokens + jnp.arange(block_tokens)[None, :]
         visible = (key_pos <= query_pos[:, None]) & (key_pos < meta.context_lens[:, None])
         if sliding_window is not None:
@@ -150,7 +137,7 @@ def _xla_decode_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scal
         rescale = jnp.exp(running_max - safe_max)
         denominator = denominator * rescale + jnp.sum(probs, axis=-1)
         accumulator = accumulator * rescale[..., None] + jnp.einsum(
-            "bkgs,bskd->bkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+            "bkgs,kbsd->bkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
         return new_max, denominator, accumulator
 
     init = (jnp.full((batch, num_kv_heads, group), -jnp.inf, jnp.float32),
