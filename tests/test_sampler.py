@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.llm_engine import _SlotParams
+from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.layers.sampler import PenaltyState, inverse_cdf, sample
 from jaxserve.sampling_params import SamplingParams
 
@@ -15,7 +15,7 @@ VOCAB = 600  # not a multiple of the inverse-CDF block, to cover the padded tail
 
 
 def run(logits_row, params: SamplingParams, draws: int, penalties=None, output_index=None):
-    slots = _SlotParams(draws)
+    slots = SlotSamplingParams(draws)
     for row in range(draws):
         slots.set(row, params, seed=row)
     batch = slots.batch(np.arange(draws), np.zeros(draws, np.int32) if output_index is None else output_index)
@@ -68,7 +68,7 @@ def test_inverse_cdf_never_lands_on_zero_weight():
 
 
 def test_plain_variant_matches_argmax(logits_row):
-    slots = _SlotParams(2)
+    slots = SlotSamplingParams(2)
     batch = slots.batch(np.arange(2), np.zeros(2, np.int32))
     penalties = PenaltyState(jnp.zeros((2, VOCAB), bool), jnp.zeros((2, VOCAB), jnp.int32), jnp.zeros((2, VOCAB), bool))
     logits = jax.random.normal(jax.random.key(0), (2, VOCAB))

@@ -26,10 +26,11 @@ from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import ModelRunner, bucket_for
 from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
+from jaxserve.engine.request import Request
 from jaxserve.engine.sequence import Sequence
-from jaxserve.layers.sampler import SamplingBatch
+from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.loading import LoadedModel, load_model
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,36 +45,6 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     steps: int = 0
-
-
-class Request:
-    """One user request: a prompt and its `n` sequences, plus the per-sequence detokenizers."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], detokenizers: list[IncrementalDetokenizer], arrival_time: float):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.seqs = seqs
-        self.detokenizers = detokenizers
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.aborted = False
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
-
-    def output(self) -> RequestOutput:
-        finished = self.finished
-        completions = [
-            CompletionOutput(index=seq.index, text=detok.visible_text(seq.is_finished),
-                             token_ids=seq.output_token_ids,
-                             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                             logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-            for seq, detok in zip(self.seqs, self.detokenizers)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                             self.metrics, num_cached_tokens=max(seq.num_cached_tokens for seq in self.seqs))
 
 
 class LLMEngine:
@@ -102,10 +73,10 @@ class LLMEngine:
         self._new_commands = threading.Event()
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
-        self._slot_params = _SlotParams(self.config.max_num_seqs)
+        self._slot_params = SlotSamplingParams(self.config.max_num_seqs)
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
         if self.config.warmup:
-            seconds = self.runner.warmup(lambda rows: _SlotParams(rows).batch(np.arange(rows), np.zeros(rows, np.int32)))
+            seconds = self.runner.warmup(lambda rows: SlotSamplingParams(rows).batch(np.arange(rows), np.zeros(rows, np.int32)))
             logger.info("warm-up compiled %d prefill and %d decode shapes in %.1fs", len(self.config.prefill_shapes),
                         2 * len(self.config.decode_batch_buckets), seconds)
         self.ready = True
@@ -353,42 +324,6 @@ class LLMEngine:
                     if not seq.is_finished:
                         self._finish(seq, "abort", None)
                 changed.add(payload)
-
-
-class _SlotParams:
-    """Each slot's sampling parameters as numpy columns, written at admission, gathered per step in O(batch)."""
-
-    def __init__(self, slots: int):
-        self.temperature = np.zeros(slots, np.float32)
-        self.top_p = np.ones(slots, np.float32)
-        self.top_k = np.zeros(slots, np.int32)
-        self.min_p = np.zeros(slots, np.float32)
-        self.repetition_penalty = np.ones(slots, np.float32)
-        self.presence_penalty = np.zeros(slots, np.float32)
-        self.frequency_penalty = np.zeros(slots, np.float32)
-        self.seed = np.zeros(slots, np.uint32)
-        self.min_tokens = np.zeros(slots, np.int32)
-        self.wants_logprobs = np.zeros(slots, bool)
-
-    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = params.top_k
-        self.min_p[slot] = params.min_p
-        self.repetition_penalty[slot] = params.repetition_penalty
-        self.presence_penalty[slot] = params.presence_penalty
-        self.frequency_penalty[slot] = params.frequency_penalty
-        self.seed[slot] = seed
-        self.min_tokens[slot] = params.min_tokens
-        self.wants_logprobs[slot] = params.logprobs is not None
-
-    def batch(self, slots: np.ndarray, output_index: np.ndarray) -> SamplingBatch:
-        return SamplingBatch(
-            temperature=self.temperature[slots], top_p=self.top_p[slots], top_k=self.top_k[slots],
-            min_p=self.min_p[slots], repetition_penalty=self.repetition_penalty[slots],
-            presence_penalty=self.presence_penalty[slots], frequency_penalty=self.frequency_penalty[slots],
-            seed=self.seed[slots], output_index=output_index, min_tokens=self.min_tokens[slots],
-            wants_logprobs=self.wants_logprobs[slots])
 
 
 def _enable_compilation_cache(directory: str | None) -> None:

@@ -1,0 +1,44 @@
+"""`SlotSamplingParams`: every decode slot's sampling parameters as numpy columns, for O(batch) step inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.layers.sampler import SamplingBatch
+from jaxserve.sampling_params import SamplingParams
+
+
+class SlotSamplingParams:
+    """Each slot's sampling parameters as numpy columns, written at admission, gathered per step in O(batch)."""
+
+    def __init__(self, slots: int):
+        self.temperature = np.zeros(slots, np.float32)
+        self.top_p = np.ones(slots, np.float32)
+        self.top_k = np.zeros(slots, np.int32)
+        self.min_p = np.zeros(slots, np.float32)
+        self.repetition_penalty = np.ones(slots, np.float32)
+        self.presence_penalty = np.zeros(slots, np.float32)
+        self.frequency_penalty = np.zeros(slots, np.float32)
+        self.seed = np.zeros(slots, np.uint32)
+        self.min_tokens = np.zeros(slots, np.int32)
+        self.wants_logprobs = np.zeros(slots, bool)
+
+    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+        self.temperature[slot] = params.temperature
+        self.top_p[slot] = params.top_p
+        self.top_k[slot] = params.top_k
+        self.min_p[slot] = params.min_p
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.presence_penalty[slot] = params.presence_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.seed[slot] = seed
+        self.min_tokens[slot] = params.min_tokens
+        self.wants_logprobs[slot] = params.logprobs is not None
+
+    def batch(self, slots: np.ndarray, output_index: np.ndarray) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=self.temperature[slots], top_p=self.top_p[slots], top_k=self.top_k[slots],
+            min_p=self.min_p[slots], repetition_penalty=self.repetition_penalty[slots],
+            presence_penalty=self.presence_penalty[slots], frequency_penalty=self.frequency_penalty[slots],
+            seed=self.seed[slots], output_index=output_index, min_tokens=self.min_tokens[slots],
+            wants_logprobs=self.wants_logprobs[slots])
