@@ -46,9 +46,10 @@ class LLM:
         request_ids = []
         pending = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            _, token_ids = self.engine.tokenize(prompt)
+            text, token_ids = self.engine.tokenize(prompt)
             self.engine.validate_prompt(token_ids, params)
-            pending.append((prompt, params, priority[index] if priority else 0))
+            tokenized = {"prompt": text, "prompt_token_ids": token_ids}  # add_request will not tokenize again
+            pending.append((tokenized, params, priority[index] if priority else 0))
         for prompt, params, prio in pending:
             request_ids.append(self.engine.add_request(None, prompt, params, priority=prio))
         return self._run(request_ids, use_tqdm and len(prompts) > 4)

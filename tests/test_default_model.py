@@ -70,10 +70,8 @@ def test_store_round_trip_gives_identical_params(tmp_path):
 
 
 def test_truncated_store_is_detected_and_rebuilt(tmp_path, monkeypatch):
+    shutil.copytree(checkpoint_root() / DEFAULT_MODEL, tmp_path / DEFAULT_MODEL)
     monkeypatch.setenv("JAXSERVE_CHECKPOINT_DIR", str(tmp_path))
-    shutil.copytree(Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL
-                    if (Path(__file__).resolve().parents[1] / "checkpoints" / DEFAULT_MODEL).exists()
-                    else checkpoint_root() / DEFAULT_MODEL, tmp_path / DEFAULT_MODEL)
     store = tmp_path / DEFAULT_MODEL
     biggest = max((f for f in store.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     with open(biggest, "r+b") as handle:

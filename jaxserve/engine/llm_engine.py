@@ -319,7 +319,6 @@ class LLMEngine:
                     self.scheduler.add(seq)
             elif command == "abort" and payload in self.requests:
                 request = self.requests[payload]
-                request.aborted = True
                 for seq in request.seqs:
                     if not seq.is_finished:
                         self._finish(seq, "abort", None)

@@ -20,7 +20,6 @@ class Request:
         self.seqs = seqs
         self.detokenizers = detokenizers
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.aborted = False
 
     @property
     def finished(self) -> bool:

@@ -128,7 +128,6 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

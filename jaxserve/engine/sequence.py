@@ -41,7 +41,6 @@ class Sequence:
         self.page_hashes: list[int] = []  # chained hashes of this sequence's full pages, in order
         self.slot: int | None = None
         self.admission_order = -1
-        self.num_preemptions = 0
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
