@@ -78,6 +78,11 @@ def run_jaxserve(args: argparse.Namespace) -> tuple[dict[str, Any], list, Any]:
         batch = min(len(records), config.max_num_seqs)
         ceilings = roofline.measure_ceilings(args.dtype)
         point = {"ceilings": ceilings, **roofline.roofline_point(llm, ceilings, batch, context)}
+        floor_s = roofline.offline_floor_seconds(
+            llm.engine.model.config, roofline.param_counts(llm.engine.runner.params), stats["prompt_tokens"],
+            stats["expected_output_tokens"], len(records), ceilings["matmul_flops_s"])
+        point["offline_floor_s"] = floor_s
+        point["offline_floor_output_tok_s"] = stats["expected_output_tokens"] / floor_s
     summary = {"startup_s": startup_s, "result": offline.summary(), "single_stream": single, "roofline": point,
                "engine": {k: v for k, v in vars(config).items() if not k.startswith("_")},
                "load_average_before": load_before, "load_average_after": common.load_average()}
@@ -121,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "total_throughput": ratio(js["result"]["total_throughput"], hs["result"]["total_throughput"]),
             "single_stream_decode": ratio((js["single_stream"] or {}).get("decode_tok_s"),
                                           (hs["single_stream"] or {}).get("decode_tok_s")),
+            "offline_floor_vs_hf": ratio((js["roofline"] or {}).get("offline_floor_output_tok_s"),
+                                         hs["result"]["output_throughput"]),
         }
         payload["greedy_agreement"] = agreement(jax_outputs, hf_outputs)
     path = common.write_result(NAME, payload, args.result_file, argv)
@@ -161,6 +168,12 @@ def report(payload: dict[str, Any]) -> None:
         print(f"jaxserve decode step at batch {point['batch']}, ctx {point['context']}: "
               f"{1000 * point['step_s']:.1f} ms vs floor {1000 * point['floor_s']:.1f} "
               f"ms ({point['bound']}-bound) = {point['percent_of_roofline']:.1f}% of roofline")
+        line = (f"offline floor (matmul FLOPs of the whole run at {point['ceilings']['matmul_flops_s'] / 1e9:.0f} "
+                f"GFLOP/s): {point['offline_floor_s']:.1f} s = {point['offline_floor_output_tok_s']:.0f} output tok/s; "
+                f"jaxserve reaches {100 * js['result']['output_throughput'] / point['offline_floor_output_tok_s']:.0f}%")
+        if (payload.get("ratios") or {}).get("offline_floor_vs_hf"):
+            line += f"; no engine at that rate beats HF by more than {payload['ratios']['offline_floor_vs_hf']:.2f}x"
+        print(line)
     if payload.get("greedy_agreement"):
         agree = payload["greedy_agreement"]
         print(f"greedy outputs: {100 * agree['identical_fraction']:.0f}% identical sequences, common prefix "

@@ -135,6 +135,21 @@ def decode_cost(model_config: Any, counts: ParamCounts, batch: int, context: int
                       kv_bytes=float(kv_read + kv_write))
 
 
+def offline_floor_seconds(model_config: Any, counts: ParamCounts, prompt_tokens: int, output_tokens: int,
+                          requests: int, flops_rate: float) -> float:
+    """The fewest seconds any engine needs for an offline run at `flops_rate`, counting matmul FLOPs only.
+
+    Every prompt token runs the layers; the LM head runs once per output token (the first one from the
+    prompt's last position); every output token but the last of each request runs the layers again. At the
+    batch sizes of an offline run the step is compute-bound, so weight reads and attention are left out:
+    the floor is optimistic, and `expected ratio <= floor tok/s / peer tok/s` bounds what tuning can reach.
+    """
+    lm_head = model_config.vocab_size * model_config.hidden_size
+    layers = counts.matmul - lm_head
+    layer_tokens = prompt_tokens + max(0, output_tokens - requests)
+    return 2.0 * (layers * layer_tokens + lm_head * output_tokens) / flops_rate
+
+
 def floor_seconds(cost: DecodeCost, bandwidth: float, flops_rate: float) -> tuple[float, str]:
     memory_s, compute_s = cost.bytes / bandwidth, cost.flops / flops_rate
     return (memory_s, "memory") if memory_s >= compute_s else (compute_s, "compute")

@@ -319,6 +319,11 @@ def test_roofline_counts_by_hand():
     assert cost.weight_bytes == (208 + 16) * 4
     assert cost.kv_bytes == 2 * attended * 2 * 1 * 4 * 4 + 2 * 2 * 2 * 1 * 4 * 4
     assert roofline.floor_seconds(cost, bandwidth=1e9, flops_rate=1e12)[1] == "memory"
+    Config.vocab_size = 10  # LM head 10 x 8 = 80 of the 208 matmul params; the layers hold 128
+    # 3 requests, 12 prompt tokens, 9 output tokens: 12 + (9 - 3) tokens run the layers, 9 run the LM head
+    floor = roofline.offline_floor_seconds(Config, counts, prompt_tokens=12, output_tokens=9, requests=3,
+                                           flops_rate=100.0)
+    assert floor == pytest.approx(2 * (128 * 18 + 80 * 9) / 100.0)
 
 
 def test_hf_baseline_and_compare_smoke(tiny_llama_dir, tmp_path):
@@ -331,6 +336,7 @@ def test_hf_baseline_and_compare_smoke(tiny_llama_dir, tmp_path):
     assert payload["ratios"]["output_throughput"] > 0 and payload["jaxserve"]["roofline"]["percent_of_roofline"] > 0
     # same weights, both float32, greedy: the outputs should agree (padding in HF's static batches included)
     assert payload["greedy_agreement"]["mean_common_prefix_fraction"] >= 0.8
+    assert payload["jaxserve"]["roofline"]["offline_floor_s"] > 0 and payload["ratios"]["offline_floor_vs_hf"] > 0
 
 
 def test_plots_redraw(tmp_path):

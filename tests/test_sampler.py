@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.slot_params import SlotSamplingParams
-from jaxserve.layers.sampler import PenaltyState, inverse_cdf, sample
+from jaxserve.layers.sampler import PenaltyState, argmax, inverse_cdf, sample
 from jaxserve.sampling_params import SamplingParams
 
 VOCAB = 600  # not a multiple of the inverse-CDF block, to cover the padded tail
@@ -67,10 +67,12 @@ def test_inverse_cdf_never_lands_on_zero_weight():
     assert np.all(np.asarray(weights)[np.arange(3), np.asarray(index)] > 0)
 
 
-def test_plain_variant_matches_argmax(logits_row):
+def test_greedy_sampler_matches_the_plain_argmax(logits_row):
+    """Plain batches take the forward's `argmax`; greedy rows through the full sampler must agree with it."""
     slots = SlotSamplingParams(2)
     batch = slots.batch(np.arange(2), np.zeros(2, np.int32))
     penalties = PenaltyState(jnp.zeros((2, VOCAB), bool), jnp.zeros((2, VOCAB), jnp.int32), jnp.zeros((2, VOCAB), bool))
-    logits = jax.random.normal(jax.random.key(0), (2, VOCAB))
-    tokens = jax.jit(sample, static_argnums=4)(logits, batch, penalties, jnp.arange(2), True).tokens
+    logits = jax.random.normal(jax.random.key(0), (2, VOCAB)).at[1, 7].set(10.0).at[1, 9].set(10.0)  # a tie
+    tokens = jax.jit(sample)(logits, batch, penalties, jnp.arange(2)).tokens
     assert np.array_equal(tokens, np.argmax(logits, axis=-1))
+    assert np.array_equal(jax.jit(argmax)(logits), np.argmax(logits, axis=-1))

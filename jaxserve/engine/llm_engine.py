@@ -29,6 +29,7 @@ from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from jaxserve.engine.request import Request
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.layers.sampler import SamplingBatch
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -77,8 +78,8 @@ class LLMEngine:
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
         if self.config.warmup:
             seconds = self.runner.warmup(lambda rows: SlotSamplingParams(rows).batch(np.arange(rows), np.zeros(rows, np.int32)))
-            logger.info("warm-up compiled %d prefill and %d decode shapes in %.1fs", len(self.config.prefill_shapes),
-                        2 * len(self.config.decode_batch_buckets), seconds)
+            logger.info("warm-up compiled %d prefill and %d decode shapes (and their samplers) in %.1fs",
+                        len(self.config.prefill_shapes), len(self.config.decode_batch_buckets), seconds)
         self.ready = True
 
     @property
@@ -240,7 +241,8 @@ class LLMEngine:
             page_tables[row, :len(seq.page_table)] = seq.page_table
             is_final[row] = chunk.is_final
         batch = self._slot_params.batch(slots, output_index)
-        return self.runner.prefill(slots, token_ids, starts, num_tokens, page_tables, batch, is_final)
+        return self.runner.prefill(slots, token_ids, starts, num_tokens, page_tables, batch, is_final,
+                                   _is_plain(batch, len(group)))
 
     def _run_decode(self, seqs: list[Sequence]):
         rows = bucket_for(len(seqs), self.config.decode_batch_buckets)
@@ -259,11 +261,7 @@ class LLMEngine:
             page_tables[row, :len(seq.page_table)] = seq.page_table
         active[:len(seqs)] = True
         batch = self._slot_params.batch(slots, output_index)
-        live = slice(0, len(seqs))
-        plain = not (np.any(batch.temperature[live] > 0) or np.any(batch.repetition_penalty[live] != 1)
-                     or np.any(batch.presence_penalty[live] != 0) or np.any(batch.frequency_penalty[live] != 0)
-                     or np.any(batch.output_index[live] < batch.min_tokens[live]))
-        return self.runner.decode(slots, tokens, positions, page_tables, active, batch, plain)
+        return self.runner.decode(slots, tokens, positions, page_tables, active, batch, _is_plain(batch, len(seqs)))
 
     def _append_token(self, seq: Sequence, result, row: int, now: float) -> None:
         token = int(result.tokens[row])
@@ -323,6 +321,15 @@ class LLMEngine:
                     if not seq.is_finished:
                         self._finish(seq, "abort", None)
                 changed.add(payload)
+
+
+def _is_plain(batch: SamplingBatch, rows: int) -> bool:
+    """True when the first `rows` rows are greedy with no penalties, pending min_tokens or logprobs: the
+    forward's argmax is then every row's token and the sampler need not run."""
+    live = slice(0, rows)
+    return not (np.any(batch.temperature[live] > 0) or np.any(batch.repetition_penalty[live] != 1)
+                or np.any(batch.presence_penalty[live] != 0) or np.any(batch.frequency_penalty[live] != 0)
+                or np.any(batch.output_index[live] < batch.min_tokens[live]) or np.any(batch.wants_logprobs[live]))
 
 
 def _enable_compilation_cache(directory: str | None) -> None:

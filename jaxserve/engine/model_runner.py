@@ -6,12 +6,14 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   newly admitted sequence (only needed when it uses penalties or min_tokens).
 * `prefill(slots, token_ids, starts, ...)`: computes K/V for chunks of one or several sequences and
   samples the token after each; one compiled shape per (rows, chunk-length) bucket.
-* `decode(slots, tokens, positions, page_tables, sampling)`: one token for each of a batch of
-  sequences; one compiled shape per batch bucket (attention loops only over the pages in use), in
-  two variants: the full sampler, and a bare argmax for plain greedy batches.
+* `decode(slots, tokens, positions, page_tables, ...)`: one token for each of a batch of sequences; one
+  compiled shape per batch bucket (attention loops only over the pages in use).
 
-Every step is a pure jitted function (params, KV pool, penalty state, inputs) -> (sampled tokens,
-new KV pool, new penalty state) with the pool and penalty state donated, so no step copies them.
+Each forward is a pure jitted function (params, KV pool, inputs) -> (logits, their argmax, new KV pool)
+with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
+pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a second small jitted
+function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
+state donated. One forward per shape serves both, so start-up compiles each forward once.
 Results stay on device until the host fetches them all at once (`fetch`).
 """
 
@@ -30,7 +32,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, sample
+from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, argmax, sample
 from jaxserve.models import forward
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,7 @@ def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
-def _prefill_step(config, backend, dtype, page_size, params, kv_cache, penalties: PenaltyState, token_ids,
-                  starts, num_tokens, page_tables, slots, sampling: SamplingBatch, is_final):
+def _prefill_step(config, backend, dtype, page_size, params, kv_cache, token_ids, starts, num_tokens, page_tables):
     """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`."""
     rows, chunk = token_ids.shape
     positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
@@ -57,13 +58,10 @@ def _prefill_step(config, backend, dtype, page_size, params, kv_cache, penalties
                              context_lens=jnp.where(num_tokens > 0, starts + num_tokens, 0), query_lens=num_tokens)
     logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
                                logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype)
-    result = sample(logits, sampling, penalties, slots)
-    counts = penalties.output_counts.at[slots, result.tokens].add(is_final.astype(jnp.int32))
-    return result, kv_cache, penalties.replace(output_counts=counts)
+    return logits, argmax(logits), kv_cache
 
 
-def _decode_step(config, backend, dtype, page_size, plain, params, kv_cache, penalties: PenaltyState, slots,
-                 token_ids, positions, page_tables, active, sampling: SamplingBatch):
+def _decode_step(config, backend, dtype, page_size, params, kv_cache, token_ids, positions, page_tables, active):
     rows = token_ids.shape[0]
     page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
     page = jnp.take_along_axis(page_tables, page_index[:, None], axis=1)[:, 0]
@@ -73,9 +71,14 @@ def _decode_step(config, backend, dtype, page_size, plain, params, kv_cache, pen
                              query_lens=jnp.ones((rows,), jnp.int32))
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype)
-    result = sample(logits, sampling, penalties, slots, plain)
-    counts = penalties.output_counts.at[slots, result.tokens].add(active.astype(jnp.int32))
-    return result, kv_cache, penalties.replace(output_counts=counts)
+    return logits, argmax(logits), kv_cache
+
+
+def _sample_step(penalties: PenaltyState, logits, slots, sampling: SamplingBatch, counted):
+    """The full sampler on a forward's logits; rows with `counted` add their token to the slot's output counts."""
+    result = sample(logits, sampling, penalties, slots)
+    counts = penalties.output_counts.at[slots, result.tokens].add(counted.astype(jnp.int32))
+    return result, penalties.replace(output_counts=counts)
 
 
 def _insert_step(vocab_size, penalties: PenaltyState, slot, token_ids, num_prompt_tokens, num_tokens, ban_ids):
@@ -107,9 +110,9 @@ class ModelRunner:
                                       output_counts=jnp.zeros((slots, vocab), jnp.int32),
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool))
         static = (config, self.backend, self.dtype, self.page_size)
-        self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1, 2))
-        self._decode = {plain: jax.jit(functools.partial(_decode_step, *static, plain), donate_argnums=(1, 2))
-                        for plain in (True, False)}
+        self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_decode_step, *static), donate_argnums=(1,))
+        self._sample = jax.jit(_sample_step, donate_argnums=(0,))
         self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s)", self.num_pages,
@@ -146,23 +149,27 @@ class ModelRunner:
                                     (np.int32(slot), ids, np.int32(num_prompt_tokens), np.int32(len(token_ids)), bans))
 
     def prefill(self, slots: np.ndarray, token_ids: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray,
-                page_tables: np.ndarray, sampling: SamplingBatch, is_final: np.ndarray) -> SampleResult:
-        """Chunks of several sequences, padded to a `(rows, tokens)` shape from `prefill_shapes` (empty rows: 0 tokens)."""
-        result, self.kv_cache, self.penalties = self._call(
-            "prefill", self._prefill, (self.params, self.kv_cache, self.penalties),
-            (token_ids, starts, num_tokens, page_tables, slots, sampling, is_final))
-        return result
+                page_tables: np.ndarray, sampling: SamplingBatch, is_final: np.ndarray, plain: bool) -> SampleResult:
+        """Chunks of several sequences, padded to a `(rows, tokens)` shape from `prefill_shapes` (empty rows: 0 tokens).
+
+        `plain`: every row is greedy with no penalties, pending min_tokens or logprobs (the argmax is the token).
+        """
+        logits, greedy, self.kv_cache = self._call("prefill", self._prefill, (self.params, self.kv_cache),
+                                                   (token_ids, starts, num_tokens, page_tables))
+        return self._choose_tokens(logits, greedy, slots, sampling, is_final, plain)
 
     def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
-               active: np.ndarray, sampling: SamplingBatch, plain: bool = False) -> SampleResult:
-        """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`.
+               active: np.ndarray, sampling: SamplingBatch, plain: bool) -> SampleResult:
+        """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`; `plain` as in prefill."""
+        logits, greedy, self.kv_cache = self._call("decode", self._decode, (self.params, self.kv_cache),
+                                                   (token_ids, positions, page_tables, active))
+        return self._choose_tokens(logits, greedy, slots, sampling, active, plain)
 
-        `plain`: every row is greedy without penalties or pending min_tokens (runs a bare-argmax sampler).
-        """
-        kind = "decode-plain" if plain else "decode"
-        result, self.kv_cache, self.penalties = self._call(
-            kind, self._decode[plain], (self.params, self.kv_cache, self.penalties),
-            (slots, token_ids, positions, page_tables, active, sampling))
+    def _choose_tokens(self, logits, greedy, slots, sampling, counted, plain: bool) -> SampleResult:
+        if plain:  # the penalty statistics are only read by rows that use penalties, which are never plain
+            return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
+        result, self.penalties = self._call("sample", self._sample, (self.penalties,),
+                                            (logits, slots, sampling, counted))
         return result
 
     @staticmethod
@@ -187,38 +194,43 @@ class ModelRunner:
         for rows, tokens in ec.prefill_shapes:
             zeros = np.zeros(rows, np.int32)
             yield "prefill", self._prefill, (
-                np.zeros((rows, tokens), np.int32), zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
-                zeros, neutral_sampling(rows), np.zeros(rows, bool))
+                np.zeros((rows, tokens), np.int32), zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32))
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
-            inputs = (zeros, zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32), np.zeros(rows, bool),
-                      neutral_sampling(rows))
-            yield "decode", self._decode[False], inputs
-            yield "decode-plain", self._decode[True], inputs
+            yield "decode", self._decode, (zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
+                                           np.zeros(rows, bool))
+        for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
+            yield "sample", self._sample, (np.zeros((rows, self.config.vocab_size), np.float32),
+                                           np.zeros(rows, np.int32), neutral_sampling(rows), np.zeros(rows, bool))
         for length in self.insert_buckets:
             yield "insert", self._insert, (
                 np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0),
                 np.full(BAN_IDS_BUCKET, -1, np.int32))
 
     def _state(self, kind: str) -> tuple:
-        return (self.penalties,) if kind == "insert" else (self.params, self.kv_cache, self.penalties)
+        return (self.penalties,) if kind in ("insert", "sample") else (self.params, self.kv_cache)
+
+    def _run_example(self, kind: str, jitted, inputs) -> None:
+        outputs = self._call(kind, jitted, self._state(kind), inputs)
+        if kind in ("insert", "sample"):
+            self.penalties = outputs if kind == "insert" else outputs[1]
+        else:
+            self.kv_cache = outputs[-1]
 
     def warmup(self, neutral_sampling) -> float:
-        """Compiles every shape ahead of time (lowered in turn, compiled in parallel), then runs each once:
-        an executable's first run costs ~0.2 s more than later ones, which would land on a request."""
+        """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is
+        lowered), then runs each once: an executable's first run costs ~0.2 s more than later ones, which
+        would land on a request."""
         started = time.perf_counter()
-        lowered = {}
+        compiling = {}
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
+            for kind, jitted, inputs in self.example_inputs(neutral_sampling):
+                key = (kind, _shape_key(inputs))
+                if key not in compiling:
+                    compiling[key] = pool.submit(jitted.lower(*self._state(kind), *inputs).compile)
+            self._compiled = {key: future.result() for key, future in compiling.items()}
         for kind, jitted, inputs in self.example_inputs(neutral_sampling):
-            lowered[(kind, _shape_key(inputs))] = jitted.lower(*self._state(kind), *inputs)
-        workers = max(1, min(len(lowered), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # XLA releases the GIL while compiling
-            executables = pool.map(lambda item: item.compile(), lowered.values())
-            self._compiled = dict(zip(lowered.keys(), executables))
-        for kind, jitted, inputs in self.example_inputs(neutral_sampling):
-            if kind == "insert":
-                self.penalties = self._call(kind, jitted, self._state(kind), inputs)
-            else:
-                result, self.kv_cache, self.penalties = self._call(kind, jitted, self._state(kind), inputs)
+            self._run_example(kind, jitted, inputs)
         jax.block_until_ready((self.kv_cache, self.penalties))
         return time.perf_counter() - started
 

@@ -1,9 +1,9 @@
 """On-device sampling: penalties, temperature, min-p, top-k, top-p, seeded draws and logprobs, for a batch of rows.
 
-Everything here runs inside the jitted step. Each row carries its own parameters; rows with
-temperature 0 take the argmax. A batch the host knows is plain (greedy, no penalties, no pending
-min_tokens) runs a sampler compiled as a bare argmax; otherwise the full pipeline runs, with the
-costly optional parts (a sort over the vocabulary for top-k/top-p, top-k logprobs) behind `lax.cond`.
+Everything here runs on device, jitted on its own after the model's forward (which also returns the
+argmax, all a plain greedy batch needs). Each row carries its own parameters; rows with temperature 0
+take the argmax. The costly optional parts (a sort over the vocabulary for top-k/top-p, top-k logprobs)
+sit behind `lax.cond`.
 A row's random key is derived from its request's seed and its output index alone, so a seeded
 request draws the same tokens whatever else shares its batch.
 """
@@ -131,20 +131,11 @@ def _draw(logits, batch: SamplingBatch):
     return inverse_cdf(weights, jax.vmap(row_uniform)(batch.seed, batch.output_index))
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slots: jax.Array,
-           plain: bool = False) -> SampleResult:
-    """Samples one token per row of float32 `logits [rows, vocab]`; row i uses penalty slot `slots[i]`.
-
-    `plain=True` (static) compiles just an argmax, for batches the host knows are greedy with no
-    penalties and no min_tokens pending. Deciding that on the host rather than with `lax.cond` matters
-    on XLA:CPU: a skipped branch feeding the argmax still cost ~15 ms per step at 64 rows.
-    """
+def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slots: jax.Array) -> SampleResult:
+    """Samples one token per row of float32 `logits [rows, vocab]`; row i uses penalty slot `slots[i]`."""
     raw_logits = logits
-    if plain:
-        tokens = argmax(logits)
-    else:
-        logits = apply_penalties(logits, batch, penalties, slots)
-        tokens = jnp.where(batch.temperature == 0, argmax(logits), _draw(logits, batch))
+    logits = apply_penalties(logits, batch, penalties, slots)
+    tokens = jnp.where(batch.temperature == 0, argmax(logits), _draw(logits, batch))
 
     def with_logprobs(raw):  # logprobs of the model's own distribution, before penalties and temperature
         logprobs = jax.nn.log_softmax(raw, axis=-1)
