@@ -1,6 +1,9 @@
 """`Scheduler`: iteration-level scheduling of sequences into decode slots, with chunked prefill and preemption.
 
-Each `schedule()` call plans one engine step under a token budget (`max_num_batched_tokens`):
+Each `schedule()` call plans one engine step under a token budget (`max_num_batched_tokens`). A prefill
+chunk is charged its padded size (its length bucket), so a step never computes much more than the
+budget whatever mix of chunk lengths it packs (measured on CPU: 512 real tokens in 64- and 128-token
+buckets had cost 1.7 s, against ~1 s for one 512-token chunk):
 1. every running sequence that is decoding gets one token (oldest first); if the pool has no page
    for it, the most recently admitted running sequence is preempted by recompute (pages freed,
    requeued at the front) until it fits;
@@ -88,15 +91,17 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING or not seq.is_prefilling:
                 continue
-            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
+            if num_tokens == 0:
+                break
             if self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
                 out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
-                budget -= num_tokens
+                budget -= padded
 
-        while self.waiting and self.free_slots and budget > 0:
+        while self.waiting and self.free_slots and budget >= self.config.prefill_buckets[0]:
             seq = self._next_waiting()
             self.block_manager.admit(seq, self.block_manager.match_prefix(seq))
-            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
                 self.block_manager.free(seq)
                 break
@@ -106,8 +111,19 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
             out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
-            budget -= num_tokens
+            budget -= padded
         return out
+
+    def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
+        """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""
+        buckets = self.config.prefill_buckets
+        num_tokens = min(remaining, budget)
+        if num_tokens <= 0 or budget < buckets[0]:
+            return 0, 0
+        padded = next(bucket for bucket in buckets if bucket >= num_tokens)
+        if padded > budget:  # take the largest bucket that fits, whole
+            padded = num_tokens = max(bucket for bucket in buckets if bucket <= budget)
+        return num_tokens, padded
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocates pages for `seq`, preempting newer sequences as needed; False if `seq` itself was preempted."""

@@ -1,0 +1,61 @@
+"""Scheduling under the token budget: decodes first, prefill chunks charged their padded bucket size."""
+
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sequence import Sequence
+from jaxserve.sampling_params import SamplingParams
+
+
+def make_scheduler(budget: int = 64) -> Scheduler:
+    config = EngineConfig(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=budget)
+    config.resolve(256)
+    assert config.prefill_buckets == (16, 32, 64)
+    return Scheduler(config, BlockManager(num_pages=200, page_size=8, enable_prefix_caching=False))
+
+
+def add(scheduler: Scheduler, prompt_len: int, request_id: str) -> Sequence:
+    seq = Sequence(request_id, 0, list(range(1, prompt_len + 1)), SamplingParams(), seed=0, arrival_time=0.0)
+    scheduler.add(seq)
+    return seq
+
+
+def run_step(scheduler: Scheduler, next_token: int = 7):
+    """Schedules a step and applies it as the engine would: computed tokens advance, finished chunks sample."""
+    plan = scheduler.schedule()
+    for chunk in plan.prefills:
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        if chunk.is_final:
+            chunk.seq.token_ids.append(next_token)
+    for seq in plan.decodes:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(next_token)
+    return plan
+
+
+def test_prefill_chunks_are_charged_their_bucket():
+    scheduler = make_scheduler()
+    first, second, third = (add(scheduler, 20, name) for name in ("a", "b", "c"))
+    plan = run_step(scheduler)
+    # 20-token chunks pad to the 32 bucket: two fill the 64-token budget, the third waits
+    assert [(c.seq, c.num_tokens) for c in plan.prefills] == [(first, 20), (second, 20)]
+    assert scheduler.waiting[0] is third
+    plan = run_step(scheduler)
+    # two decodes leave 62 tokens: the third prompt's 32-token bucket fits
+    assert plan.decodes == [first, second] and [(c.seq, c.num_tokens) for c in plan.prefills] == [(third, 20)]
+
+
+def test_a_long_prompt_takes_the_largest_bucket_that_fits():
+    scheduler = make_scheduler()
+    short = add(scheduler, 10, "short")
+    run_step(scheduler)
+    long = add(scheduler, 100, "long")
+    plan = run_step(scheduler)
+    # one decode leaves 63 tokens; 63 would pad to 64, over budget, so the chunk is one whole 32-token bucket
+    assert plan.decodes == [short] and [(c.seq, c.num_tokens) for c in plan.prefills] == [(long, 32)]
+    plan = run_step(scheduler)
+    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 32, 32)]
+    scheduler.finish(short)
+    plan = run_step(scheduler)  # alone: the remaining 36 tokens pad to 64, which fits
+    assert plan.decodes == [] and [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 64, 36)]
+    assert long.num_output_tokens == 1
