@@ -41,21 +41,18 @@ def test_prefill_chunks_are_charged_their_bucket():
     assert [(c.seq, c.num_tokens) for c in plan.prefills] == [(first, 20), (second, 20)]
     assert scheduler.waiting[0] is third
     plan = run_step(scheduler)
-    # two decodes leave 62 tokens: the third prompt's 32-token bucket fits
+    # decodes are not charged: the third prompt gets the budget
     assert plan.decodes == [first, second] and [(c.seq, c.num_tokens) for c in plan.prefills] == [(third, 20)]
 
 
 def test_a_long_prompt_takes_the_largest_bucket_that_fits():
     scheduler = make_scheduler()
-    short = add(scheduler, 10, "short")
-    run_step(scheduler)
-    long = add(scheduler, 100, "long")
+    short, long = add(scheduler, 10, "short"), add(scheduler, 100, "long")
     plan = run_step(scheduler)
-    # one decode leaves 63 tokens; 63 would pad to 64, over budget, so the chunk is one whole 32-token bucket
-    assert plan.decodes == [short] and [(c.seq, c.num_tokens) for c in plan.prefills] == [(long, 32)]
+    # the short prompt is charged 16; 48 tokens would pad to 64, over budget, so the long one gets a whole 32
+    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(short, 0, 10), (long, 0, 32)]
     plan = run_step(scheduler)
-    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 32, 32)]
-    scheduler.finish(short)
-    plan = run_step(scheduler)  # alone: the remaining 36 tokens pad to 64, which fits
-    assert plan.decodes == [] and [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 64, 36)]
+    assert plan.decodes == [short] and [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 32, 64)]
+    plan = run_step(scheduler)
+    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 96, 4)]
     assert long.num_output_tokens == 1

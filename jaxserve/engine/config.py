@@ -28,7 +28,7 @@ class EngineConfig:
     page_size: int = 16
     num_kv_pages: int | None = None  # default: from kv_cache_memory_fraction (accelerators) or enough for all slots (CPU)
     kv_cache_memory_fraction: float = 0.85
-    max_num_batched_tokens: int = 512  # tokens per step, decode + prefill chunks (chunked prefill)
+    max_num_batched_tokens: int = 512  # prefill tokens per step, padded to their buckets (decodes come on top)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
     attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret"; default pallas on GPU, xla on CPU

@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="decode slots")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, <= 2048)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="prefill tokens per engine step (padded to their buckets; decodes come on top)")
     engine.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     engine.add_argument("--num-kv-pages", type=int, default=None, help="KV-cache pages (default: from memory)")
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
