@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -95,6 +97,7 @@ class StepProbe:
                 "mean_decode_step_s": decode_s / len(self.decode_step_s) if self.decode_step_s else None,
                 "decode_only_tok_s": tokens / decode_s if decode_s else None,
                 "prefill_steps": len(self.other_step_s), "prefill_steps_s": other_s,
+                "longest_prefill_step_s": max(self.other_step_s, default=None),
                 "outside_steps_s": max(0.0, elapsed_s - decode_s - other_s)}
 
 
@@ -158,7 +161,11 @@ def run_offline(llm: Any, records: Sequence[RequestRecord], temperature: float =
 
 def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int, temperature: float = 0.0,
                     ignore_eos: bool = True, seed: int = 0, use_tqdm: bool = True) -> OfflineResult:
-    """Keeps `concurrency` requests in flight (refilled as they finish) by driving `engine.step` directly."""
+    """Keeps `concurrency` requests in flight (refilled as they finish) by driving `engine.step` directly.
+
+    Also times, per request, the gaps between successive tokens as the engine hands them out (the stall a
+    streaming client would see, without any HTTP in between): `time_breakdown["token_gap_*_s"]`.
+    """
     from tqdm.auto import tqdm
 
     engine = llm.engine
@@ -168,6 +175,8 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
     finished: dict[str, Any] = {}
     counters = _counters(llm)
     progress = tqdm(total=len(records), desc=f"concurrency {concurrency}", disable=not use_tqdm, dynamic_ncols=True)
+    last_token: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, when the last one came)
+    gaps: list[float] = []
     with StepProbe(engine) as probe:
         started = time.perf_counter()
         while pending or in_flight:
@@ -176,14 +185,26 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
                 request_id = f"closed-{concurrency}-{index}"
                 engine.add_request(request_id, {"prompt_token_ids": records[index].prompt_token_ids}, params[index])
                 in_flight.add(request_id)
-            for output in engine.step():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                produced = sum(len(completion.token_ids) for completion in output.outputs)
+                before = last_token.get(output.request_id)
+                if before is not None and produced > before[0]:
+                    gaps.append(now - before[1])
+                if produced and (before is None or produced > before[0]):
+                    last_token[output.request_id] = (produced, now)
                 if output.finished and output.request_id in in_flight:
                     in_flight.discard(output.request_id)
                     finished[output.request_id] = output
                     progress.update(1)
         elapsed = time.perf_counter() - started
     progress.close()
-    return _offline_result(llm, list(finished.values()), elapsed, probe, counters)
+    result = _offline_result(llm, list(finished.values()), elapsed, probe, counters)
+    result.time_breakdown.update(token_gap_median_s=float(np.median(gaps)) if gaps else None,
+                                 token_gap_p99_s=float(np.percentile(gaps, 99)) if gaps else None,
+                                 token_gap_max_s=max(gaps, default=None))
+    return result
 
 
 def single_stream_decode(llm: Any, prompt_token_ids: list[int], output_len: int) -> dict[str, float]:
@@ -321,10 +342,17 @@ def report(payload: dict[str, Any]) -> None:
         ]
     common.print_block("Offline Throughput Result", rows)
     if payload["closed_loop_sweep"]:
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else 1000 * seconds
+
         print(common.format_table(
-            ["concurrency", "requests", "output tok/s", "total tok/s", "req/s", "peak KV %"],
+            ["concurrency", "requests", "output tok/s", "total tok/s", "req/s", "peak KV %",
+             "token gap median / p99 / max (ms)", "longest step with prefill (ms)"],
             [[p["concurrency"], p["num_requests"], p["output_throughput"], p["total_throughput"],
-              p["request_throughput"], 100 * p["peak_kv_usage"]] for p in payload["closed_loop_sweep"]]))
+              p["request_throughput"], 100 * p["peak_kv_usage"],
+              " / ".join(common.fmt(ms(p["time_breakdown"].get(f"token_gap_{k}_s")), 0) for k in ("median", "p99", "max")),
+              ms(p["time_breakdown"].get("longest_prefill_step_s"))]
+             for p in payload["closed_loop_sweep"]]))
 
 
 if __name__ == "__main__":

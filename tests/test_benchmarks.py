@@ -284,6 +284,10 @@ def test_throughput_smoke(tiny_llama_dir, tmp_path):
     assert 0 < result["peak_kv_usage"] <= 1 and result["steps"] > 0
     assert result["prefix_hit_rate"] > 0.3  # 2 prefixes of 2 pages shared by 8 requests
     assert [p["concurrency"] for p in saved["closed_loop_sweep"]] == [1, 4]
+    for point in saved["closed_loop_sweep"]:
+        split = point["time_breakdown"]
+        assert 0 < split["token_gap_median_s"] <= split["token_gap_p99_s"] <= split["token_gap_max_s"]
+        assert split["longest_prefill_step_s"] > 0
     assert result_file.with_suffix(".png").exists()
     assert payload["startup_s"] > 0
 
