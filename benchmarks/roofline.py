@@ -1,7 +1,7 @@
 """Roofline of one decode step: measured device ceilings, the model's FLOPs and bytes, and the engine's step time.
 
 Owns:
-* `measure_ceilings`: the device's copy bandwidth (`benchmarks/timing.py`) and large-matmul FLOP/s (jax).
+* `measure_ceilings`: the device's read and copy bandwidth (`benchmarks/timing.py`) and large-matmul FLOP/s.
 * `decode_cost`: per decode step at batch B and context C, counted from the loaded parameter tree:
   bytes = every weight read once (a tied embedding is read whole as the LM head; an untied one only for B
   rows) + the KV cache read (B * C tokens x layers x 2 x kv_heads x head_dim, window-limited for sliding
@@ -9,7 +9,8 @@ Owns:
 * `time_decode_step`: the engine's jitted decode step (`llm.engine.runner.decode`) on a filled batch of B
   sequences at context C, with the engine's own batch bucket and page-table width; the K/V tokens the step
   really attends over per sequence are reported (padding beyond C is work the floor does not count).
-The floor is max(bytes / bandwidth, FLOPs / matmul rate); percent of roofline = floor / measured x 100.
+The floor is max(bytes / read bandwidth, FLOPs / matmul rate) (a decode step reads weights and KV and writes
+next to nothing, so the read figure applies, not the copy one); percent of roofline = floor / measured x 100.
 
     python benchmarks/roofline.py --batch-sizes 1 4 16 64 --context 256
 """
@@ -50,21 +51,22 @@ def measure_matmul_flops(size: int, dtype: str = "float32", repeats: int = 5) ->
 
 def measure_ceilings(dtype: str = "float32", bandwidth_bytes: int | None = None, matmul_size: int | None = None,
                      bandwidth_override: float | None = None, flops_override: float | None = None) -> dict[str, Any]:
-    """Copy bandwidth (bytes/s, read + write) and matmul FLOP/s on the default jax device.
+    """Read bandwidth (bytes/s), copy bandwidth (bytes/s, read + write) and matmul FLOP/s on the default device.
 
     An override (bytes/s or FLOP/s, e.g. figures measured on a quiet machine) replaces the measurement and is
     marked as given in the result.
     """
     import jax
 
-    from benchmarks.timing import device_summary, measure_copy_bandwidth
+    from benchmarks.timing import device_summary, measure_copy_bandwidth, measure_read_bandwidth
 
     on_cpu = jax.default_backend() == "cpu"
     bandwidth_bytes = bandwidth_bytes or (256 << 20 if on_cpu else 1 << 30)
     matmul_size = matmul_size or (2048 if on_cpu else 8192)
     return {"device": device_summary(),
-            "copy_bandwidth_bytes_s": bandwidth_override or measure_copy_bandwidth(bandwidth_bytes, repeats=5),
-            "bandwidth_source": "given" if bandwidth_override else f"measured, {bandwidth_bytes} byte copy",
+            "read_bandwidth_bytes_s": bandwidth_override or measure_read_bandwidth(bandwidth_bytes, repeats=5),
+            "bandwidth_source": "given" if bandwidth_override else f"measured, sum over {bandwidth_bytes} bytes",
+            "copy_bandwidth_bytes_s": measure_copy_bandwidth(bandwidth_bytes, repeats=5),
             "matmul_flops_s": flops_override or measure_matmul_flops(matmul_size, dtype),
             "matmul_source": "given" if flops_override else f"measured, {matmul_size}^3 matmul",
             "matmul_size": matmul_size, "dtype": dtype}
@@ -243,7 +245,7 @@ def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int,
     counts = param_counts(runner.params)
     dtype_bytes = 2 if llm.engine.config.dtype == "bfloat16" else 4
     cost = decode_cost(llm.engine.model.config, counts, batch, context, dtype_bytes)
-    floor_s, bound = floor_seconds(cost, ceilings["copy_bandwidth_bytes_s"], ceilings["matmul_flops_s"])
+    floor_s, bound = floor_seconds(cost, ceilings["read_bandwidth_bytes_s"], ceilings["matmul_flops_s"])
     measured = time_decode_step(llm, batch, context, repeats)
     return {"batch": batch, "context": context, "gflop": cost.flops / 1e9, "weight_mb": cost.weight_bytes / 1e6,
             "kv_mb": cost.kv_bytes / 1e6, "arithmetic_intensity": cost.arithmetic_intensity,
@@ -259,10 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--context", type=int, default=256, help="tokens each sequence attends over")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per batch size (median reported)")
-    parser.add_argument("--bandwidth-bytes", type=int, default=None, help="copy probe size (default 256 MiB on CPU)")
+    parser.add_argument("--bandwidth-bytes", type=int, default=None,
+                        help="read and copy probe size (default 256 MiB on CPU)")
     parser.add_argument("--matmul-size", type=int, default=None, help="square matmul probe (default 2048 on CPU)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
-                        help="use this copy bandwidth (GB/s, read + write) instead of measuring it")
+                        help="use this read bandwidth (GB/s) for the floor instead of measuring it")
     parser.add_argument("--matmul-gflops", type=float, default=None,
                         help="use this matmul rate (GFLOP/s) instead of measuring it")
     common.add_engine_args(parser)
@@ -307,8 +310,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def report(payload: dict[str, Any]) -> None:
     ceilings = payload["ceilings"]
-    print(f"device: {ceilings['device']['device_kind']} ({ceilings['device']['backend']}); copy bandwidth "
-          f"{ceilings['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s ({ceilings['bandwidth_source']}); {ceilings['dtype']} "
+    print(f"device: {ceilings['device']['device_kind']} ({ceilings['device']['backend']}); read bandwidth "
+          f"{ceilings['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s ({ceilings['bandwidth_source']}; copy, read + write: "
+          f"{ceilings['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s); {ceilings['dtype']} "
           f"matmul {ceilings['matmul_flops_s'] / 1e9:.1f} GFLOP/s ({ceilings['matmul_source']})")
     print(common.format_table(
         ["batch", "rows", "ctx", "attended", "GFLOP", "MB moved", "FLOP/B", "floor ms", "bound", "step ms", "% roofline",
