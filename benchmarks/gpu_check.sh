@@ -7,11 +7,13 @@
 # a ~8 minute budget (later steps shrink or are skipped when time runs short):
 #   1. environment: GPU, jax version and devices
 #   2. smoke: both kernels compiled (not interpreted) vs the XLA reference (no pytest needed)
-#   3. pytest tests/test_kernels.py with JAXSERVE_KERNEL_INTERPRET=0 (compiled Triton kernels)
-#   4. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
-#   5. end-to-end decode throughput hook (see E2E_DECODE_MODULE below)
+#   3. end to end: the engine's decode step in bfloat16 at batch 1-256 against the roofline
+#      (`roofline.py`), on a random-weight stand-in with the default model's shapes built on the machine
+#      (`random_model.py`; the default model's GGUF is larger than what a device call may carry)
+#   4. pytest tests/test_kernels.py with JAXSERVE_KERNEL_INTERPRET=0 (compiled Triton kernels)
+#   5. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
-# gpu_check.log, summary.txt, test_kernels.xml, kernels-*.json.
+# gpu_check.log, summary.txt, roofline-gpu.json, test_kernels.xml, kernels-*.json.
 #
 # Usage: bash benchmarks/gpu_check.sh        (env: OUT, PY, BUDGET_S)
 set -u -o pipefail
@@ -26,11 +28,6 @@ PY="${PY:-python3}"
 BUDGET_S="${BUDGET_S:-470}"   # whole script, seconds
 : >"$SUMMARY"
 exec > >(tee -a "$LOG") 2>&1
-
-# End-to-end decode throughput, owned by the jaxserve developer.  Runs only if
-# the module exists (it does not yet); until then the step reports "skipped".
-E2E_DECODE_MODULE="jaxserve.bench_decode"
-E2E_DECODE_ARGS="${E2E_DECODE_ARGS:---out-dir $OUT_DIR}"
 
 if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
     echo "== installing local wheels from .whl/ into /tmp/site (offline)"
@@ -107,6 +104,13 @@ for dtype, tol in ((jnp.float32, 1e-3), (jnp.bfloat16, 2e-2)):
 sys.exit(1 if failures else 0)
 PYEOF
 
+RANDOM_MODEL=/tmp/smollm2-random
+step "random-weight stand-in for the default model" 60 "$PY" benchmarks/random_model.py "$RANDOM_MODEL"
+step "decode roofline, bf16, batch 1-256 (roofline.py)" 200 \
+    "$PY" benchmarks/roofline.py --model "$RANDOM_MODEL" --dtype bfloat16 --batch-sizes 1 16 64 128 256 \
+    --max-num-seqs 256 --max-model-len 1024 --context 512 --result-file "$OUT_DIR/roofline-gpu.json" \
+    --no-plot --disable-tqdm
+
 if "$PY" -c "import pytest" 2>/dev/null; then
     step "pytest tests/test_kernels.py (compiled)" 170 \
         "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider --junitxml="$OUT_DIR/test_kernels.xml"
@@ -118,13 +122,6 @@ step "benchmarks/kernels.py (bf16 grid)" 150 \
     "$PY" benchmarks/kernels.py --repeats 5 --out-dir "$OUT_DIR"
 step "benchmarks/kernels.py (int8 quick grid)" 45 \
     "$PY" benchmarks/kernels.py --quick --kv-int8 --repeats 5 --out-dir "$OUT_DIR"
-
-if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$E2E_DECODE_MODULE') is None)" 2>/dev/null; then
-    # shellcheck disable=SC2086  # E2E_DECODE_ARGS is a word list on purpose
-    step "end-to-end decode ($E2E_DECODE_MODULE)" 90 "$PY" -m "$E2E_DECODE_MODULE" $E2E_DECODE_ARGS
-else
-    echo "end-to-end decode: skipped ($E2E_DECODE_MODULE not importable; it does not exist yet)" | tee -a "$SUMMARY"
-fi
 
 echo "== summary (${SECONDS}s)"
 cat "$SUMMARY"

@@ -400,3 +400,28 @@ def test_serving_smoke_against_jaxserve(tiny_llama_dir, tmp_path):
     assert [r["max_concurrency"] for r in payload["runs"]] == [1, 3]
     assert (tmp_path / "serving-cdf.png").exists() and (tmp_path / "serving-concurrency.png").exists()
     assert chat["runs"][0]["metrics"]["completed"] == 3 and chat["runs"][0]["metrics"]["total_output_tokens"] == 12
+
+
+def test_random_model_has_the_default_models_shapes(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from benchmarks import random_model
+    from jaxserve.loading import default_gguf_path, load_model
+    from jaxserve.loading.gguf_convert import gguf_hf_config
+
+    import dataclasses
+
+    import transformers
+
+    from jaxserve.config import ModelConfig
+
+    described = ModelConfig.from_hf(gguf_hf_config(gguf.GGUFReader(default_gguf_path())))
+    stand_in = ModelConfig.from_hf(transformers.LlamaConfig(**random_model.DEFAULT_MODEL_SHAPES))
+    assert stand_in.rms_norm_eps == pytest.approx(described.rms_norm_eps)  # the GGUF stores it as float32
+    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0.0)  # the stand-in has no tokenizer
+    assert dataclasses.replace(stand_in, **same) == dataclasses.replace(described, **same)
+    # a small build loads in jaxserve with the shapes asked for
+    path = random_model.build(str(tmp_path / "random"), num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    config = load_model(path).config
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.vocab_size) == (2, 64, 2, 128)
+    assert config.tie_word_embeddings

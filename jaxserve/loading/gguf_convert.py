@@ -35,28 +35,24 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def read_gguf(path: str):
-    """`(hf_config, state_dict, tokenizer)` for a Llama-architecture GGUF file."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def gguf_hf_config(reader):
+    """The transformers `LlamaConfig` that a Llama-architecture GGUF file's metadata describes (no tensors read)."""
     from transformers import LlamaConfig
 
-    reader = GGUFReader(path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported; jaxserve converts 'llama' GGUF files")
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    hf_config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
         num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
@@ -66,6 +62,16 @@ def read_gguf(path: str):
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+
+
+def read_gguf(path: str):
+    """`(hf_config, state_dict, tokenizer)` for a Llama-architecture GGUF file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    hf_config = gguf_hf_config(reader)
+    num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
 
     state: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
@@ -86,7 +92,7 @@ def read_gguf(path: str):
             state[f"{GGUF_GLOBAL_NAMES[base]}.{kind}"] = weight
         elif base != "rope_freqs":
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
-    return hf_config, state, build_tokenizer(reader, arch)
+    return hf_config, state, build_tokenizer(reader, "llama")
 
 
 def build_tokenizer(reader, arch: str):
