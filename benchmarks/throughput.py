@@ -175,7 +175,7 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
     finished: dict[str, Any] = {}
     counters = _counters(llm)
     progress = tqdm(total=len(records), desc=f"concurrency {concurrency}", disable=not use_tqdm, dynamic_ncols=True)
-    last_token: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, when the last one came)
+    last_token: dict[str, tuple[int, float | None]] = {}  # request -> (tokens so far, when the last came)
     gaps: list[float] = []
     with StepProbe(engine) as probe:
         started = time.perf_counter()
@@ -189,10 +189,10 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
             now = time.perf_counter()
             for output in outputs:
                 produced = sum(len(completion.token_ids) for completion in output.outputs)
-                before = last_token.get(output.request_id)
-                if before is not None and produced > before[0]:
-                    gaps.append(now - before[1])
-                if produced and (before is None or produced > before[0]):
+                tokens_before, last_time = last_token.get(output.request_id, (0, None))
+                if produced > tokens_before:
+                    if last_time is not None:
+                        gaps.append(now - last_time)
                     last_token[output.request_id] = (produced, now)
                 if output.finished and output.request_id in in_flight:
                     in_flight.discard(output.request_id)
