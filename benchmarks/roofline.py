@@ -202,8 +202,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     if batch * pages_per_seq > runner.num_pages - 1:
         raise ValueError(f"batch {batch} x {pages_per_seq} pages exceeds the pool ({runner.num_pages - 1} pages)")
     rows = bucket_for(batch, config.decode_batch_buckets)
-    table_pages, attended = _decode_table_width(config, pages_per_seq)
-    page_tables = np.zeros((rows, table_pages), np.int32)
+    page_tables = np.zeros((rows, config.pages_per_seq), np.int32)
     for row in range(batch):
         page_tables[row, :pages_per_seq] = 1 + row * pages_per_seq + np.arange(pages_per_seq)
     slots = np.arange(rows, dtype=np.int32)
@@ -215,28 +214,16 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
                      warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.block_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,
-            "batch_bucket": rows, "page_table_width": table_pages,
-            "attended_tokens_per_seq": attended if attended is not None else context}
+            "batch_bucket": rows, "page_table_width": config.pages_per_seq,
+            "attended_tokens_per_seq": _attended_tokens(config, pages_per_seq)}
 
 
-def _decode_table_width(config: Any, pages_per_seq: int) -> tuple[int, int | None]:
-    """Page-table width the engine's decode step gets, and the K/V tokens per sequence it then attends over.
+def _attended_tokens(config: Any, pages_per_seq: int) -> int:
+    """K/V tokens per sequence the decode step attends over: its pages, read in whole `DECODE_BLOCK_TOKENS` blocks."""
+    from jaxserve.layers.attention import DECODE_BLOCK_TOKENS
 
-    Engines with decode page buckets pad the table to the bucket and attend over all of it; without them the
-    table is always `pages_per_seq` wide and the attention loop stops at the batch's longest context, in
-    blocks of `DECODE_BLOCK_TOKENS` when the attention module declares that.
-    """
-    from jaxserve.engine.model_runner import bucket_for
-
-    buckets = getattr(config, "decode_page_buckets", None)
-    if buckets:
-        width = bucket_for(pages_per_seq, buckets)
-        return width, width * config.page_size
-    from jaxserve.layers import attention
-
-    block = getattr(attention, "DECODE_BLOCK_TOKENS", None)
     tokens = pages_per_seq * config.page_size
-    return config.pages_per_seq, (-(-tokens // block) * block if block else None)
+    return -(-tokens // DECODE_BLOCK_TOKENS) * DECODE_BLOCK_TOKENS
 
 
 def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int, repeats: int = 5) -> dict[str, Any]:

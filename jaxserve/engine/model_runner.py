@@ -212,8 +212,10 @@ class ModelRunner:
 
     def _run_example(self, kind: str, jitted, inputs) -> None:
         outputs = self._call(kind, jitted, self._state(kind), inputs)
-        if kind in ("insert", "sample"):
-            self.penalties = outputs if kind == "insert" else outputs[1]
+        if kind == "insert":
+            self.penalties = outputs
+        elif kind == "sample":
+            self.penalties = outputs[1]
         else:
             self.kv_cache = outputs[-1]
 

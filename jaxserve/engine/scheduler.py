@@ -88,8 +88,6 @@ class Scheduler:
                 out.decodes.append(seq)
 
         for seq in sorted(self.running, key=lambda s: s.admission_order):
-            if budget <= 0:
-                break
             if seq.status != SequenceStatus.RUNNING or not seq.is_prefilling:
                 continue
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
