@@ -29,7 +29,12 @@ NAME = "compare"
 
 
 def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Fraction of identical sequences and mean length of the common prefix as a fraction of the length."""
+    """Fraction of identical sequences and mean length of the common prefix as a fraction of the length.
+
+    Both sides must hold one sequence per request; a missing sequence is an error, not a partial agreement.
+    """
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} sequences against {len(theirs)}: both sides must answer every request")
     prefixes = []
     for a, b in zip(ours, theirs):
         same = 0

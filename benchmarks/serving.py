@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,10 +89,10 @@ def chunk_text(data: dict[str, Any], endpoint: str) -> str | None:
 
 
 async def send_request(client: Any, url: str, endpoint: str, body: dict[str, Any], prompt_len: int,
-                       run_start: float) -> RequestResult:
+                       run_start: float, clock: Callable[[], float] = time.perf_counter) -> RequestResult:
     """Streams one request; measures TTFT, inter-chunk gaps and latency from the moment it is sent."""
     result = RequestResult(success=False, prompt_len=prompt_len)
-    sent = time.perf_counter()
+    sent = clock()
     result.send_time = sent - run_start
     last = sent
     chunks_with_text = 0
@@ -117,7 +117,7 @@ async def send_request(client: Any, url: str, endpoint: str, body: dict[str, Any
                 text = chunk_text(data, endpoint)
                 if not text:
                     continue
-                now = time.perf_counter()
+                now = clock()
                 if chunks_with_text == 0:
                     result.ttft = now - sent
                 else:
@@ -139,8 +139,13 @@ async def send_request(client: Any, url: str, endpoint: str, body: dict[str, Any
 async def run_benchmark(base_url: str, endpoint: str, bodies: Sequence[dict[str, Any]], prompt_lens: Sequence[int],
                         request_rate: float, burstiness: float, max_concurrency: int | None, seed: int,
                         disable_tqdm: bool = False, timeout_s: float = 3600.0,
-                        headers: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
-    """Sends every body on the arrival schedule; returns results (request order) and the run duration."""
+                        headers: dict[str, str] | None = None, clock: Callable[[], float] = time.perf_counter,
+                        transport: Any = None) -> tuple[list[RequestResult], float]:
+    """Sends every body on the arrival schedule; returns results (request order) and the run duration.
+
+    `clock` (seconds) and `transport` (an httpx async transport) are for tests: a virtual clock and an
+    in-process fake server make the timing checks exact.
+    """
     import httpx
     from tqdm.auto import tqdm
 
@@ -149,15 +154,17 @@ async def run_benchmark(base_url: str, endpoint: str, bodies: Sequence[dict[str,
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = tqdm(total=len(bodies), desc="requests", disable=disable_tqdm, dynamic_ncols=True)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
-        run_start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers,
+                                 transport=transport) as client:
+        run_start = clock()
 
         async def one(index: int) -> RequestResult:
+            args = (client, url, endpoint, bodies[index], prompt_lens[index], run_start, clock)
             if gate is None:
-                result = await send_request(client, url, endpoint, bodies[index], prompt_lens[index], run_start)
+                result = await send_request(*args)
             else:
-                async with gate:
-                    result = await send_request(client, url, endpoint, bodies[index], prompt_lens[index], run_start)
+                async with gate:  # the wait here is not timed: send_request reads the clock when it sends
+                    result = await send_request(*args)
             progress.update(1)
             return result
 
@@ -167,7 +174,7 @@ async def run_benchmark(base_url: str, endpoint: str, bodies: Sequence[dict[str,
             if intervals[index] > 0 and index + 1 < len(bodies):
                 await asyncio.sleep(intervals[index])
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - run_start
+        duration = clock() - run_start
     progress.close()
     return list(results), duration
 
