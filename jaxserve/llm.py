@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence as SequenceType
 
 from jaxserve.chat import render_chat
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, str]
 
@@ -17,15 +18,15 @@ class LLM:
     """`LLM(model=None, **engine_options)`: None loads the embedded default model (SmolLM2-135M-Instruct).
 
     Engine options are `EngineConfig`'s fields: max_num_seqs, max_model_len, page_size, num_kv_pages,
-    kv_cache_memory_fraction, max_num_batched_tokens, enable_prefix_caching, dtype, seed,
-    attention_backend, scheduling_policy, ...
+    gpu_memory_utilization, max_num_batched_tokens, enable_prefix_caching, dtype, seed,
+    attention_backend, scheduling_policy, tokenizer, generation_config, ...
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | SequenceType[PromptType],
                  sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
@@ -46,12 +47,13 @@ class LLM:
         request_ids = []
         pending = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, token_ids = self.engine.tokenize(prompt)
-            self.engine.validate_prompt(token_ids, params)
+            text, token_ids = self.llm_engine.tokenize(prompt)
+            self.llm_engine.validate_prompt(token_ids, params)
             tokenized = {"prompt": text, "prompt_token_ids": token_ids}  # add_request will not tokenize again
-            pending.append((tokenized, params, priority[index] if priority else 0))
+            final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            pending.append((tokenized, final_only, priority[index] if priority else 0))
         for prompt, params, prio in pending:
-            request_ids.append(self.engine.add_request(None, prompt, params, priority=prio))
+            request_ids.append(self.llm_engine.add_request(None, prompt, params, priority=prio))
         return self._run(request_ids, use_tqdm and len(prompts) > 4)
 
     def chat(self, messages: list[Message] | list[list[Message]],
@@ -66,7 +68,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, chat_template)
+        return render_chat(self.llm_engine.tokenizer, messages, add_generation_prompt, chat_template)
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -77,7 +79,7 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         wanted = set(request_ids)
         while len(results) < len(request_ids):
-            for output in self.engine.step():
+            for output in self.llm_engine.step():
                 if output.finished and output.request_id in wanted:
                     results[output.request_id] = output
                     if progress is not None:

@@ -1,11 +1,15 @@
-"""What generation returns: vLLM's `RequestOutput` / `CompletionOutput`, plus per-request timing metrics."""
+"""What generation returns: vLLM's `RequestOutput` / `CompletionOutput`, plus per-request timing metrics.
+
+Every output is a snapshot: its lists and metrics are copies that the engine never touches again,
+so another thread may read them while the engine keeps stepping.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -14,9 +18,10 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class CompletionOutput:
-    """One of the `n` completions of a request. `text` and `token_ids` are cumulative."""
+    """One of the `n` completions of a request: everything so far, or (`RequestOutputKind.DELTA`) what is new
+    since the request's previous output."""
 
     index: int
     text: str
@@ -30,7 +35,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

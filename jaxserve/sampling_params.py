@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per token at most (vLLM's default max_logprobs)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclasses.dataclass
@@ -14,7 +23,9 @@ class SamplingParams:
     temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 or -1 = off. min_p in [0, 1].
     repetition_penalty > 0 (1 = off, applies to prompt and output tokens); presence/frequency
     penalties in [-2, 2] (output tokens). seed: same seed -> same output, whatever the batch.
-    stop: strings ending generation (excluded from the text). logprobs: top-k logprobs per token.
+    stop: strings ending generation (excluded from the text). Stop strings, stop_token_ids and EOS
+    are not checked before min_tokens outputs. logprobs: top-k logprobs per token. output_kind:
+    whether outputs are cumulative, deltas, or only the final one.
     """
 
     n: int = 1
@@ -34,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +90,8 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "must be a RequestOutputKind")
 
     @property
     def greedy(self) -> bool:

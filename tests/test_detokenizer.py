@@ -1,9 +1,12 @@
-"""Incremental detokenization (multi-byte characters split across tokens) and stop-string hold-back."""
+"""Incremental detokenization: the prompt as context (SentencePiece spaces), multi-byte characters split across
+tokens, stop-string hold-back, and stop strings not checked before min_tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from tests.conftest import save_tiny_tokenizer
@@ -20,7 +23,7 @@ def test_multibyte_characters_are_never_split(tokenizer):
     text = "naïve café — 東京 🚀 done"
     ids = tokenizer.encode(text)
     assert len(ids) > len(text)  # byte-level: several tokens per non-ASCII character
-    detok = IncrementalDetokenizer(tokenizer, stop=[], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[], skip_special_tokens=True)
     seen = []
     for token in ids:
         detok.add_token(token)
@@ -32,7 +35,7 @@ def test_multibyte_characters_are_never_split(tokenizer):
 
 def test_stop_string_split_across_tokens_is_held_back_and_cut(tokenizer):
     text = "abc STOP def"
-    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP"], skip_special_tokens=True)
     streamed = []
     found = None
     for token in tokenizer.encode(text):
@@ -46,8 +49,50 @@ def test_stop_string_split_across_tokens_is_held_back_and_cut(tokenizer):
 
 
 def test_earliest_stop_string_wins_and_can_be_included(tokenizer):
-    detok = IncrementalDetokenizer(tokenizer, stop=["yz", "x"], skip_special_tokens=True, include_stop_str=True)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["yz", "x"], skip_special_tokens=True, include_stop_str=True)
     found = None
     for token in tokenizer.encode("wxyz"):
         found = found or detok.add_token(token)
     assert found == "x" and detok.text == "wx"
+
+
+def test_stop_string_before_check_stop_is_kept_in_the_text(tokenizer):
+    """vLLM's rule: stop strings are not checked before min_tokens, and the text stays a prefix of the tokens'."""
+    ids = tokenizer.encode("abc STOP def STOP")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP"], skip_special_tokens=True)
+    late = len(tokenizer.encode("abc STOP de"))  # stop checks start at this many tokens
+    found = None
+    for count, token in enumerate(ids, start=1):
+        found = detok.add_token(token, check_stop=count >= late)
+        if found:
+            break
+    assert found == "STOP" and detok.text == "abc STOP def "
+    assert tokenizer.decode(ids).startswith(detok.text)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A Llama-2/Mistral-style tokenizer: Metaspace pre-tokenizer and decoder ("▁" marks a word's space)."""
+    pieces = ["<unk>", "<s>", "</s>", "▁", "▁Hello", "▁world", "▁the", "▁capital", "▁is", "▁Paris", "."]
+    pieces += list("abcdefghijklmnopqrstuvwxyzHPW")
+    backend = Tokenizer(models.Unigram([(piece, -float(len(piece) < 3)) for piece in pieces], unk_id=0))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_sentencepiece_keeps_the_first_generated_space(sentencepiece_tokenizer):
+    tok = sentencepiece_tokenizer
+    prompt = tok.encode("Hello world", add_special_tokens=False)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        output = rng.integers(3, len(tok), size=int(rng.integers(1, 12))).tolist()
+        detok = IncrementalDetokenizer(tok, prompt, stop=[], skip_special_tokens=True)
+        for token in output:
+            detok.add_token(token)
+        expected = tok.decode(prompt + output)[len(tok.decode(prompt)):]
+        assert detok.text == expected
+    detok = IncrementalDetokenizer(tok, prompt, stop=[], skip_special_tokens=True)
+    for token in tok.encode("the capital", add_special_tokens=False):
+        detok.add_token(token)
+    assert detok.text == " the capital"

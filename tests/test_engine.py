@@ -46,7 +46,7 @@ def test_batch_invariance(llm):
 
 
 def test_staggered_arrival_short_requests_do_not_wait(llm):
-    engine = llm.engine
+    engine = llm.llm_engine
     long_params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     short_params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = random_prompts(4, 500, 5, 30, seed=5)
@@ -74,8 +74,8 @@ def test_preemption_gives_identical_outputs(llm, tiny_llama_dir):
     small = LLM(tiny_llama_dir, max_num_seqs=16, max_model_len=256, page_size=16, num_kv_pages=41,
                 max_num_batched_tokens=64)
     constrained = token_ids(small.generate(prompts, params, use_tqdm=False))
-    assert small.engine.scheduler.num_preemptions > 0
-    assert small.engine.block_manager.num_free_pages == 40
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert small.llm_engine.page_manager.num_free_pages == 40
     assert constrained == token_ids(llm.generate(prompts, params, use_tqdm=False))
 
 
@@ -85,11 +85,11 @@ def test_prefix_caching_hits_and_matches_uncached(tiny_llama_dir):
     cached = LLM(tiny_llama_dir, **ENGINE_OPTIONS)
     first = token_ids(cached.generate(prompts[:1], GREEDY))
     rest = token_ids(cached.generate(prompts[1:], GREEDY, use_tqdm=False))
-    manager = cached.engine.block_manager
+    manager = cached.llm_engine.page_manager
     assert manager.num_prefix_hits >= 5 * 192
     uncached = LLM(tiny_llama_dir, enable_prefix_caching=False, **ENGINE_OPTIONS)
     assert first + rest == token_ids(uncached.generate(prompts, GREEDY, use_tqdm=False))
-    assert uncached.engine.block_manager.num_prefix_hits == 0
+    assert uncached.llm_engine.page_manager.num_prefix_hits == 0
     # after unrelated traffic, a request gives what a fresh engine gives
     other = {"prompt_token_ids": random_prompts(1, 500, 50, 50, seed=9)[0]}
     assert token_ids(cached.generate([other], GREEDY)) == token_ids(uncached.generate([other], GREEDY))
@@ -177,14 +177,14 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
         llm.generate([{"prompt_token_ids": [5] * 250}], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": []}], GREEDY)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
     assert len(out[0].outputs[0].token_ids) == 12
 
 
 def test_abort_frees_slot_and_pages(llm):
-    engine = llm.engine
-    free_before = engine.block_manager.num_free_pages
+    engine = llm.llm_engine
+    free_before = engine.page_manager.num_free_pages
     engine.add_request("to-abort", {"prompt_token_ids": list(range(3, 40))},
                        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     engine.step()
@@ -193,11 +193,11 @@ def test_abort_frees_slot_and_pages(llm):
     outputs = engine.step()
     assert [o.outputs[0].finish_reason for o in outputs if o.request_id == "to-abort"] == ["abort"]
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.num_running == 0 and engine.block_manager.num_free_pages == free_before
+    assert engine.scheduler.num_running == 0 and engine.page_manager.num_free_pages == free_before
 
 
 def test_kv_pool_is_donated_and_no_recompiles_after_warmup(llm, caplog):
-    runner = llm.engine.runner
+    runner = llm.llm_engine.runner
     old_pool = runner.kv_cache[0][0]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 500, 1, 120, seed=15)]
     params = [SamplingParams(temperature=t, top_p=0.8, max_tokens=m, seed=1, logprobs=2 if t else None,
@@ -220,7 +220,7 @@ def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model
                        max_model_len=64)
         xla = LLM(tiny_model_dirs[family], attention_backend="xla", **options)
         pallas = LLM(tiny_model_dirs[family], attention_backend="pallas-interpret", **options)
-        assert pallas.engine.runner.kv_cache[0][0].shape[0] == 2  # heads-major pool layout for the kernels
+        assert pallas.llm_engine.runner.kv_cache[0][0].shape[0] == 2  # heads-major pool layout for the kernels
         assert token_ids(pallas.generate(prompts, params, use_tqdm=False)) == token_ids(
             xla.generate(prompts, params, use_tqdm=False))
 
@@ -231,9 +231,9 @@ def test_priority_scheduling_with_aging(tiny_llama_dir, aging_seconds, expected)
               scheduling_policy="priority", priority_aging_seconds=aging_seconds)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for name, priority in (("p5", 5), ("p0", 0), ("p1", 1)):  # arrival order p5, p0, p1
-        llm.engine.add_request(name, {"prompt_token_ids": [3, 4, 5]}, params, priority=priority)
+        llm.llm_engine.add_request(name, {"prompt_token_ids": [3, 4, 5]}, params, priority=priority)
     finished = []
-    while llm.engine.has_unfinished_requests():
-        finished += [out.request_id for out in llm.engine.step() if out.finished]
+    while llm.llm_engine.has_unfinished_requests():
+        finished += [out.request_id for out in llm.llm_engine.step() if out.finished]
     # with slow aging the priority decides; with instant aging the wait dominates (no starvation)
     assert finished == expected

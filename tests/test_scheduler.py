@@ -1,17 +1,17 @@
 """Scheduling under the token budget: decodes first, prefill chunks charged their padded bucket size."""
 
-from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams
 
 
-def make_scheduler(budget: int = 64) -> Scheduler:
+def make_scheduler(budget: int = 64, num_pages: int = 200, prefix_caching: bool = False) -> Scheduler:
     config = EngineConfig(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=budget)
     config.resolve(256)
     assert config.prefill_buckets == (16, 32, 64)
-    return Scheduler(config, BlockManager(num_pages=200, page_size=8, enable_prefix_caching=False))
+    return Scheduler(config, PageManager(num_pages=num_pages, page_size=8, enable_prefix_caching=prefix_caching))
 
 
 def add(scheduler: Scheduler, prompt_len: int, request_id: str) -> Sequence:
@@ -56,3 +56,19 @@ def test_a_long_prompt_takes_the_largest_bucket_that_fits():
     plan = run_step(scheduler)
     assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 96, 4)]
     assert long.num_output_tokens == 1
+
+
+def test_prefix_lookups_count_once_per_admission():
+    """A request that cannot be admitted for lack of pages is looked up again each step, but counted once."""
+    scheduler = make_scheduler(num_pages=6, prefix_caching=True)
+    first = add(scheduler, 32, "first")  # 4 pages of 5 usable
+    run_step(scheduler)
+    waiting = add(scheduler, 30, "waiting")
+    for _ in range(3):
+        plan = run_step(scheduler)
+        assert waiting not in plan.admitted
+    manager = scheduler.page_manager
+    assert manager.num_prefix_queries == 32
+    scheduler.finish(first)
+    plan = run_step(scheduler)
+    assert plan.admitted == [waiting] and manager.num_prefix_queries == 62

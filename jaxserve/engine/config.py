@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -23,11 +24,13 @@ def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
 @dataclasses.dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None  # a tokenizer directory to use instead of the model's
+    generation_config: str = "auto"  # "auto": the model's generation_config.json, "vllm": ignore it, or a folder
     max_num_seqs: int = 64  # decode slots
     max_model_len: int | None = None  # default: min(model's max_position_embeddings, 2048)
     page_size: int = 16
-    num_kv_pages: int | None = None  # default: from kv_cache_memory_fraction (accelerators) or enough for all slots (CPU)
-    kv_cache_memory_fraction: float = 0.85
+    num_kv_pages: int | None = None  # default: from gpu_memory_utilization (accelerators) or enough for all slots (CPU)
+    gpu_memory_utilization: float = 0.9  # fraction of the device memory jax may use, for weights + KV + activations
     max_num_batched_tokens: int = 512  # prefill tokens per step, padded to their buckets (decodes come on top)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
@@ -50,7 +53,7 @@ class EngineConfig:
             ("page_size", self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
              "must be a power of two"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 16, "must be >= 16"),
-            ("kv_cache_memory_fraction", 0 < self.kv_cache_memory_fraction <= 1, "must be in (0, 1]"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "must be 'fcfs' or 'priority'"),
         ]
@@ -72,6 +75,10 @@ class EngineConfig:
         if max(self.decode_batch_buckets) < self.max_num_seqs:
             raise ValueError(f"decode_batch_buckets {self.decode_batch_buckets} must reach max_num_seqs "
                              f"({self.max_num_seqs})")
+
+    @property
+    def jax_dtype(self):
+        return jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
 
     @property
     def pages_per_seq(self) -> int:

@@ -1,8 +1,13 @@
 """`IncrementalDetokenizer`: output token ids -> text, one token at a time, with stop-string detection.
 
-Decoding goes through `tokenizers`' `DecodeStream`, which holds back bytes until they form whole
-UTF-8 characters. While a request has stop strings, the last (longest stop string - 1) characters
-are held back from streamed text, so a stop string split across tokens never leaks to the client.
+Decoding goes through `tokenizers`' `DecodeStream`, primed with the prompt's token ids, so the text
+is exactly `decode(prompt + output)[len(decode(prompt)):]`: SentencePiece (Metaspace) tokenizers keep
+the space of the first generated word, and bytes are held back until they form whole UTF-8
+characters. While a request has stop strings, the last (longest stop string - 1) characters are held
+back from streamed text, so a stop string split across tokens never leaks to the client.
+
+Stop strings are searched only in text that arrived once the caller asks for it (`check_stop`, false
+before `min_tokens` outputs, as in vLLM): the text is always a prefix of the decoded output tokens.
 """
 
 from __future__ import annotations
@@ -11,24 +16,29 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool, include_stop_str: bool = False):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
+                 include_stop_str: bool = False):
         self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.text = ""
         self._holdback = max((len(s) for s in stop), default=1) - 1
 
-    def add_token(self, token_id: int) -> str | None:
-        """Appends one token's text; returns the stop string if the text now contains one (text cut before it)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Appends one token's text. With `check_stop`, returns the first stop string that the new text
+        completes (the text is then cut before it, or after it with `include_stop_str`)."""
         if self._backend is None:
             return None
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
-        search_from = max(0, len(self.text) - self._holdback)
+        old_length = len(self.text)
         self.text += piece
-        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
+        if not check_stop:
+            return None
+        found = [(at, stop) for stop in self.stop
+                 if (at := self.text.find(stop, max(0, old_length - len(stop) + 1))) != -1]
         if not found:
             return None
         at, stop = min(found)

@@ -1,25 +1,25 @@
-"""`ModelRunner`: the device side of the engine — params, the paged KV pool, the penalty state, and the jitted steps.
+"""`ModelRunner`: the device side of the engine — params, the paged KV pool, the penalty state, the jitted steps,
+and turning a scheduler plan into their inputs.
 
 The narrow interface the host loop uses (after JetStream's engine_api):
 
-* `insert(slot, token_ids, num_prompt_tokens, ban_ids)`: resets the slot's penalty statistics for a
-  newly admitted sequence (only needed when it uses penalties or min_tokens).
-* `prefill(slots, token_ids, starts, ...)`: computes K/V for chunks of one or several sequences and
-  samples the token after each; one compiled shape per (rows, chunk-length) bucket.
-* `decode(slots, tokens, positions, page_tables, ...)`: one token for each of a batch of sequences; one
-  compiled shape per batch bucket (attention loops only over the pages in use).
+* `execute(plan)`: runs one scheduler plan — resets the penalty state of newly admitted slots, runs its
+  prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its decode batch (one per
+  batch bucket), and returns the token sampled for every sequence that produced one, with one
+  device->host transfer for the whole step.
 
 Each forward is a pure jitted function (params, KV pool, inputs) -> (logits, their argmax, new KV pool)
 with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
 pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a second small jitted
 function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
-state donated. One forward per shape serves both, so start-up compiles each forward once.
-Results stay on device until the host fetches them all at once (`fetch`).
+state donated. One forward per shape serves both, so start-up compiles each forward once, and every
+shape a step can have is compiled at start-up (`warmup`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -31,19 +31,27 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
+from jaxserve.engine.input_batch import (bucket_for, decode_inputs, is_plain_greedy, prefill_groups,
+                                         prefill_inputs)
+from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, argmax, sample
 from jaxserve.models import forward
 
 logger = logging.getLogger(__name__)
-BAN_IDS_BUCKET = 16
+BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
 
 
-def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
-    for bucket in buckets:
-        if size <= bucket:
-            return bucket
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+@dataclasses.dataclass
+class SampledToken:
+    """The token a step sampled for one sequence, with its logprob and top logprobs when the sequence asked."""
+
+    seq: Sequence
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None  # the top-k (k = params.logprobs) plus the sampled token
 
 
 def _prefill_step(config, backend, dtype, page_size, params, kv_cache, token_ids, starts, num_tokens, page_tables):
@@ -81,39 +89,48 @@ def _sample_step(penalties: PenaltyState, logits, slots, sampling: SamplingBatch
     return result, penalties.replace(output_counts=counts)
 
 
-def _insert_step(vocab_size, penalties: PenaltyState, slot, token_ids, num_prompt_tokens, num_tokens, ban_ids):
+def _reset_penalties_step(vocab_size, penalties: PenaltyState, slot, token_ids, num_prompt_tokens, num_tokens):
+    """A newly admitted slot's statistics: its prompt tokens, its output so far (after a preemption), no bans."""
     index = jnp.arange(token_ids.shape[0])
     prompt_ids = jnp.where(index < num_prompt_tokens, token_ids, vocab_size)  # out of range: dropped
     output_ids = jnp.where((index >= num_prompt_tokens) & (index < num_tokens), token_ids, vocab_size)
     prompt_row = jnp.zeros((vocab_size,), bool).at[prompt_ids].set(True, mode="drop")
     count_row = jnp.zeros((vocab_size,), jnp.int32).at[output_ids].add(1, mode="drop")
-    ban_row = jnp.zeros((vocab_size,), bool).at[jnp.where(ban_ids >= 0, ban_ids, vocab_size)].set(True, mode="drop")
     return PenaltyState(prompt_mask=penalties.prompt_mask.at[slot].set(prompt_row),
                         output_counts=penalties.output_counts.at[slot].set(count_row),
-                        min_tokens_ban=penalties.min_tokens_ban.at[slot].set(ban_row))
+                        min_tokens_ban=penalties.min_tokens_ban.at[slot].set(False))
+
+
+def _ban_step(vocab_size, penalties: PenaltyState, slot, ban_ids):
+    """Bans `ban_ids` (-1: none) for the slot until it has min_tokens outputs."""
+    banned = jnp.where(ban_ids >= 0, ban_ids, vocab_size)
+    return penalties.replace(min_tokens_ban=penalties.min_tokens_ban.at[slot, banned].set(True, mode="drop"))
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params, engine_config: EngineConfig):
+    def __init__(self, config: ModelConfig, params, engine_config: EngineConfig, eos_token_ids: set[int]):
         self.config = config
         self.engine_config = engine_config
-        self.dtype = jnp.bfloat16 if engine_config.dtype == "bfloat16" else jnp.float32
+        self.eos_token_ids = eos_token_ids
+        self.dtype = engine_config.jax_dtype
         self.backend = AttentionBackend(engine_config.attention_backend)
         self.page_size = engine_config.page_size
         self.params = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), params)
-        self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
-        pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = [(jnp.zeros(pool_shape, self.dtype), jnp.zeros(pool_shape, self.dtype))
-                         for _ in range(config.num_layers)]
         slots, vocab = engine_config.max_num_seqs, config.vocab_size
         self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab), bool),
                                       output_counts=jnp.zeros((slots, vocab), jnp.int32),
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool))
+        self.slot_params = SlotSamplingParams(slots)
+        self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
+        pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = [(jnp.zeros(pool_shape, self.dtype), jnp.zeros(pool_shape, self.dtype))
+                         for _ in range(config.num_layers)]
         static = (config, self.backend, self.dtype, self.page_size)
         self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(_decode_step, *static), donate_argnums=(1,))
         self._sample = jax.jit(_sample_step, donate_argnums=(0,))
-        self._insert = jax.jit(functools.partial(_insert_step, vocab), donate_argnums=(0,))
+        self._reset_penalties = jax.jit(functools.partial(_reset_penalties_step, vocab), donate_argnums=(0,))
+        self._ban = jax.jit(functools.partial(_ban_step, vocab), donate_argnums=(0,))
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s)", self.num_pages,
                     self.page_size, self.num_pages * self.page_size, self.kv_pool_bytes / 2**20,
@@ -129,66 +146,97 @@ class ModelRunner:
         return self.num_pages * self.page_bytes
 
     def _pages_for_memory_budget(self) -> int:
+        """On an accelerator: the pages that fit in `gpu_memory_utilization` of the memory jax may use, after the
+        weights and penalty state (already there) and the largest step's activations. On the CPU: enough for
+        every slot at max_model_len, at most 4 GiB."""
         ec = self.engine_config
         enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            return max(2, int(free * ec.kv_cache_memory_fraction) // self.page_bytes)
-        cpu_budget = 4 * 2**30  # host memory: cap the pool at 4 GiB
+            budget = ec.gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return max(2, int(budget - self._activation_bytes()) // self.page_bytes)
+        cpu_budget = 4 * 2**30
         return max(2, min(enough_for_all_slots, cpu_budget // self.page_bytes))
+
+    def _activation_bytes(self) -> int:
+        """A bound on one step's live activations: the widest layer's for the largest prefill, plus logits and
+        the sampler's float32 copies of them for the largest batch."""
+        cfg, ec = self.config, self.engine_config
+        width = cfg.hidden_size * 4 + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+        rows = max(max(ec.decode_batch_buckets), max(r for r, _ in ec.prefill_shapes))
+        return 4 * (ec.max_num_batched_tokens * width + 4 * rows * cfg.vocab_size)
 
     # -- the step interface ------------------------------------------------------------------------------------
 
-    def insert(self, slot: int, token_ids: list[int], num_prompt_tokens: int, ban_ids: list[int]) -> None:
-        ids = np.zeros(bucket_for(len(token_ids), self.insert_buckets), np.int32)
-        ids[:len(token_ids)] = token_ids
-        bans = np.full(max(BAN_IDS_BUCKET, 1 << (len(ban_ids) - 1).bit_length() if ban_ids else 0), -1, np.int32)
-        bans[:len(ban_ids)] = ban_ids
-        self.penalties = self._call("insert", self._insert, (self.penalties,),
-                                    (np.int32(slot), ids, np.int32(num_prompt_tokens), np.int32(len(token_ids)), bans))
+    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
+        """Runs one plan on the device; the sampled token of every sequence whose chunk or decode produced one."""
+        for seq in plan.admitted:
+            self._admit(seq)
+        calls = [prefill_inputs(tokens, chunks, self.engine_config.pages_per_seq)
+                 for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
+        results = [self._prefill_call(inputs) for inputs in calls]
+        decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes else None
+        decode_result = self._decode_call(decode) if decode is not None else None
+        results, decode_result = jax.device_get((results, decode_result))  # one transfer for the whole step
+        sampled = []
+        for inputs, result in zip(calls, results):
+            sampled += [_sampled(chunk.seq, result, row) for row, chunk in enumerate(inputs.chunks) if chunk.is_final]
+        if decode is not None:
+            sampled += [_sampled(seq, decode_result, row) for row, seq in enumerate(decode.seqs)]
+        return sampled
 
-    def prefill(self, slots: np.ndarray, token_ids: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray,
-                page_tables: np.ndarray, sampling: SamplingBatch, is_final: np.ndarray, plain: bool) -> SampleResult:
-        """Chunks of several sequences, padded to a `(rows, tokens)` shape from `prefill_shapes` (empty rows: 0 tokens).
+    def _admit(self, seq: Sequence) -> None:
+        """Writes a newly admitted (or re-admitted) sequence's sampling parameters and penalty statistics."""
+        params = seq.params
+        self.slot_params.set(seq.slot, params, seq.seed)
+        if not (params.uses_penalties or params.min_tokens):
+            return  # the sampler reads a slot's statistics only for these
+        ids = np.zeros(bucket_for(len(seq.token_ids), self.reset_buckets), np.int32)
+        ids[:len(seq.token_ids)] = seq.token_ids
+        self.penalties = self._call("reset", self._reset_penalties, (self.penalties,), (
+            np.int32(seq.slot), ids, np.int32(seq.num_prompt_tokens), np.int32(len(seq.token_ids))))
+        bans = ([] if params.ignore_eos else sorted(self.eos_token_ids)) + params.stop_token_ids
+        for start in range(0, len(bans) if params.min_tokens else 0, BAN_IDS_CHUNK):
+            chunk = np.full(BAN_IDS_CHUNK, -1, np.int32)
+            chunk[:len(bans[start:start + BAN_IDS_CHUNK])] = bans[start:start + BAN_IDS_CHUNK]
+            self.penalties = self._call("ban", self._ban, (self.penalties,), (np.int32(seq.slot), chunk))
 
-        `plain`: every row is greedy with no penalties, pending min_tokens or logprobs (the argmax is the token).
-        """
-        logits, greedy, self.kv_cache = self._call("prefill", self._prefill, (self.params, self.kv_cache),
-                                                   (token_ids, starts, num_tokens, page_tables))
-        return self._choose_tokens(logits, greedy, slots, sampling, is_final, plain)
+    def _prefill_call(self, inputs) -> SampleResult:
+        logits, greedy, self.kv_cache = self._call("prefill", self._prefill, (self.params, self.kv_cache), (
+            inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables))
+        return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
+                                   len(inputs.chunks))
 
-    def decode(self, slots: np.ndarray, token_ids: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
-               active: np.ndarray, sampling: SamplingBatch, plain: bool) -> SampleResult:
-        """Inputs are already padded to a batch bucket; `page_tables` is `[rows, pages_per_seq]`; `plain` as in prefill."""
-        logits, greedy, self.kv_cache = self._call("decode", self._decode, (self.params, self.kv_cache),
-                                                   (token_ids, positions, page_tables, active))
-        return self._choose_tokens(logits, greedy, slots, sampling, active, plain)
+    def _decode_call(self, inputs) -> SampleResult:
+        logits, greedy, self.kv_cache = self._call("decode", self._decode, (self.params, self.kv_cache), (
+            inputs.token_ids, inputs.positions, inputs.page_tables, inputs.active))
+        return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs))
 
-    def _choose_tokens(self, logits, greedy, slots, sampling, counted, plain: bool) -> SampleResult:
-        if plain:  # the penalty statistics are only read by rows that use penalties, which are never plain
+    def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int) -> SampleResult:
+        """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token."""
+        sampling = self.slot_params.batch(slots, output_index)
+        if is_plain_greedy(sampling, rows):  # penalty statistics are read only by rows that are never plain
             return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
         result, self.penalties = self._call("sample", self._sample, (self.penalties,),
                                             (logits, slots, sampling, counted))
         return result
 
-    @staticmethod
-    def fetch(results):
-        """One device->host transfer for everything a step produced."""
-        return jax.device_get(results)
-
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
         """Runs the executable compiled at start-up for these shapes, or (warm-up off) the lazily compiling jit."""
         executable = self._compiled.get((kind, _shape_key(inputs)))
+        if executable is None and self._compiled:
+            logger.warning("compiling a %s step for shapes %s while serving: warm-up missed it", kind,
+                           _shape_key(inputs))
         return (executable or jitted)(*state, *inputs)
 
     # -- start-up ----------------------------------------------------------------------------------------------
 
     @property
-    def insert_buckets(self) -> tuple[int, ...]:
+    def reset_buckets(self) -> tuple[int, ...]:
+        """Token-count buckets of the penalty reset at admission (prompt + output so far, up to max_model_len)."""
         return power_of_two_buckets(16, max(16, self.engine_config.max_model_len))
 
-    def example_inputs(self, neutral_sampling):
+    def example_inputs(self):
         """`(kind, jitted, inputs)` for every shape the engine can run; they write only to the scratch page."""
         ec = self.engine_config
         for rows, tokens in ec.prefill_shapes:
@@ -199,42 +247,54 @@ class ModelRunner:
             zeros = np.zeros(rows, np.int32)
             yield "decode", self._decode, (zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
                                            np.zeros(rows, bool))
+        neutral = SlotSamplingParams(max(ec.decode_batch_buckets + tuple(r for r, _ in ec.prefill_shapes)))
         for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
-            yield "sample", self._sample, (np.zeros((rows, self.config.vocab_size), np.float32),
-                                           np.zeros(rows, np.int32), neutral_sampling(rows), np.zeros(rows, bool))
-        for length in self.insert_buckets:
-            yield "insert", self._insert, (
-                np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0),
-                np.full(BAN_IDS_BUCKET, -1, np.int32))
+            zeros = np.zeros(rows, np.int32)
+            yield "sample", self._sample, (np.zeros((rows, self.config.vocab_size), np.float32), zeros,
+                                           neutral.batch(zeros, zeros), np.zeros(rows, bool))
+        for length in self.reset_buckets:
+            yield "reset", self._reset_penalties, (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
+        yield "ban", self._ban, (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
 
     def _state(self, kind: str) -> tuple:
-        return (self.penalties,) if kind in ("insert", "sample") else (self.params, self.kv_cache)
+        return (self.penalties,) if kind in ("reset", "ban", "sample") else (self.params, self.kv_cache)
 
     def _run_example(self, kind: str, jitted, inputs) -> None:
         outputs = self._call(kind, jitted, self._state(kind), inputs)
-        if kind == "insert":
+        if kind in ("reset", "ban"):
             self.penalties = outputs
         elif kind == "sample":
             self.penalties = outputs[1]
         else:
             self.kv_cache = outputs[-1]
 
-    def warmup(self, neutral_sampling) -> float:
+    def warmup(self) -> float:
         """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is
-        lowered), then runs each once: an executable's first run costs ~0.2 s more than later ones, which
-        would land on a request."""
+        lowered), then runs each once, since an executable's first run is slower than later ones and
+        would otherwise land on a request."""
         started = time.perf_counter()
         compiling = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
-            for kind, jitted, inputs in self.example_inputs(neutral_sampling):
+            for kind, jitted, inputs in self.example_inputs():
                 key = (kind, _shape_key(inputs))
                 if key not in compiling:
                     compiling[key] = pool.submit(jitted.lower(*self._state(kind), *inputs).compile)
             self._compiled = {key: future.result() for key, future in compiling.items()}
-        for kind, jitted, inputs in self.example_inputs(neutral_sampling):
+        for kind, jitted, inputs in self.example_inputs():
             self._run_example(kind, jitted, inputs)
         jax.block_until_ready((self.kv_cache, self.penalties))
         return time.perf_counter() - started
+
+
+def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:
+    token = int(result.tokens[row])
+    if seq.params.logprobs is None:
+        return SampledToken(seq, token)
+    k = seq.params.logprobs
+    top = {int(i): float(v) for i, v in zip(result.top_ids[row][:k], result.top_logprobs[row][:k])}
+    logprob = float(result.logprobs[row])
+    top[token] = logprob
+    return SampledToken(seq, token, logprob, top)
 
 
 def _shape_key(args) -> tuple:

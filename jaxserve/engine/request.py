@@ -1,15 +1,19 @@
-"""`Request`: one user request — its prompt, its `n` sequences and their detokenizers — and its `RequestOutput`."""
+"""`Request`: one user request — its prompt, its `n` sequences and their detokenizers — and its `RequestOutput`s.
+
+Outputs are snapshots in the request's `RequestOutputKind`: cumulative, deltas (what is new since the
+previous output, so a streaming client costs O(new tokens) per step), or only the final one.
+"""
 
 from __future__ import annotations
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class Request:
-    """One user request: a prompt and its `n` sequences, plus the per-sequence detokenizers."""
+    """One user request: a prompt and its `n` sequences, the per-sequence detokenizers, and timing."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], detokenizers: list[IncrementalDetokenizer], arrival_time: float):
@@ -19,19 +23,56 @@ class Request:
         self.params = params
         self.seqs = seqs
         self.detokenizers = detokenizers
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self._sent_tokens = [0] * len(seqs)  # per sequence: tokens (and logprobs) already in a DELTA output
+        self._sent_chars = [0] * len(seqs)  # per sequence: characters of text already in a DELTA output
+        self._sent_finished = [False] * len(seqs)
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def output(self) -> RequestOutput:
+    @property
+    def finish_reason(self) -> str:
+        """The request's reason for metrics: "abort" if any completion was aborted, else the first completion's."""
+        reasons = [seq.finish_reason for seq in self.seqs]
+        return "abort" if "abort" in reasons else reasons[0]
+
+    def output(self) -> RequestOutput | None:
+        """A snapshot of the request now, in its output kind; None if there is nothing to report."""
+        kind = self.params.output_kind
         finished = self.finished
-        completions = [
-            CompletionOutput(index=seq.index, text=detok.visible_text(seq.is_finished),
-                             token_ids=seq.output_token_ids,
-                             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                             logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-            for seq, detok in zip(self.seqs, self.detokenizers)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                             self.metrics, num_cached_tokens=max(seq.num_cached_tokens for seq in self.seqs))
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(i, delta) for i in range(len(self.seqs))]
+        if delta:
+            completions = [c for c in completions if c is not None]
+            if not completions:
+                return None
+        metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                                 self.last_token_time, self.finished_time)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, metrics,
+                             num_cached_tokens=max(seq.num_cached_tokens for seq in self.seqs))
+
+    def _completion(self, index: int, delta: bool) -> CompletionOutput | None:
+        seq, detok = self.seqs[index], self.detokenizers[index]
+        text = detok.visible_text(seq.is_finished)
+        first_token = first_char = 0
+        if delta:
+            first_token, first_char = self._sent_tokens[index], self._sent_chars[index]
+            changed = seq.num_output_tokens > first_token or len(text) > first_char
+            if not changed and (not seq.is_finished or self._sent_finished[index]):
+                return None
+            self._sent_tokens[index] = seq.num_output_tokens
+            self._sent_chars[index] = len(text)
+            self._sent_finished[index] = seq.is_finished
+        token_ids = seq.token_ids[seq.num_prompt_tokens + first_token:]
+        logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
+        return CompletionOutput(index=seq.index, text=text[first_char:], token_ids=token_ids,
+                                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)

@@ -20,7 +20,7 @@ import dataclasses
 import time
 from collections import deque
 
-from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 
@@ -50,9 +50,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, page_manager: PageManager):
         self.config = config
-        self.block_manager = block_manager
+        self.page_manager = page_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
@@ -99,11 +99,12 @@ class Scheduler:
 
         while self.waiting and self.free_slots and budget >= self.config.prefill_buckets[0]:
             seq = self._next_waiting()
-            self.block_manager.admit(seq, self.block_manager.match_prefix(seq))
+            self.page_manager.admit(seq, self.page_manager.match_prefix(seq))
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
-                self.block_manager.free(seq)
+            if not self.page_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+                self.page_manager.free(seq)
                 break
+            self.page_manager.record_lookup(seq)
             self.waiting.remove(seq)
             seq.slot = self.free_slots.pop()
             seq.mark_admitted()
@@ -126,7 +127,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocates pages for `seq`, preempting newer sequences as needed; False if `seq` itself was preempted."""
-        while not self.block_manager.allocate(seq, num_tokens):
+        while not self.page_manager.allocate(seq, num_tokens):
             victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING),
                          key=self._preemption_order)
             self._preempt(victim, out)
@@ -150,7 +151,7 @@ class Scheduler:
         out.decodes = [s for s in out.decodes if s is not seq]
 
     def _release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self.page_manager.free(seq)
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None

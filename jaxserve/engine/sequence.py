@@ -38,7 +38,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.page_table: list[int] = []
-        self.page_hashes: list[int] = []  # chained hashes of this sequence's full pages, in order
+        self.page_keys: list[bytes] = []  # prefix-cache keys of this sequence's full pages, in order
+        self.page_serials: list[int | None] = []  # the cache registration holding each full page's prefix
         self.slot: int | None = None
         self.admission_order = -1
         self.cumulative_logprob = 0.0

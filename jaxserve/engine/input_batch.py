@@ -1,0 +1,109 @@
+"""Host-side step inputs: a scheduler plan's chunks and decodes as padded numpy arrays of the compiled shapes.
+
+Prefill chunks sharing a length bucket are packed `PREFILL_ROWS` to a call; decodes form one batch
+padded to a batch bucket. Rows past the real ones are empty (zero tokens, page table of scratch
+pages), so they write only to the scratch page and their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
+from jaxserve.engine.scheduler import PrefillChunk
+from jaxserve.engine.sequence import Sequence
+from jaxserve.layers.sampler import SamplingBatch
+
+
+def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if size <= bucket:
+            return bucket
+    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class PrefillInputs:
+    """One prefill call: `rows` chunks of up to `tokens` tokens each."""
+
+    chunks: list[PrefillChunk]
+    slots: np.ndarray  # int32 [rows]
+    token_ids: np.ndarray  # int32 [rows, tokens]
+    starts: np.ndarray  # int32 [rows]: position of each chunk's first token
+    num_tokens: np.ndarray  # int32 [rows]: real tokens per row (0: empty row)
+    page_tables: np.ndarray  # int32 [rows, pages_per_seq]
+    output_index: np.ndarray  # int32 [rows]: output tokens each row's sequence has so far
+    is_final: np.ndarray  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
+
+
+@dataclasses.dataclass
+class DecodeInputs:
+    """One decode call: the last token of each of `rows` sequences (padded to a batch bucket)."""
+
+    seqs: list[Sequence]
+    slots: np.ndarray  # int32 [rows]
+    token_ids: np.ndarray  # int32 [rows]
+    positions: np.ndarray  # int32 [rows]
+    page_tables: np.ndarray  # int32 [rows, pages_per_seq]
+    output_index: np.ndarray  # int32 [rows]
+    active: np.ndarray  # bool [rows]
+
+
+def prefill_groups(chunks: list[PrefillChunk], config: EngineConfig) -> list[tuple[int, list[PrefillChunk]]]:
+    """(token bucket, chunks) per prefill call: chunks sharing a bucket are packed PREFILL_ROWS at a time."""
+    by_bucket: dict[int, list[PrefillChunk]] = {}
+    for chunk in chunks:
+        by_bucket.setdefault(bucket_for(chunk.num_tokens, config.prefill_buckets), []).append(chunk)
+    groups = []
+    for tokens, members in by_bucket.items():
+        if (PREFILL_ROWS, tokens) not in config.prefill_shapes:
+            groups += [(tokens, [chunk]) for chunk in members]
+            continue
+        while len(members) >= PREFILL_ROWS - 1:  # three share a call too: one empty row beats a second call
+            groups.append((tokens, members[:PREFILL_ROWS]))
+            members = members[PREFILL_ROWS:]
+        groups += [(tokens, [chunk]) for chunk in members]
+    return groups
+
+
+def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) -> PrefillInputs:
+    rows = 1 if len(chunks) == 1 else PREFILL_ROWS
+    inputs = PrefillInputs(chunks, np.zeros(rows, np.int32), np.zeros((rows, tokens), np.int32),
+                           np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                           np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool))
+    for row, chunk in enumerate(chunks):
+        seq = chunk.seq
+        inputs.slots[row] = seq.slot
+        inputs.token_ids[row, :chunk.num_tokens] = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        inputs.starts[row] = chunk.start
+        inputs.num_tokens[row] = chunk.num_tokens
+        inputs.page_tables[row, :len(seq.page_table)] = seq.page_table
+        inputs.output_index[row] = seq.num_output_tokens
+        inputs.is_final[row] = chunk.is_final
+    return inputs
+
+
+def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
+    rows = bucket_for(len(seqs), config.decode_batch_buckets)
+    inputs = DecodeInputs(seqs, np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                          np.zeros((rows, config.pages_per_seq), np.int32), np.zeros(rows, np.int32),
+                          np.zeros(rows, bool))
+    for row, seq in enumerate(seqs):
+        inputs.slots[row] = seq.slot
+        inputs.token_ids[row] = seq.token_ids[-1]
+        inputs.positions[row] = len(seq) - 1
+        inputs.page_tables[row, :len(seq.page_table)] = seq.page_table
+        inputs.output_index[row] = seq.num_output_tokens
+    inputs.active[:len(seqs)] = True
+    return inputs
+
+
+def is_plain_greedy(batch: SamplingBatch, rows: int) -> bool:
+    """True when the first `rows` rows are greedy with no penalties, pending min_tokens or logprobs: the
+    forward's argmax is then every row's token and the sampler need not run."""
+    live = slice(0, rows)
+    return not (np.any(batch.temperature[live] > 0) or np.any(batch.repetition_penalty[live] != 1)
+                or np.any(batch.presence_penalty[live] != 0) or np.any(batch.frequency_penalty[live] != 0)
+                or np.any(batch.output_index[live] < batch.min_tokens[live]) or np.any(batch.wants_logprobs[live]))

@@ -1,0 +1,182 @@
+"""`PageManager`: the host's view of the KV page pool — free list, reference counts, page tables,
+and automatic prefix caching.
+
+Page 0 is the scratch page: padded tokens write there and unused page-table entries point there,
+so it is never handed out. A full page is keyed by sha256 over its parent page's key and its token
+ids. Every hit is exact, whatever the hash does: a lookup follows the chain page by page and takes a
+cached page only if its token ids equal the sequence's and it was registered as the child of the
+very page matched one step before (each registration has a serial number that is never reused).
+A colliding key is a miss, never a wrong page. Freed pages keep their contents and stay findable
+until they are reallocated; the free list is LRU ordered and a sequence frees its pages tail first,
+so the longest prefixes' tails are evicted first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from collections import OrderedDict
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.engine.sequence import Sequence
+
+SCRATCH_PAGE = 0
+PageHash = Callable[[bytes, tuple[int, ...]], bytes]
+
+
+def page_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """sha256 over the parent page's key (b"" for the first page) and the page's token ids."""
+    digest = hashlib.sha256(parent_key)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPage:
+    """What the prefix cache knows of one registered page."""
+
+    key: bytes
+    token_ids: tuple[int, ...]
+    serial: int  # unique per registration
+    parent_serial: int | None  # the registration of the page before it (None: first page)
+
+
+class PageManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: PageHash = page_key):
+        if num_pages < 2:
+            raise ValueError(f"num_kv_pages must be >= 2 (page 0 is scratch), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self.ref_counts = [0] * num_pages
+        # free pages, least recently freed first; dict used as an ordered set
+        self.free_pages: OrderedDict[int, None] = OrderedDict((page, None) for page in range(1, num_pages))
+        self.cached: dict[int, CachedPage] = {}  # page -> its registration
+        self.page_of_key: dict[bytes, int] = {}
+        self._serials = itertools.count()
+        self.num_prefix_queries = 0  # prompt tokens looked up by admitted sequences
+        self.num_prefix_hits = 0  # of those, tokens found in the cache
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages held by running sequences (cached-but-free pages count as free)."""
+        return 1.0 - self.num_free_pages / self.num_usable_pages
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New pages `seq` needs so that its first `num_tokens` tokens have a slot."""
+        return max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached pages holding the longest prefix of `seq` (exactly), leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        pages: list[int] = []
+        parent_key, parent_serial = b"", None
+        max_cached_tokens = len(seq.token_ids) - 1
+        for start in range(0, max_cached_tokens - self.page_size + 1, self.page_size):
+            tokens = tuple(seq.token_ids[start:start + self.page_size])
+            key = self.hash_fn(parent_key, tokens)
+            page = self.page_of_key.get(key)
+            entry = self.cached.get(page) if page is not None else None
+            if entry is None or entry.token_ids != tokens or entry.parent_serial != parent_serial:
+                break
+            pages.append(page)
+            parent_key, parent_serial = key, entry.serial
+        return pages
+
+    def admit(self, seq: Sequence, cached_pages: list[int]) -> None:
+        """Gives `seq` the cached prefix pages, taking a reference on each."""
+        for page in cached_pages:
+            self._take(page)
+        seq.page_table = list(cached_pages)
+        seq.page_keys = [self.cached[page].key for page in cached_pages]
+        seq.page_serials = [self.cached[page].serial for page in cached_pages]
+        seq.num_computed_tokens = len(cached_pages) * self.page_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+
+    def record_lookup(self, seq: Sequence) -> None:
+        """Counts an admitted sequence's prefix lookup (once it has its pages, so failed admissions do not count)."""
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += len(seq.token_ids)
+            self.num_prefix_hits += seq.num_cached_tokens
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Adds pages so `seq` can hold `num_tokens` tokens; False (and nothing taken) if the pool is short."""
+        needed = self.pages_needed(seq, num_tokens)
+        if needed > len(self.free_pages):
+            return False
+        for _ in range(needed):
+            page = next(iter(self.free_pages))
+            self._forget(page)
+            self._take(page)
+            seq.page_table.append(page)
+        return True
+
+    def commit_full_pages(self, seq: Sequence) -> None:
+        """Registers the pages `seq` has completely computed since the last call in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.page_size
+        for index in range(len(seq.page_keys), num_full):
+            tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
+            key = self.hash_fn(seq.page_keys[-1] if seq.page_keys else b"", tokens)
+            parent_serial = seq.page_serials[-1] if seq.page_serials else None
+            seq.page_keys.append(key)
+            seq.page_serials.append(self._register(seq.page_table[index], key, tokens, index, parent_serial))
+
+    def _register(self, page: int, key: bytes, tokens: tuple[int, ...], index: int,
+                  parent_serial: int | None) -> int | None:
+        """Caches `page` unless an identical page is cached already; the serial of the registration that now
+        holds this prefix exactly (None if there is none: a broken chain or a colliding key)."""
+        if index and parent_serial is None:
+            return None
+        same = self.cached.get(self.page_of_key.get(key, -1))
+        if same is not None:
+            exact = same.token_ids == tokens and same.parent_serial == parent_serial
+            return same.serial if exact else None
+        if page in self.cached:
+            return None
+        entry = CachedPage(key, tokens, next(self._serials), parent_serial)
+        self.page_of_key[key] = page
+        self.cached[page] = entry
+        return entry.serial
+
+    def free(self, seq: Sequence) -> None:
+        """Drops `seq`'s references, tail first; pages nobody holds return to the free list."""
+        for page in reversed(seq.page_table):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free_pages[page] = None
+                if page not in self.cached:  # nothing to reuse: hand it out before cached pages
+                    self.free_pages.move_to_end(page, last=False)
+        seq.page_table = []
+        seq.page_keys = []
+        seq.page_serials = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        self.page_of_key.clear()
+
+    def _take(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            del self.free_pages[page]
+        self.ref_counts[page] += 1
+
+    def _forget(self, page: int) -> None:
+        entry = self.cached.pop(page, None)
+        if entry is not None:
+            del self.page_of_key[entry.key]

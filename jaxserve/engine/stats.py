@@ -1,0 +1,27 @@
+"""`SchedulerStats`: an immutable snapshot of the engine's gauges and counters, for metrics, logs and tests.
+
+The stepping thread publishes a new snapshot after every step, so any thread can read one without
+touching live engine state. Counters count requests as vLLM does: a request with `n` completions
+adds its prompt tokens once and one `request_success` when it finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running_seqs: int = 0  # sequences holding a decode slot (prefilling or decoding)
+    num_waiting_seqs: int = 0  # sequences waiting for a slot (new or preempted)
+    kv_cache_usage: float = 0.0  # fraction of usable KV pages held by running sequences
+    prefix_cache_queries: int = 0  # prompt tokens looked up by admitted sequences
+    prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # per request, counted when it arrives
+    generation_tokens: int = 0  # over all completions
+    request_success: tuple[tuple[str, int], ...] = ()  # (finish reason, finished requests)
+    num_steps: int = 0
+
+    def finished(self, reason: str) -> int:
+        return dict(self.request_success).get(reason, 0)
