@@ -43,6 +43,9 @@ class LLMEngine:
         started = time.perf_counter()
         self.model = loaded or load_model(self.config.model, dtype=self.config.jax_dtype)
         self.tokenizer = self.model.tokenizer
+        # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a
+        # request leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
+        self.default_sampling_params: dict[str, Any] = dict(getattr(self.model, "generation_config", None) or {})
         model_config = self.model.config
         self.config.resolve(model_config.max_position_embeddings)
         self.eos_token_ids = set(model_config.eos_token_ids)
