@@ -146,8 +146,15 @@ class DecodePlan:
         return self.num_splits * self.pages_per_split
 
 
+# Default split-K size: KV tiles one decode program walks.  Fixed, so a row's
+# partition (and with it the order of its reduction) never depends on the batch.
+# With 128-token tiles a lone 32k-token row of an 8-KV-head model still gets
+# 64 splits x 8 heads = 512 programs (several waves on a 132-SM H100/H200), while
+# a short row has few splits, so few partial results to write and merge.
+DEFAULT_BLOCKS_PER_SPLIT: int = 4
+
+
 def plan_decode(
-    batch: int,
     num_q_heads: int,
     num_kv_heads: int,
     page_size: int,
@@ -156,14 +163,15 @@ def plan_decode(
     pages_per_compute_block: int | None,
     num_splits: int | None,
     kv_itemsize: int = 2,
-    target_programs: int = 264,
 ) -> DecodePlan:
     """Chooses tiles and the split-K factor for a decode call.
 
     The default KV tile is 128 tokens for 1- and 2-byte K/V and 64 for float32
-    (about the same bytes in registers).  With ``num_splits=None`` the KV length is split until ``batch * num_kv_heads *
-    num_splits`` programs reach ``target_programs`` (about two waves on a 132-SM
-    H100/H200), but never into more splits than there are KV tiles.
+    (about the same bytes in registers).  With ``num_splits=None`` every split
+    walks ``DEFAULT_BLOCKS_PER_SPLIT`` KV tiles of the page table, so the plan
+    is a function of the static page-table width (``pages_per_seq``), page size
+    and dtype only: it takes no batch size, so a row's tiling, and with it the
+    order of its reduction, cannot depend on what else is in the batch.
     """
     group_size = num_q_heads // num_kv_heads
     target_block_tokens = 128 if kv_itemsize <= 2 else 64
@@ -172,7 +180,7 @@ def plan_decode(
     )
     num_blocks = max(1, cdiv(pages_per_seq, pages_per_block))
     if num_splits is None:
-        num_splits = max(1, cdiv(target_programs, batch * num_kv_heads))
+        num_splits = cdiv(num_blocks, DEFAULT_BLOCKS_PER_SPLIT)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits}")
     num_splits = min(num_splits, num_blocks)
@@ -191,12 +199,21 @@ def merge_split_results(partial_out: jax.Array, partial_lse: jax.Array) -> jax.A
     """Combines split-K partials ``[..., splits, rows, D]`` with their log-sum-exp.
 
     Each split's output is already normalized by its own softmax denominator;
-    the weight of split ``s`` is ``exp(lse_s - logsumexp_s(lse))``.  Empty splits
+    the weight of split ``s`` is ``exp(lse_s - max_s(lse))``.  Empty splits
     carry ``lse = MASK_VALUE`` and zero output, so they get weight 0 -- and if
-    every split is empty the result is 0, not NaN.
+    every split is empty the result is 0, not NaN.  The splits are added one by
+    one in index order with elementwise ops (a static unroll), not with an XLA
+    reduction, whose summation order could change with the other dimensions
+    (the batch); so each element's result depends only on its own partials.
     """
-    weights = jax.nn.softmax(partial_lse, axis=-2)  # over splits
-    return jnp.sum(weights[..., None] * partial_out, axis=-3)
+    top = jnp.max(partial_lse, axis=-2)  # a max is exact in any order
+    numerator = jnp.zeros(partial_out.shape[:-3] + partial_out.shape[-2:], jnp.float32)
+    denominator = jnp.zeros(partial_lse.shape[:-2] + partial_lse.shape[-1:], jnp.float32)
+    for split in range(partial_lse.shape[-2]):
+        weight = jnp.exp(partial_lse[..., split, :] - top)
+        denominator = denominator + weight
+        numerator = numerator + weight[..., None] * partial_out[..., split, :, :]
+    return numerator / denominator[..., None]  # the largest split has weight 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,13 +243,19 @@ def plan_ragged(
     target_tile_rows: int = 64,
     target_block_tokens: int = 64,
 ) -> RaggedPlan:
+    """Chooses tiles for a ragged call; only ``num_tiles`` depends on ``num_tokens``.
+
+    A tile holds ``tokens_per_tile`` query tokens of one sequence times its
+    padded head group, ~``target_tile_rows`` rows (at least 16).  A call with
+    few tokens thus computes some masked rows, the price of a tiling that is
+    the same whatever else is in the call.
+    """
     group_size = num_q_heads // num_kv_heads
     group_padded = next_power_of_2(group_size)
-    tokens_per_tile = max(1, target_tile_rows // group_padded)
-    # Do not make a tile much taller than the whole batch of tokens ...
-    tokens_per_tile = min(tokens_per_tile, next_power_of_2(num_tokens))
-    # ... but keep at least 16 rows for tl.dot.
-    tokens_per_tile = max(tokens_per_tile, cdiv(MIN_TILE, group_padded))
+    # The tile's height depends on the head grouping only, never on num_tokens:
+    # which query rows share a tile (and the shape of its dot products) must
+    # not change with the other sequences in the call.  At least 16 rows for tl.dot.
+    tokens_per_tile = max(1, target_tile_rows // group_padded, cdiv(MIN_TILE, group_padded))
     pages_per_block = pages_per_kv_block(
         page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
     )

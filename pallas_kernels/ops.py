@@ -44,8 +44,9 @@ def paged_attention(
         are masked (Mistral-style), and the tiles before the window are skipped.
       pages_per_compute_block: pages per KV tile (a power of two, tile >= 16
         tokens); default 128 tokens (64 for float32 K/V).
-      num_splits: split-K partitions of the KV length, merged by log-sum-exp;
-        default targets ~264 programs (two waves of an H100/H200).
+      num_splits: split-K partitions of the page table, merged by log-sum-exp;
+        default: one split per 4 KV tiles of ``pages_per_seq`` pages (never
+        a function of the batch size).
       k_scales, v_scales: float32 [num_kv_heads, num_pages, page_size]
         per-token scales for int8 pools (k = k_int8 * k_scale).
       interpret: run the Pallas kernel in interpret mode (needed on CPU).
@@ -53,6 +54,18 @@ def paged_attention(
     Returns:
       [batch, num_q_heads, head_dim] in q's dtype.  head_dim and page_size
       must be powers of two (Triton tiles).
+
+    Batch invariance: row ``b``'s result depends only on its own ``q[b]``, the
+    K/V its first ``ceil(lengths[b] / page_size)`` page-table entries point at,
+    ``lengths[b]``, and the static arguments and shapes (``pages_per_seq``,
+    ``page_size``, head counts, head_dim, dtypes, the keyword options) -- not
+    on the batch size or the other rows.  With the default ``num_splits`` the
+    tiling comes from ``pages_per_seq`` alone, and the split-K merge adds the
+    splits in a fixed order, so the same row gives bitwise identical output in
+    any batch on one backend and dtype (seeded sampling relies on this).
+    Results may differ in the last bits across backends (GPU vs. interpret),
+    dtypes, ``pages_per_seq`` values or explicit ``num_splits`` /
+    ``pages_per_compute_block`` choices.
     """
     return _triton_decode.paged_attention(
         q,
@@ -106,6 +119,12 @@ def ragged_paged_attention(
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype.
+
+    Batch invariance, as for ``paged_attention``: sequence ``s``'s rows depend
+    only on its own query rows, K/V, ``kv_lens[s]``, its query length and the
+    static arguments and shapes (``pages_per_seq``, ``page_size``, head
+    counts, dtypes, options) -- not on the other sequences, on where its rows
+    sit in ``q``, nor on ``num_tokens``; bitwise so on one backend and dtype.
     """
     return _triton_ragged.ragged_paged_attention(
         q,

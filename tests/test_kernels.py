@@ -14,10 +14,12 @@ element left unwritten and a read of foreign data show up as a failure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -463,6 +465,118 @@ def test_ragged_decode_rows_equal_decode_kernel():
         jnp.arange(len(lengths) + 1, dtype=jnp.int32), jnp.asarray([len(lengths)], jnp.int32),
         pages_per_compute_block=2, interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(dec), np.asarray(rag), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# a row's result does not depend on the rest of the batch                      #
+# --------------------------------------------------------------------------- #
+def _place(rng, target: int, others: list[int], batch: int) -> tuple[list[int], int]:
+    """Row ids of a batch of ``batch`` rows: ``target`` at a random index among random ``others``."""
+    rows = list(rng.choice(others, size=batch - 1, replace=False))
+    at = int(rng.integers(0, batch))
+    return rows[:at] + [target] + rows[at:], at
+
+
+def assert_same_bits(got: np.ndarray, expected: np.ndarray, what: str) -> None:
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=f"{what}: bits differ")
+
+
+def test_decode_row_is_bitwise_independent_of_batch():
+    """Seeded sampling needs a row's logits to ignore its co-batched requests: same bits at batch 1 to 64."""
+    rng = np.random.default_rng()
+    page_size, pages_per_seq, kv_heads, group, head_dim = 16, 8, 1, 4, 32  # 8 KV tiles of one page
+    full = page_size * pages_per_seq
+    lengths = [full - 11] + list(rng.integers(0, full + 1, size=63))
+    kv = make_paged_kv(rng, lengths, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                       pages_per_seq=pages_per_seq)
+    dev = kv.device(jnp.float32)
+    q = rng.standard_normal((len(lengths), kv_heads * group, head_dim)).astype(np.float32)
+    lengths = np.asarray(lengths, np.int32)
+
+    def row_output(rows: list[int], at: int) -> np.ndarray:
+        out = triton_decode.paged_attention(
+            jnp.asarray(q[rows]), dev["k_pages"], dev["v_pages"], jnp.asarray(lengths[rows]),
+            jnp.asarray(kv.page_indices[rows]), pages_per_compute_block=1, interpret=INTERPRET,
+            poison_output=True)
+        return np.asarray(out[at])
+
+    alone = row_output([0], 0)
+    expected = numpy_decode_reference(q[:1], lengths=lengths[:1], **{
+        **kv.host(jnp.float32), "page_indices": kv.page_indices[:1]})
+    assert_close(alone[None], expected, "float32", "decode alone")
+    for batch in (4, 16, 64):
+        got = row_output(*_place(rng, 0, list(range(1, len(lengths))), batch))
+        assert_same_bits(got, alone, f"decode at batch {batch}")
+
+
+def test_ragged_sequence_is_bitwise_independent_of_batch():
+    """Likewise for prefill: one sequence alone, or among others with more tokens in the call."""
+    rng = np.random.default_rng()
+    page_size, kv_heads, group, head_dim = 16, 1, 4, 32
+    seqs = [(3, 40)] + [(int(n), int(n) + int(rng.integers(0, 20))) for n in rng.integers(0, 24, size=15)]
+    inp = make_ragged(rng, seqs, kv_heads=kv_heads, group=group, head_dim=head_dim, page_size=page_size,
+                      dtype="float32", extra_seq_slots=0, tail_tokens=0)
+    kv, dev = inp["kv"], inp["kv"].device(jnp.float32)
+    q, cu = np.asarray(inp["q"]), inp["cu_q_lens"]
+
+    def sequence_output(ids: list[int], at: int) -> np.ndarray:
+        q_lens = [seqs[s][0] for s in ids]
+        cu_ids = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        q_ids = np.concatenate([q[cu[s]:cu[s + 1]] for s in ids])
+        out = triton_ragged.ragged_paged_attention(
+            jnp.asarray(q_ids), dev["k_pages"], dev["v_pages"], jnp.asarray(inp["kv_lens"][ids]),
+            jnp.asarray(kv.page_indices[ids]), jnp.asarray(cu_ids), jnp.asarray([len(ids)], jnp.int32),
+            interpret=INTERPRET, poison_output=True)
+        return np.asarray(out[cu_ids[at]:cu_ids[at + 1]])
+
+    alone = sequence_output([0], 0)
+    for batch in (4, 16):
+        got = sequence_output(*_place(rng, 0, list(range(1, len(seqs))), batch))
+        assert_same_bits(got, alone, f"ragged among {batch} sequences")
+
+
+def pallas_call_eqns(jaxpr) -> list:
+    """Every pallas_call equation in ``jaxpr``, one per call site, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        else:
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += pallas_call_eqns(sub)
+    return found
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("pages_per_seq", [1, 3, 16, 128, 2048])
+def test_decode_split_count_ignores_batch(pages_per_seq, int8):
+    """The default split-K grid axis is the same at every batch size (traced, not run)."""
+    spec = jax.ShapeDtypeStruct
+    pages = spec((8, 64, 16, 128), jnp.int8 if int8 else jnp.bfloat16)
+    scales = dict(k_scales=spec(pages.shape[:3], jnp.float32), v_scales=spec(pages.shape[:3], jnp.float32))
+    splits = set()
+    for batch in (1, 3, 64, 1024):
+        jaxpr = jax.make_jaxpr(functools.partial(triton_decode.paged_attention, interpret=True))(
+            spec((batch, 32, 128), jnp.bfloat16), pages, pages, spec((batch,), jnp.int32),
+            spec((batch, pages_per_seq), jnp.int32), **(scales if int8 else {})).jaxpr
+        (eqn,) = pallas_call_eqns(jaxpr)
+        grid = eqn.params["grid_mapping"].grid
+        assert grid[0] == batch
+        splits.add(grid[2])
+    assert len(splits) == 1, splits
+
+
+def test_decode_splits_long_contexts_for_a_full_gpu():
+    """A lone 32k-token row of an 8-KV-head model still fills an H200's 132 SMs at least once."""
+    plan = planning.plan_decode(32, 8, 16, 2048, pages_per_compute_block=None, num_splits=None)
+    assert plan.num_splits * 8 >= 132
+
+
+@pytest.mark.parametrize("group", [1, 3, 8, 16])
+def test_ragged_tiles_ignore_token_count(group):
+    plans = {planning.plan_ragged(num_tokens, 8 * group, 8, 4, 16, 64, pages_per_compute_block=None)
+             for num_tokens in (1, 5, 16, 64, 300)}
+    assert len({(p.tokens_per_tile, p.pages_per_block, p.group_padded) for p in plans}) == 1, plans
 
 
 # --------------------------------------------------------------------------- #

@@ -137,7 +137,6 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
     pages_per_seq = page_indices.shape[1]
     plan = planning.plan_decode(
-        batch,
         num_q_heads,
         num_kv_heads,
         page_size,
