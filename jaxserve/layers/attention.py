@@ -99,6 +99,7 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
     query = query.astype(jnp.float32) * sm_scale  # [B, K, G, T, D]
     query_pos = meta.positions[:, None, None, :, None]  # against key positions [..., block]
     context_lens = meta.context_lens[:, None, None, None, None]
+    real_query = (jnp.arange(num_tokens) < meta.query_lens[:, None])[:, None, None, :, None]  # padding sees nothing
     num_blocks = (jnp.max(meta.context_lens) + block_tokens - 1) // block_tokens
 
     def block(index, carry):
@@ -106,9 +107,14 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
         pages = jax.lax.dynamic_slice_in_dim(page_tables, index * pages_per_block, pages_per_block, axis=1)
         keys = k_pool[:, pages].reshape(num_kv_heads, batch, block_tokens, head_dim)
         values = v_pool[:, pages].reshape(num_kv_heads, batch, block_tokens, head_dim)
-        scores = jnp.einsum("kbsd,bkgtd->bkgts", keys, query, preferred_element_type=jnp.float32)
         key_pos = index * block_tokens + jnp.arange(block_tokens)
-        visible = (key_pos <= query_pos) & (key_pos < context_lens)
+        # Slots past a row's context (the scratch page, pages it does not own) may hold anything, even NaN or
+        # inf: zero their values, since a zero probability times NaN would still be NaN. Inside the context
+        # every slot holds this row's own keys, so masking the scores of invisible ones there is enough.
+        in_context = key_pos < meta.context_lens[:, None]  # [B, block]
+        values = jnp.where(in_context[None, :, :, None], values, 0)
+        scores = jnp.einsum("kbsd,bkgtd->bkgts", keys, query, preferred_element_type=jnp.float32)
+        visible = (key_pos <= query_pos) & (key_pos < context_lens) & real_query
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
         scores = jnp.where(visible, scores, -jnp.inf)
