@@ -1,5 +1,6 @@
 """benchmarks/: the metric math against hand-computed values, the workloads, the streaming client against an
-in-process fake server on a virtual clock, and every script end to end on a tiny random model with a tiny workload.
+in-process fake server on a virtual clock, every script's --help, and every benchmark end to end on a tiny random
+model (the attention kernels on tiny shapes) with a tiny workload.
 
 These tests check that the benchmarks measure correctly; they make no performance claims and assert no wall-clock
 durations (the machine is shared): timing logic is checked on a virtual clock, where every duration is exact.
@@ -23,7 +24,7 @@ from benchmarks.metrics import RequestResult
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
-           "baselines/hf_transformers.py"]
+           "baselines/hf_transformers.py", "kernels.py", "random_model.py"]
 
 
 # -- metric math ---------------------------------------------------------------------------------------------
@@ -341,6 +342,22 @@ def test_greedy_agreement_by_hand():
         compare.agreement([[1, 2]], [[1, 2], [3]])
 
 
+def test_kernels_smoke(tmp_path):
+    # a script that puts benchmarks/ on sys.path itself: run it as the command line does
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--impls", "xla-ref", "pallas-ours",
+                          "--interpret", "--batches", "2", "--contexts", "40", "--warmup", "1", "--repeats", "1",
+                          "--copy-bytes", str(1 << 20), "--out", str(tmp_path / "kernels.json")],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert [row["impl"] for row in rows] == ["xla-ref", "pallas-ours"]
+    for row in rows:
+        assert "error" not in row and "skipped" not in row, row
+        # K and V of 2 sequences x 40 tokens x 3 kv heads x 64 dims in float32 (the smollm2-135m preset)
+        assert row["kv_bytes"] == 2 * 2 * 40 * 3 * 64 * 4 and row["median_s"] > 0
+        assert row["baseline"] == "xla-ref" and row["max_abs_diff_vs_baseline"] < 1e-5  # our kernel agrees
+
+
 def test_hf_baseline_and_compare_smoke(tiny_llama_dir, tmp_path):
     from benchmarks import compare
 
@@ -438,5 +455,6 @@ def test_random_model_has_the_default_models_shapes(tmp_path):
     path = random_model.build(str(tmp_path / "random"), num_hidden_layers=2, hidden_size=64, intermediate_size=96,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
     config = load_model(path).config
-    assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.vocab_size) == (2, 64, 2, 128)
+    assert (config.num_layers, config.hidden_size, config.intermediate_size, config.num_q_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size) == (2, 64, 96, 4, 2, 16, 128)
     assert config.tie_word_embeddings
