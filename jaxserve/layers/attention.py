@@ -136,17 +136,38 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
 
 
 def _pallas_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale, sliding_window, interpret):
+    """Decode (`T == 1`) runs the decode kernel; otherwise all rows go through one ragged-kernel call."""
     import pallas_kernels  # imported lazily: the xla path must not depend on Pallas' GPU lowering
 
-    batch, num_tokens, num_q_heads, head_dim = q.shape
+    batch, num_tokens = q.shape[:2]
     if num_tokens == 1:
         out = pallas_kernels.paged_attention(q[:, 0], k_pool, v_pool, meta.context_lens, meta.page_tables,
                                              sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret)
         return out[:, None]
-    outputs = []
-    for row in range(batch):  # prefill runs one sequence per call; rows are unrolled for the general case
-        cu_q_lens = jnp.stack([jnp.int32(0), meta.query_lens[row]])
-        outputs.append(pallas_kernels.ragged_paged_attention(
-            q[row], k_pool, v_pool, meta.context_lens[row:row + 1], meta.page_tables[row:row + 1], cu_q_lens,
-            jnp.int32(1), sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret))
-    return jnp.stack(outputs)
+    query_lens = jnp.clip(meta.query_lens, 0, num_tokens).astype(jnp.int32)
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
+    out = pallas_kernels.ragged_paged_attention(
+        _to_ragged(q, cu_q_lens), k_pool, v_pool, meta.context_lens, meta.page_tables, cu_q_lens, jnp.int32(batch),
+        sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret)
+    return _from_ragged(out, cu_q_lens, query_lens, num_tokens)
+
+
+def _to_ragged(q: jax.Array, cu_q_lens: jax.Array) -> jax.Array:
+    """`[B, T, ...]` -> `[B * T, ...]` with row b's real tokens at `cu_q_lens[b]:cu_q_lens[b + 1]`.
+
+    Entries from `cu_q_lens[B]` on are the ragged kernel's padding: they hold copies of other tokens, and the
+    kernel neither reads them for other rows nor writes anything but zeros for them.
+    """
+    batch, num_tokens = q.shape[:2]
+    index = jnp.arange(batch * num_tokens, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], index, side="right"), 0, batch - 1)
+    column = jnp.clip(index - cu_q_lens[row], 0, num_tokens - 1)
+    return q.reshape(batch * num_tokens, *q.shape[2:])[row * num_tokens + column]
+
+
+def _from_ragged(out: jax.Array, cu_q_lens: jax.Array, query_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Inverse of `_to_ragged`: `[B * T, ...]` -> `[B, T, ...]`, zeros at padded query tokens."""
+    column = jnp.arange(num_tokens, dtype=jnp.int32)
+    index = jnp.minimum(cu_q_lens[:-1, None] + column, out.shape[0] - 1)  # [B, T]
+    real = (column < query_lens[:, None]).reshape(*index.shape, *(1,) * (out.ndim - 1))
+    return jnp.where(real, out[index], 0)
