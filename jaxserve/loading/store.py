@@ -1,4 +1,7 @@
-"""The converted-checkpoint store: params saved with orbax beside the model config and tokenizer files.
+"""The converted-checkpoint store: params saved with orbax beside the model config, tokenizer and generation config.
+
+Params keep the dtype they were saved in (float32 for converted GGUF files) and are restored straight into the
+serving dtype, group by group, so a float32 store served in bfloat16 never holds the float32 model.
 
 A store directory is written under a temporary name and renamed into place only when complete; its
 manifest (written last) lists every file with its size, so a truncated or partial directory is
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 
@@ -23,6 +27,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "jaxserve_manifest.json"
 CONFIG_FILE = "jaxserve_config.json"
 PARAMS_DIR = "params"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -33,8 +38,12 @@ def is_store(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST).exists() or (Path(path) / CONFIG_FILE).exists()
 
 
-def save_store(path: str | os.PathLike, config: ModelConfig, params: dict, tokenizer) -> None:
-    """Writes `params` (orbax), `config` and `tokenizer` to `path` atomically (temp dir + rename)."""
+def save_store(path: str | os.PathLike, config: ModelConfig, params: dict, tokenizer,
+               generation_config: dict | None = None) -> None:
+    """Writes `params` (orbax), `config`, `tokenizer` and `generation_config` to `path` atomically (temp dir + rename).
+
+    `generation_config` is the checkpoint's generation_config.json content, saved under that name.
+    """
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -48,6 +57,8 @@ def save_store(path: str | os.PathLike, config: ModelConfig, params: dict, token
         (staging / CONFIG_FILE).write_text(config.to_json())
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
+        if generation_config is not None:
+            (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config, indent=2))
         files = {str(f.relative_to(staging)): f.stat().st_size for f in sorted(staging.rglob("*")) if f.is_file()}
         (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
         if path.exists():
@@ -77,23 +88,37 @@ def verify_store(path: str | os.PathLike) -> None:
                 f"checkpoint {path} is corrupt: {name} has {file.stat().st_size} bytes, expected {size}")
 
 
-def load_store(path: str | os.PathLike, dtype=np.float32):
-    """`(ModelConfig, params, tokenizer)` from a verified store; params cast to `dtype` on the default device."""
+def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params as numpy arrays in dtype)` from a verified store.
+
+    Orbax casts each array to `dtype` as it reads it, but it reads all the arrays it is asked for at once (into one
+    coalesced buffer of their stored bytes), so the params are restored one top-level group (the embedding, one
+    layer, the head) at a time: the stored-dtype bytes in flight are one group's, never the whole model's.
+    """
     import orbax.checkpoint as ocp
-    from transformers import AutoTokenizer
 
     from jaxserve.models import param_shapes
 
     path = Path(path).absolute()
     verify_store(path)
     config = ModelConfig.from_json((path / CONFIG_FILE).read_text())
-    stored_dtype = np.float32
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, stored_dtype), param_shapes(config))
+    params = {}
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(path / PARAMS_DIR, target)
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            for group, shapes in param_shapes(config).items():
+                target = {group: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)}
+                restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), target)
+                params.update(checkpointer.restore(path / PARAMS_DIR, args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True)))
     except Exception as err:  # orbax raises many types for a damaged directory
         raise CorruptCheckpointError(f"checkpoint {path} does not restore: {err}") from err
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-    tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").exists() else None
+    return config, params
+
+
+def load_store(path: str | os.PathLike, dtype: DTypeLike = np.float32):
+    """`(ModelConfig, params in dtype, tokenizer or None)` from a verified store."""
+    from transformers import AutoTokenizer
+
+    config, params = restore_store(path, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path)) if (Path(path) / "tokenizer.json").exists() else None
     return config, params, tokenizer
