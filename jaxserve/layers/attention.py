@@ -8,8 +8,8 @@ The model calls `backend.write_kv` and `backend.attend` and never knows which im
 
 All backends share one layout per layer's page pool: `[kv_heads, num_pages, page_size, head_dim]`.
 A Pallas grid cell then streams one head's pages, and the XLA loop contracts each head's
-keys without transposing them (measured ~20% faster on CPU than `[num_pages, page_size, kv_heads,
-head_dim]` with 32-token blocks).
+keys without transposing them, which measured faster on CPU than `[num_pages, page_size, kv_heads,
+head_dim]` (figures in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class AttentionBackend:
         slots = slot_mapping.reshape(-1)
         if slots.shape[0] == 1:
             # XLA rewrites a one-row scatter as a dynamic-update-slice fusion that copies the whole donated
-            # pool every step (measured: 3.5 s/step for a 1.5 GB pool); writing the row twice keeps it a scatter.
+            # pool every step, slow for a large pool; writing the row twice keeps it a scatter.
             slots = jnp.concatenate([slots, slots])
             k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
         heads, pages, page_size, head_dim = k_pool.shape
@@ -74,7 +74,7 @@ class AttentionBackend:
                                        interpret=self.name == "pallas-interpret")
 
 
-DECODE_BLOCK_TOKENS = 32  # keys per loop iteration for one query token: fastest on CPU among 16-256
+DECODE_BLOCK_TOKENS = 32  # keys per loop iteration for one query token: the fastest block size measured on CPU
 PREFILL_BLOCK_TOKENS = 128  # with many query tokens per row a block has more work, so fewer, larger blocks
 
 
@@ -82,8 +82,8 @@ def _xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale
     """Causal attention blockwise over each row's pages with an online softmax (flash attention in plain XLA).
 
     The loop runs only as many key blocks as the longest context in the batch needs and never
-    materializes a sequence's whole K/V. On CPU: decode 3x faster than one gather of all pages at
-    512 tokens of context; prefill 2.4x faster at max_model_len 2048 than attending to every page.
+    materializes a sequence's whole K/V, which on CPU beats both one gather of all pages (decode) and
+    attending to every page (prefill); figures in benchmarks/RESULTS.md.
     """
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pool.shape
