@@ -1,4 +1,4 @@
-"""Checks of `jaxserve.layers.attention` (write_kv + attend) on every backend that runs on CPU.
+"""Checks of `jaxserve.layers.attention` (write_kv + attend) on every backend this machine runs.
 
 Inputs follow the engine's layout (see `jaxserve/engine/model_runner.py`): rows of `T` query
 tokens, padded tokens written to the scratch page 0, unused page-table entries pointing at page 0.
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata
 
-CPU_BACKENDS = ("xla", "pallas-interpret")
+# Every backend this machine runs: "pallas" compiles Triton kernels, so it needs a GPU.
+BACKENDS = tuple(name for name in ATTENTION_BACKENDS if name != "pallas" or jax.default_backend() == "gpu")
 POISON = {"nan": np.nan, "inf": np.inf, "huge": 3.0e38}
 TOLERANCE = 2e-6  # absolute, outputs are O(1): float32 attention is ~3e-7 off the float64 reference here
 
@@ -160,11 +161,11 @@ PREFILL_ROWS = [(5, 5), (3, 10), (0, 0), (8, 8), (1, 13), (2, 24)]  # (query_len
 
 
 @pytest.mark.parametrize("poison", list(POISON))
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
 def test_attend_ignores_poisoned_pages(shape, backend, poison):
     """NaN/inf/huge in the scratch page, unowned pages, slots past the context and padding never leak."""
-    rng = np.random.default_rng([len(shape), len(backend), len(poison)])
+    rng = np.random.default_rng([shape == "decode", ATTENTION_BACKENDS.index(backend), list(POISON).index(poison)])
     if shape == "decode":
         step = make_step(rng, DECODE_ROWS, 1, poison=poison)
         step.query_lens = [1] * len(DECODE_ROWS)  # as the engine's decode step: inactive rows have 1 query, 0 keys
@@ -174,9 +175,10 @@ def test_attend_ignores_poisoned_pages(shape, backend, poison):
     assert np.all((scratch == POISON[poison]) | np.isnan(scratch)), "the scratch page must be poisoned"
     out = attend(backend, step)
     assert_matches(out, reference(step), step.real(), f"{backend} {shape} {poison}")
+    assert np.all(out[~step.real()] == 0.0), "padded query tokens and inactive rows must give zeros"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_attend_sliding_window(backend):
     rng = np.random.default_rng(41)
     step = make_step(rng, PREFILL_ROWS, 8)
@@ -215,4 +217,5 @@ def test_pallas_prefill_is_one_kernel_call():
     closed = jax.make_jaxpr(lambda q, k, v, meta: AttentionBackend("pallas-interpret").attend(
         q, k, v, meta, sm_scale=0.25, sliding_window=None))(jnp.asarray(step.q), *pools, meta)
     assert _count_primitive(closed.jaxpr, "pallas_call") == 1
-    assert str(closed).count("pallas_call") >= 1
+    # The text alone cannot tell: jax prints a jaxpr shared by several call sites once.
+    assert str(closed).count("pallas_call") == 1
