@@ -76,3 +76,15 @@ def test_greedy_sampler_matches_the_plain_argmax(logits_row):
     tokens = jax.jit(sample)(logits, batch, penalties, jnp.arange(2)).tokens
     assert np.array_equal(tokens, np.argmax(logits, axis=-1))
     assert np.array_equal(jax.jit(argmax)(logits), np.argmax(logits, axis=-1))
+
+
+def test_top_k_holds_whatever_the_cumulative_mass_rounds_to():
+    """top_k alone (top_p = 1) keeps exactly k tokens even where the sorted probabilities' cumulative sum rounds
+    to just below 1 past rank k (it then kept the whole vocabulary, so a seeded draw changed with tiny logit
+    differences between batch sizes)."""
+    from jaxserve.layers.sampler import _truncate_top_k_top_p
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(256, 512)).astype(np.float32) * 1.5)
+    kept = np.isfinite(np.asarray(jax.jit(_truncate_top_k_top_p)(logits, jnp.full(256, 20), jnp.ones(256))))
+    assert (kept.sum(axis=1) == 20).all()

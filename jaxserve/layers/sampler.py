@@ -74,7 +74,8 @@ def _truncate_top_k_top_p(logits, top_k, top_p):
     sorted_logits = jnp.where(ranks < k[:, None], sorted_logits, NEG_INF)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) | (ranks == 0)
+    # the rank check matters even with top_p = 1: the cumulative mass may round to just below 1 past rank k
+    keep = ((mass_before < top_p[:, None]) | (ranks == 0)) & (ranks < k[:, None])
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits >= threshold, logits, NEG_INF)
 
