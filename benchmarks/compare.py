@@ -70,9 +70,9 @@ def run_jaxserve(args: argparse.Namespace) -> tuple[dict[str, Any], list, Any]:
     """Start-up, offline throughput, batch-1 decode and roofline point; returns (summary, outputs, records)."""
     load_before = common.load_average()
     llm, startup_s = throughput.start_engine(common.engine_options(args))
-    config = llm.engine.config
-    records = datasets.build_requests(args, llm.get_tokenizer(), llm.engine.vocab_size, config.max_model_len)
-    throughput.warm_up(llm, llm.engine.vocab_size)
+    config = llm.llm_engine.config
+    records = datasets.build_requests(args, llm.get_tokenizer(), llm.llm_engine.vocab_size, config.max_model_len)
+    throughput.warm_up(llm, llm.llm_engine.vocab_size)
     offline = throughput.run_offline(llm, records, use_tqdm=not args.disable_tqdm)
     single = (throughput.single_stream_decode(llm, records[0].prompt_token_ids, args.single_stream_tokens)
               if args.single_stream_tokens else None)
@@ -84,7 +84,7 @@ def run_jaxserve(args: argparse.Namespace) -> tuple[dict[str, Any], list, Any]:
         ceilings = roofline.measure_ceilings(args.dtype)
         point = {"ceilings": ceilings, **roofline.roofline_point(llm, ceilings, batch, context)}
         floor_s = roofline.offline_floor_seconds(
-            llm.engine.model.config, roofline.param_counts(llm.engine.runner.params), stats["prompt_tokens"],
+            llm.llm_engine.model.config, roofline.param_counts(llm.llm_engine.runner.params), stats["prompt_tokens"],
             stats["expected_output_tokens"], len(records), ceilings["matmul_flops_s"])
         point["offline_floor_s"] = floor_s
         point["offline_floor_output_tok_s"] = stats["expected_output_tokens"] / floor_s

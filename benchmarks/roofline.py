@@ -6,7 +6,7 @@ Owns:
   bytes = every weight read once (a tied embedding is read whole as the LM head; an untied one only for B
   rows) + the KV cache read (B * C tokens x layers x 2 x kv_heads x head_dim, window-limited for sliding
   layers) + the new K/V written; FLOPs = 2 x matmul params x B + attention 4 x layers x q_heads x head_dim x C x B.
-* `time_decode_step`: the engine's jitted decode step (`llm.engine.runner.decode`) on a filled batch of B
+* `time_decode_step`: the engine's jitted decode step (`llm.llm_engine.runner.decode`) on a filled batch of B
   sequences at context C, with the engine's own batch bucket and page-table width; the K/V tokens the step
   really attends over per sequence are reported (padding beyond C is work the floor does not count).
 The floor is max(bytes / read bandwidth, FLOPs / matmul rate) (a decode step reads weights and KV and writes
@@ -160,25 +160,6 @@ def floor_seconds(cost: DecodeCost, bandwidth: float, flops_rate: float) -> tupl
 # -- the engine's step ---------------------------------------------------------------------------------------
 
 
-def greedy_sampling(rows: int) -> Any:
-    """A `SamplingBatch` of `rows` greedy rows with every penalty and filter off."""
-    import numpy as np
-
-    from jaxserve.layers.sampler import SamplingBatch
-
-    neutral = {"temperature": np.zeros(rows, np.float32), "top_p": np.ones(rows, np.float32),
-               "top_k": np.zeros(rows, np.int32), "min_p": np.zeros(rows, np.float32),
-               "repetition_penalty": np.ones(rows, np.float32), "presence_penalty": np.zeros(rows, np.float32),
-               "frequency_penalty": np.zeros(rows, np.float32), "seed": np.zeros(rows, np.uint32),
-               "output_index": np.zeros(rows, np.int32), "min_tokens": np.zeros(rows, np.int32),
-               "wants_logprobs": np.zeros(rows, bool)}
-    names = [field.name for field in dataclasses.fields(SamplingBatch)]
-    unknown = [name for name in names if name not in neutral]
-    if unknown:
-        raise RuntimeError(f"SamplingBatch has fields this benchmark does not know: {unknown}")
-    return SamplingBatch(**{name: neutral[name] for name in names})
-
-
 def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
     """Seconds per `runner.decode` for `batch` sequences at position `context - 1`, engine buckets applied.
 
@@ -188,9 +169,10 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     import numpy as np
 
     from benchmarks.timing import time_fn
-    from jaxserve.engine.model_runner import bucket_for
+    from jaxserve.engine.input_batch import DecodeInputs, bucket_for
+    from jaxserve.sampling_params import SamplingParams
 
-    engine = llm.engine
+    engine = llm.llm_engine
     if engine.has_unfinished_requests():
         raise RuntimeError("time_decode_step needs an idle engine")
     config, runner = engine.config, engine.runner
@@ -209,10 +191,11 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     tokens = np.random.default_rng(seed).integers(0, engine.vocab_size, rows).astype(np.int32)
     positions = np.full(rows, context - 1, np.int32)
     active = np.arange(rows) < batch
-    sampling = greedy_sampling(rows)
-    timing = time_fn(lambda: runner.decode(slots, tokens, positions, page_tables, active, sampling, plain=True),
-                     warmup=2, repeats=repeats, min_sample_s=0.02)
-    engine.block_manager.reset_prefix_cache()
+    for slot in slots:  # greedy rows: the step takes the forward's argmax, as a plain greedy batch does
+        runner.slot_params.set(int(slot), SamplingParams(temperature=0), seed=0)
+    inputs = DecodeInputs([None] * batch, slots, tokens, positions, page_tables, np.zeros(rows, np.int32), active)
+    timing = time_fn(lambda: runner.decode(inputs), warmup=2, repeats=repeats, min_sample_s=0.02)
+    engine.page_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,
             "batch_bucket": rows, "page_table_width": config.pages_per_seq,
             "attended_tokens_per_seq": _attended_tokens(config, pages_per_seq)}
@@ -228,10 +211,10 @@ def _attended_tokens(config: Any, pages_per_seq: int) -> int:
 
 def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int, repeats: int = 5) -> dict[str, Any]:
     """Cost, floor and measured step for one batch size; the row `roofline.py` prints."""
-    runner = llm.engine.runner
+    runner = llm.llm_engine.runner
     counts = param_counts(runner.params)
-    dtype_bytes = 2 if llm.engine.config.dtype == "bfloat16" else 4
-    cost = decode_cost(llm.engine.model.config, counts, batch, context, dtype_bytes)
+    dtype_bytes = 2 if llm.llm_engine.config.dtype == "bfloat16" else 4
+    cost = decode_cost(llm.llm_engine.model.config, counts, batch, context, dtype_bytes)
     floor_s, bound = floor_seconds(cost, ceilings["read_bandwidth_bytes_s"], ceilings["matmul_flops_s"])
     measured = time_decode_step(llm, batch, context, repeats)
     return {"batch": batch, "context": context, "gflop": cost.flops / 1e9, "weight_mb": cost.weight_bytes / 1e6,
@@ -279,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     points = [roofline_point(llm, ceilings, batch, args.context, args.repeats)
               for batch in tqdm(args.batch_sizes, desc="batch sizes", disable=args.disable_tqdm)]
     payload = {"model": common.model_label(args.model), "context": args.context, "ceilings": ceilings,
-               "engine": {k: v for k, v in vars(llm.engine.config).items() if not k.startswith("_")},
+               "engine": {k: v for k, v in vars(llm.llm_engine.config).items() if not k.startswith("_")},
                "points": points, "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, argv)
     if not args.no_plot:

@@ -35,7 +35,7 @@ NAME = "throughput"
 
 
 class StepProbe:
-    """Wraps `llm.engine.step` while active: KV usage before and after every step, and each step's duration,
+    """Wraps `llm.llm_engine.step` while active: KV usage before and after every step, and each step's duration,
     split into pure decode steps (every running sequence decoding, nothing waiting or being admitted) and
     steps that also prefill. Reads scheduler state only; changes nothing."""
 
@@ -57,15 +57,15 @@ class StepProbe:
 
     def __enter__(self) -> "StepProbe":
         original = self.engine.step
-        block_manager = self.engine.block_manager
+        page_manager = self.engine.page_manager
 
         def probed_step():
             decode_only, batch = self._decode_only()
-            self.samples.append(block_manager.usage)
+            self.samples.append(page_manager.usage)
             started = time.perf_counter()
             outputs = original()
             seconds = time.perf_counter() - started
-            self.samples.append(block_manager.usage)
+            self.samples.append(page_manager.usage)
             self.steps += 1
             if decode_only:
                 self.decode_step_s.append(seconds)
@@ -128,9 +128,8 @@ def sampling_params_for(records: Sequence[RequestRecord], temperature: float = 0
 
 def _counters(llm: Any) -> tuple[int, int, int]:
     """Prefix-cache queries and hits (tokens) and preemptions so far; a run reports the change."""
-    engine = llm.engine
-    return (engine.block_manager.num_prefix_queries, engine.block_manager.num_prefix_hits,
-            engine.scheduler.num_preemptions)
+    stats = llm.llm_engine.stats()
+    return stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions
 
 
 def _offline_result(llm: Any, outputs: Sequence[Any], elapsed: float, probe: StepProbe,
@@ -141,7 +140,7 @@ def _offline_result(llm: Any, outputs: Sequence[Any], elapsed: float, probe: Ste
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
-        prefix_hit_rate=hits / queries if llm.engine.config.enable_prefix_caching and queries else None,
+        prefix_hit_rate=hits / queries if llm.llm_engine.config.enable_prefix_caching and queries else None,
         preemptions=preemptions, time_breakdown=probe.breakdown(elapsed),
         output_token_ids=[list(o.outputs[0].token_ids) for o in outputs])
 
@@ -152,7 +151,7 @@ def run_offline(llm: Any, records: Sequence[RequestRecord], temperature: float =
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
     params = sampling_params_for(records, temperature, ignore_eos, seed)
     counters = _counters(llm)
-    with StepProbe(llm.engine) as probe:
+    with StepProbe(llm.llm_engine) as probe:
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         elapsed = time.perf_counter() - started
@@ -168,7 +167,7 @@ def run_closed_loop(llm: Any, records: Sequence[RequestRecord], concurrency: int
     """
     from tqdm.auto import tqdm
 
-    engine = llm.engine
+    engine = llm.llm_engine
     params = sampling_params_for(records, temperature, ignore_eos, seed)
     pending = list(range(len(records)))[::-1]
     in_flight: set[str] = set()
@@ -267,8 +266,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     common.seed_everything(args.seed)
     load_before = common.load_average()
     llm, startup_s = start_engine(common.engine_options(args))
-    config = llm.engine.config
-    tokenizer, vocab = llm.get_tokenizer(), llm.engine.vocab_size
+    config = llm.llm_engine.config
+    tokenizer, vocab = llm.get_tokenizer(), llm.llm_engine.vocab_size
     records = datasets.build_requests(args, tokenizer, vocab, config.max_model_len)
     warm_up(llm, vocab, args.num_warmup_requests)
     result = run_offline(llm, records, args.temperature, args.ignore_eos, args.seed, not args.disable_tqdm)

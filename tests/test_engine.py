@@ -20,7 +20,8 @@ ENGINE_OPTIONS = dict(max_num_seqs=8, max_model_len=256, page_size=8, max_num_ba
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, **ENGINE_OPTIONS)
+    """Prefix caching off, so a request run alone never reuses K/V that an earlier run computed."""
+    return LLM(tiny_llama_dir, enable_prefix_caching=False, **ENGINE_OPTIONS)
 
 
 def token_ids(outputs):
@@ -122,24 +123,39 @@ def test_stop_token_ids_and_min_tokens(llm):
                                                 stop_token_ids=[stop_token]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
     assert out.token_ids == free_run[:first_at + 1]
-    # min_tokens bans the stop token until enough tokens exist
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=first_at + 3,
-                                                stop_token_ids=[stop_token]))[0].outputs[0]
-    assert len(out.token_ids) >= first_at + 3
-    assert stop_token not in out.token_ids[:first_at + 2]
+    # min_tokens bans stop tokens from the first min_tokens outputs (vLLM's meaning); the next may be one
+    for min_tokens in (first_at, first_at + 2):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                    min_tokens=min_tokens, stop_token_ids=[stop_token]))[0].outputs[0]
+        assert stop_token not in out.token_ids[:min_tokens]
+        if stop_token in out.token_ids:
+            assert out.finish_reason == "stop" and out.stop_reason == stop_token
+            assert out.token_ids.index(stop_token) == len(out.token_ids) - 1 >= min_tokens
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 20
+        if min_tokens == first_at:  # the ban ends just in time: the free run's stop is kept
+            assert out.token_ids == free_run[:first_at + 1] and out.finish_reason == "stop"
 
 
-def test_stop_strings_end_generation_and_are_excluded(llm):
+def test_stop_string_before_min_tokens_stays_in_the_text(llm):
+    """vLLM's rule: stop strings are not checked before min_tokens outputs, and `text` stays a prefix of the
+    decoded tokens (it was cut out of the middle: "abc STOP def" came back as "abc  def")."""
+    engine = llm.llm_engine
     prompt = {"prompt_token_ids": random_prompts(1, 256, 20, 20, seed=13)[0]}
-    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
-    text = free.text
-    assert len(text) > 8, text
-    stop = text[4:7]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
-    completion = out.outputs[0]
-    assert completion.finish_reason == "stop" and completion.stop_reason == stop
-    assert completion.text == text[:text.index(stop)]
-    assert stop not in completion.text
+    engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    texts = []  # the text after each output token
+    while engine.has_unfinished_requests():
+        texts += [out.outputs[0].text for out in engine.step()]
+    free = texts[-1]
+    stop = free[4:7]
+    assert len(texts) == 30 and free.count(stop) == 1
+    seen = next(count for count, text in enumerate(texts, start=1) if stop in text)
+    early = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=seen + 1)
+    out = llm.generate([prompt], early)[0].outputs[0]
+    assert out.text == free and out.finish_reason == "length"
+    in_time = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=seen)
+    out = llm.generate([prompt], in_time)[0].outputs[0]
+    assert out.text == free[:4] and out.finish_reason == "stop" and out.stop_reason == stop and len(out.token_ids) == seen
 
 
 def test_n_gives_distinct_completions_and_logprobs(llm):
@@ -196,13 +212,24 @@ def test_abort_frees_slot_and_pages(llm):
     assert engine.scheduler.num_running == 0 and engine.page_manager.num_free_pages == free_before
 
 
-def test_kv_pool_is_donated_and_no_recompiles_after_warmup(llm, caplog):
+def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, caplog):
+    """A mixed workload — penalties, min_tokens with many stop ids, logprobs, n > 1, short and long prompts,
+    chunked prefill — runs only the executables compiled at start-up."""
     runner = llm.llm_engine.runner
     old_pool = runner.kv_cache[0][0]
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 500, 1, 120, seed=15)]
-    params = [SamplingParams(temperature=t, top_p=0.8, max_tokens=m, seed=1, logprobs=2 if t else None,
-                             repetition_penalty=1.1 if t else 1.0, ignore_eos=True)
-              for t, m in zip((0, 0.7, 0, 1.0, 0, 0.5), (3, 20, 40, 7, 60, 100))]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 500, 1, 200, seed=15)]
+    many_stop_ids = list(range(400, 440))  # more than one chunk of banned ids
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, max_tokens=20, seed=1, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.2, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=7, n=3, seed=2, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=10, stop_token_ids=many_stop_ids),
+        SamplingParams(temperature=0.5, top_k=5, min_p=0.1, max_tokens=25, min_tokens=5, seed=3, logprobs=20,
+                       stop_token_ids=many_stop_ids[:17]),
+        SamplingParams(n=2, temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
+        SamplingParams(temperature=0.9, max_tokens=50, seed=4, repetition_penalty=0.9, ignore_eos=True),
+    ]
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         llm.generate(prompts, params, use_tqdm=False)
         compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]

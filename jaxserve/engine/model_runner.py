@@ -31,8 +31,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
-from jaxserve.engine.input_batch import (bucket_for, decode_inputs, is_plain_greedy, prefill_groups,
-                                         prefill_inputs)
+from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, is_plain_greedy,
+                                         prefill_groups, prefill_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
@@ -174,9 +174,9 @@ class ModelRunner:
             self._admit(seq)
         calls = [prefill_inputs(tokens, chunks, self.engine_config.pages_per_seq)
                  for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
-        results = [self._prefill_call(inputs) for inputs in calls]
+        results = [self.prefill(inputs) for inputs in calls]
         decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes else None
-        decode_result = self._decode_call(decode) if decode is not None else None
+        decode_result = self.decode(decode) if decode is not None else None
         results, decode_result = jax.device_get((results, decode_result))  # one transfer for the whole step
         sampled = []
         for inputs, result in zip(calls, results):
@@ -201,13 +201,15 @@ class ModelRunner:
             chunk[:len(bans[start:start + BAN_IDS_CHUNK])] = bans[start:start + BAN_IDS_CHUNK]
             self.penalties = self._call("ban", self._ban, (self.penalties,), (np.int32(seq.slot), chunk))
 
-    def _prefill_call(self, inputs) -> SampleResult:
+    def prefill(self, inputs: PrefillInputs) -> SampleResult:
+        """One prefill call (K/V written to the pool); the sampled token of each row, still on the device."""
         logits, greedy, self.kv_cache = self._call("prefill", self._prefill, (self.params, self.kv_cache), (
             inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables))
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
                                    len(inputs.chunks))
 
-    def _decode_call(self, inputs) -> SampleResult:
+    def decode(self, inputs: DecodeInputs) -> SampleResult:
+        """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
         logits, greedy, self.kv_cache = self._call("decode", self._decode, (self.params, self.kv_cache), (
             inputs.token_ids, inputs.positions, inputs.page_tables, inputs.active))
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs))
