@@ -28,6 +28,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: `SamplingParams()` with the model's generation_config.json defaults (unless
+        `generation_config="vllm"`); what `generate` and `chat` use when given no sampling_params."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def generate(self, prompts: PromptType | SequenceType[PromptType],
                  sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: SequenceType[int] | None = None) -> list[RequestOutput]:
@@ -36,7 +41,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                        else list(sampling_params))
         if len(params_list) != len(prompts):

@@ -211,3 +211,23 @@ def test_prefix_cache_reuse_after_eviction_under_pool_pressure(tiny_llama_dir):
     assert completions(cached.generate([target], params)) == expected
     reused = cached.llm_engine.stats().prefix_cache_hits - hits
     assert reused == 96  # the 12 pages left of the 14
+
+
+def test_generation_config_eos_ids_and_defaults_reach_generation(tiny_llama_dir, tmp_path):
+    """generation_config.json's extra EOS ids end generation, and its sampling defaults are what `generate` uses
+    when given no SamplingParams (vLLM's `get_default_sampling_params`)."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    plain = LLM(str(model_dir), **ENGINE_OPTIONS)
+    free = plain.generate([prompt(50)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    eos = free.token_ids[3]
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos], "temperature": 0.0, "max_new_tokens": 10}))
+    llm = LLM(str(model_dir), **ENGINE_OPTIONS)
+    assert llm.get_default_sampling_params().temperature == 0 and llm.get_default_sampling_params().max_tokens == 10
+    out = llm.generate([prompt(50)])[0].outputs[0]
+    assert out.token_ids == free.token_ids[:free.token_ids.index(eos) + 1] and out.finish_reason == "stop"

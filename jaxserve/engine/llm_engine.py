@@ -41,11 +41,13 @@ class LLMEngine:
         self.config = config or EngineConfig(**options)
         _enable_compilation_cache(self.config.compilation_cache_dir)
         started = time.perf_counter()
-        self.model = loaded or load_model(self.config.model, dtype=self.config.jax_dtype)
+        self.model = loaded or load_model(self.config.model, dtype=self.config.jax_dtype,
+                                          tokenizer=self.config.tokenizer,
+                                          generation_config=self.config.generation_config)
         self.tokenizer = self.model.tokenizer
         # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a
         # request leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
-        self.default_sampling_params: dict[str, Any] = dict(getattr(self.model, "generation_config", None) or {})
+        self.default_sampling_params: dict[str, Any] = dict(self.model.generation_config)
         model_config = self.model.config
         self.config.resolve(model_config.max_position_embeddings)
         self.eos_token_ids = set(model_config.eos_token_ids)
