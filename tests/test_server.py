@@ -1,9 +1,11 @@
-"""The OpenAI-compatible server, end to end.
+"""The OpenAI-compatible server, end to end, on the default model.
 
 One real server process (`python -m jaxserve serve`, default model, small engine options) serves the
-whole module: the official `openai` client, streaming, bad input, hang-ups, 100 concurrent requests,
-/metrics, and a graceful SIGTERM (exit 0) at teardown. API keys, admission control and an engine
-crash are checked in-process against the ASGI app over a fake engine (no model, no compiles).
+whole module: start-up, the official `openai` client, streaming (stop strings included), bad input,
+hang-ups, 100 concurrent seeded requests, /metrics, and a graceful SIGTERM (exit 0) at teardown.
+Every test stands alone (`-k` any of them): none relies on traffic or state left by another.
+The app over a fake engine is in test_server_app.py, the process's ends on a tiny model in
+test_server_process.py.
 """
 
 from __future__ import annotations
@@ -11,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import httpx
@@ -27,6 +27,10 @@ slow = pytest.mark.slow  # the tests that use the real server (default model)
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_OPTIONS = ["--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
+IDLE_TIMEOUT = 120  # seconds
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GOOD_MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 def free_port() -> int:
@@ -70,6 +74,7 @@ def server(tmp_path_factory) -> ServerProcess:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     handle = ServerProcess(port, process, log_path)
     statuses = []
+    chat_statuses = set()  # what a chat request for the served model got while loading
     deadline = time.monotonic() + 400
     try:
         while True:
@@ -83,8 +88,13 @@ def server(tmp_path_factory) -> ServerProcess:
                 statuses.append(status)
             if status == 200:
                 break
+            if status == 503:
+                chat = httpx.post(handle.url + CHAT, json={"model": MODEL, "messages": GOOD_MESSAGES, "max_tokens": 1},
+                                  timeout=60)
+                chat_statuses.add((chat.status_code, chat.headers.get("Retry-After") is not None))
             time.sleep(0.25)
         handle.health_statuses = statuses
+        handle.chat_statuses_while_loading = chat_statuses
         yield handle
     finally:
         if process.poll() is None:
@@ -108,15 +118,20 @@ def running_gauge(server: ServerProcess) -> float:
     return server.metrics()["jaxserve:num_requests_running"]
 
 
-def wait_idle(server: ServerProcess, within: float) -> float:
-    """Seconds until running and waiting are both 0 (fails after `within`)."""
-    started = time.monotonic()
+def wait_idle(server: ServerProcess) -> dict[str, float]:
+    """The metrics once nothing runs or waits (a bound only against hanging forever, not a latency check)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT
     while True:
         samples = server.metrics()
         if samples["jaxserve:num_requests_running"] == 0 and samples["jaxserve:num_requests_waiting"] == 0:
-            return time.monotonic() - started
-        assert time.monotonic() - started < within, f"still busy after {within}s: {samples}"
+            return samples
+        assert time.monotonic() < deadline, f"still busy after {IDLE_TIMEOUT}s: {samples}"
         time.sleep(0.05)
+
+
+def finished(samples: dict[str, float], reason: str) -> float:
+    return sum(v for k, v in samples.items()
+               if k.startswith("jaxserve:request_success_total{") and f'finished_reason="{reason}"' in k)
 
 
 # -- the official client ---------------------------------------------------------------------------------------
@@ -127,6 +142,14 @@ def test_health_went_from_503_to_200(server):
     assert server.health_statuses[-1] == 200
     assert 503 in server.health_statuses, "the HTTP server should answer 503 while the model loads"
     assert httpx.get(server.url + "/version").json()["version"]
+
+
+@slow
+def test_requests_for_the_served_model_get_503_while_loading(server):
+    """The README's curl during start-up: 503 with Retry-After, never 404 for the model's own name."""
+    statuses = server.chat_statuses_while_loading
+    assert (503, True) in statuses, statuses
+    assert {status for status, _ in statuses} <= {200, 503}, statuses  # 200: it became ready meanwhile
 
 
 @slow
@@ -218,9 +241,6 @@ def test_chat_logprobs_format(server):
 
 # -- bad input ---------------------------------------------------------------------------------------------------
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-GOOD_MESSAGES = [{"role": "user", "content": "Hi"}]
 BAD_REQUESTS = [
     # (path, raw body or JSON, expected status, words the message must contain)
     (COMPLETIONS, b"{not json", 400, "malformed JSON"),
@@ -285,11 +305,47 @@ def test_bad_requests_get_openai_errors(server):
     assert "Traceback" not in server.log()
 
 
+# -- stop strings ------------------------------------------------------------------------------------------------
+
+
+@slow
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_stop_string_through_streaming(server, path):
+    """Streamed deltas concatenate to the text cut before the stop string, which no chunk ever shows."""
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    if path == COMPLETIONS:
+        body["prompt"] = "The capital of France is"
+    else:
+        body["messages"] = [{"role": "user", "content": "Describe Paris in one sentence."}]
+
+    def text_of(choice: dict) -> str:
+        return choice["text"] if path == COMPLETIONS else (choice.get("message") or choice["delta"]).get("content") or ""
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        whole = text_of(http.post(path, json=body).json()["choices"][0])
+        start = len(whole) // 3
+        stop = whole[start:start + 6]  # from the middle, likely spanning tokens
+        assert len(stop.strip()) >= 3, whole
+        expected = whole[:whole.find(stop)]
+        chunks, finishes = [], []
+        with http.stream("POST", path, json={**body, "stop": [stop], "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        chunks.append(text_of(choice))
+                        if choice["finish_reason"]:
+                            finishes.append((choice["finish_reason"], choice["stop_reason"]))
+    assert "".join(chunks) == expected
+    assert not any(stop in chunk for chunk in chunks)
+    assert finishes == [("stop", stop)]
+
+
 # -- hang-ups ----------------------------------------------------------------------------------------------------
 
 
 @slow
-def test_streaming_client_hangup_aborts_at_once(server):
+def test_streaming_client_hangup_aborts_its_request(server):
+    before = wait_idle(server)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=60) as response:
         events = 0
@@ -298,298 +354,107 @@ def test_streaming_client_hangup_aborts_at_once(server):
             if events == 3:
                 assert running_gauge(server) == 1
                 break  # leaving iter_lines early closes the connection
-    assert wait_idle(server, within=1.0) < 1.0
-    assert server.metrics()["jaxserve:kv_cache_usage_perc"] == 0  # its pages are free again
+    after = wait_idle(server)
+    assert finished(after, "abort") == finished(before, "abort") + 1
+    assert finished(after, "length") == finished(before, "length")
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < 400
+    assert after["jaxserve:kv_cache_usage_perc"] == 0  # its pages are free again
 
 
 @slow
-def test_non_streaming_client_hangup_aborts(server):
+def test_non_streaming_client_hangup_aborts_its_request(server):
+    before = wait_idle(server)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + COMPLETIONS, json=body, timeout=1.5)
-    assert wait_idle(server, within=1.0) < 1.0
+    after = wait_idle(server)
+    assert finished(after, "abort") == finished(before, "abort") + 1
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < 400
 
 
 # -- load --------------------------------------------------------------------------------------------------------
 
 
-@slow
-def test_100_concurrent_requests(server):
-    rng = random.Random(0)
+def seeded_request(spec: int) -> tuple[str, dict]:
+    """The `spec`-th of 50 distinct seeded requests (chat or completions, 1-8 tokens)."""
     topics = ["the sea", "a robot", "Paris", "music", "a small dog", "winter", "coffee", "the moon"]
+    if spec % 3 == 0:
+        path, body = COMPLETIONS, {"prompt": f"Write about {topics[spec % 8]}" + " please" * (spec % 7)}
+    else:
+        path, body = CHAT, {"messages": [{"role": "user", "content": f"Say something about {topics[spec % 8]}."}]}
+    body.update(model=MODEL, max_tokens=1 + spec % 8, temperature=0.7, seed=spec)
+    return path, body
 
-    async def one(http: httpx.AsyncClient, index: int) -> str:
-        stream = index % 2 == 0
-        max_tokens = rng.randint(1, 8)
-        if index % 3 == 0:
-            path, body = COMPLETIONS, {"prompt": f"Write about {topics[index % 8]}" + " please" * (index % 7)}
-        else:
-            path, body = CHAT, {"messages": [{"role": "user", "content": f"Say something about {topics[index % 8]}."}]}
-        body.update(model=MODEL, max_tokens=max_tokens, stream=stream, temperature=0.7, seed=index)
-        if not stream:
-            response = await http.post(path, json=body)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["finish_reason"]
-        finish = None
-        async with http.stream("POST", path, json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for choice in json.loads(line[6:])["choices"]:
-                        finish = choice["finish_reason"] or finish
-        return finish
 
-    async def main() -> list[str]:
+async def send(http: httpx.AsyncClient, path: str, body: dict) -> tuple[str, str]:
+    """(text, finish_reason) of the first choice, streamed or not as `body` says."""
+    if not body.get("stream"):
+        response = await http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["text"] if path == COMPLETIONS else choice["message"]["content"], choice["finish_reason"]
+    text, finish = "", None
+    async with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["text"] if path == COMPLETIONS else choice["delta"].get("content") or ""
+                    finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+@slow
+def test_100_concurrent_seeded_requests(server):
+    """50 seeded requests, each sent twice at once (streamed and not): the pair agree, and each agrees with the
+    same request sent again alone, so batching with 99 others changes nothing."""
+
+    async def main() -> tuple[list, list]:
         limits = httpx.Limits(max_connections=128)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(100)))
+            jobs = [send(http, path, {**body, "stream": copy == 1})
+                    for spec in range(50) for copy in range(2) for path, body in [seeded_request(spec)]]
+            together = await asyncio.gather(*jobs)
+            alone = [await send(http, *seeded_request(spec)) for spec in range(50)]
+        return together, alone
 
     started = time.monotonic()
-    finishes = asyncio.run(main())
-    print(f"100 requests in {time.monotonic() - started:.1f}s")
-    assert len(finishes) == 100 and set(finishes) <= {"stop", "length"}, finishes
-    wait_idle(server, within=2.0)
+    together, alone = asyncio.run(main())
+    print(f"100 concurrent + 50 sequential requests in {time.monotonic() - started:.1f}s")
+    assert {finish for _, finish in together} <= {"stop", "length"}
+    for spec in range(50):
+        assert together[2 * spec] == together[2 * spec + 1] == alone[spec], (spec, seeded_request(spec))
+    assert len({text for text, _ in alone}) >= 25  # the seeds and prompts really differ
+    wait_idle(server)
 
 
 @slow
-def test_metrics_after_traffic(server):
-    samples = server.metrics()
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert f"jaxserve:{gauge}" in samples
-    assert samples["jaxserve:num_requests_running"] == 0 and samples["jaxserve:num_requests_waiting"] == 0
-    assert 0 <= samples["jaxserve:kv_cache_usage_perc"] <= 1
-    assert samples["jaxserve:prompt_tokens_total"] > 1000
-    assert samples["jaxserve:generation_tokens_total"] > 300
-    success = {k: v for k, v in samples.items() if k.startswith("jaxserve:request_success_total{")}
-    by_reason = {reason: v for k, v in success.items() for reason in ("stop", "length", "abort")
-                 if f'finished_reason="{reason}"' in k}
-    assert by_reason["length"] >= 50 and by_reason["abort"] >= 2
-    assert "jaxserve:num_preemptions_total" in samples
-    assert samples["jaxserve:prefix_cache_queries_total"] >= samples["jaxserve:prefix_cache_hits_total"] > 0
-    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
-                      "e2e_request_latency_seconds", "request_queue_time_seconds"):
-        count = samples[f"jaxserve:{histogram}_count"]
-        assert count >= 50, (histogram, count)
-        assert 0 < samples[f"jaxserve:{histogram}_sum"] / count < 120, histogram
-    assert "Avg generation throughput" in server.log()
-
-
-# -- in-process: API key, admission control, engine crash (fake engine) ------------------------------------------
-
-
-class FakeTokenizer:
-    """Bytes as tokens: enough for the server's tokenization paths."""
-
-    chat_template = "fake"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode(errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
-
-
-class FakeEngine:
-    """Emits the token 'a' per step per request until max_tokens; `stalled` never runs anything, `crash` dies."""
-
-    def __init__(self, mode: str = "normal"):
-        from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-        self._types = (CompletionOutput, RequestMetrics, RequestOutput)
-        self.mode = mode
-        self.config = types.SimpleNamespace(max_model_len=64, max_num_seqs=2, model=None)
-        self.model = types.SimpleNamespace(name="fake-model")
-        self.tokenizer = FakeTokenizer()
-        self.vocab_size = 256
-        self.stats = types.SimpleNamespace(prompt_tokens=0, generation_tokens=0, finished={}, steps=0)
-        self.scheduler = types.SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
-        self.block_manager = types.SimpleNamespace(usage=0.0, num_prefix_queries=0, num_prefix_hits=0)
-        self.requests: dict = {}
-        self.pending: list = []
-        self.aborts: list = []
-        import threading
-
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-
-    def validate_prompt(self, token_ids, params) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError("prompt + max_tokens exceeds max_model_len")
-
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
-        with self.lock:
-            self.pending.append((request_id, list(prompt), params))
-        self.wake.set()
-
-    def abort_request(self, request_id):
-        with self.lock:
-            self.aborts.append(request_id)
-        self.wake.set()
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self.pending or self.aborts)
-
-    def wait_for_requests(self, timeout=None) -> bool:
-        if self.mode == "stalled":
-            time.sleep(0.01)
-            return False
-        if not self.has_unfinished_requests():
-            self.wake.wait(timeout)
-            self.wake.clear()
-        return self.has_unfinished_requests() and self.mode != "stalled"
-
-    def step(self):
-        CompletionOutput, RequestMetrics, RequestOutput = self._types
-        if self.mode == "crash":
-            raise RuntimeError("simulated device failure")
-        with self.lock:
-            for request_id, prompt, params in self.pending:
-                self.requests[request_id] = (prompt, params, [], RequestMetrics(time.monotonic()))
-            self.pending.clear()
-            aborted, self.aborts = set(self.aborts), []
-        outputs = []
-        for request_id in list(self.requests):
-            prompt, params, tokens, metrics = self.requests[request_id]
-            reason = "abort" if request_id in aborted else None
-            if reason is None:
-                tokens.append(ord("a"))
-                metrics.first_token_time = metrics.first_token_time or time.monotonic()
-                metrics.last_token_time = time.monotonic()
-                reason = "length" if len(tokens) >= params.max_tokens else None
-            completions = [CompletionOutput(i, "a" * len(tokens), list(tokens), None, None, reason)
-                           for i in range(params.n)]
-            if reason:
-                del self.requests[request_id]
-            outputs.append(RequestOutput(request_id, None, prompt, completions, reason is not None, metrics))
-        time.sleep(0.01)
-        return outputs
-
-
-def run_in_process(engine: FakeEngine, check, max_waiting: int = 2, api_key: str | None = None) -> None:
-    from jaxserve.server.api_server import ServerSettings, create_app
-    from jaxserve.server.async_engine import AsyncEngine
-
-    async_engine = AsyncEngine(lambda: engine, max_waiting=max_waiting)
-    app = create_app(async_engine, ServerSettings(api_key=api_key, log_stats_interval=0))
-
-    async def main() -> None:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
-                for _ in range(200):
-                    if (await http.get("/health")).status_code == 200:
-                        break
-                    await asyncio.sleep(0.01)
-                await check(http, async_engine)
-
-    asyncio.run(main())
-
-
-def test_api_key_required_on_v1_routes():
-    async def check(http: httpx.AsyncClient, _) -> None:
-        body = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
-        missing = await http.post("/v1/completions", json=body)
-        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
-        wrong = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401 and "incorrect" in wrong.json()["error"]["message"]
-        good = await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sesame"})
-        assert good.status_code == 200 and good.json()["choices"][0]["text"] == "aa"
-        assert (await http.get("/health")).status_code == 200  # open
-        assert (await http.get("/metrics")).status_code == 200
-
-    run_in_process(FakeEngine(), check, api_key="sesame")
-
-
-def test_admission_control_answers_503_with_retry_after():
-    engine = FakeEngine("stalled")
-
-    async def check(http: httpx.AsyncClient, async_engine) -> None:
-        body = {"prompt": "hi", "max_tokens": 2}
-        held = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(4)]  # 2 slots + 2 waiting
-        while async_engine.num_inflight_seqs < 4:
-            await asyncio.sleep(0.01)
-        refused = await http.post("/v1/completions", json=body)
-        assert refused.status_code == 503 and refused.headers["Retry-After"]
-        assert "capacity" in refused.json()["error"]["message"]
-        engine.mode = "normal"
-        engine.wake.set()
-        answers = await asyncio.gather(*held)
-        assert [a.status_code for a in answers] == [200] * 4
-        assert async_engine.num_inflight_seqs == 0
-        assert (await http.post("/v1/completions", json=body)).status_code == 200
-
-    run_in_process(engine, check)
-
-
-def test_engine_crash_fails_requests_with_500_and_health_503():
-    engine = FakeEngine("stalled")
-
-    async def check(http: httpx.AsyncClient, async_engine) -> None:
-        body = {"prompt": "hi", "max_tokens": 2}
-        pending = asyncio.create_task(http.post("/v1/completions", json=body))
-        streaming = asyncio.create_task(http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}))
-        while async_engine.num_inflight_seqs < 2:
-            await asyncio.sleep(0.01)
-        engine.mode = "crash"
-        engine.wake.set()
-        answer = await pending
-        assert answer.status_code == 500 and "crashed" in answer.json()["error"]["message"]
-        events = [line for line in (await streaming).text.splitlines() if line.startswith("data: ")]
-        assert "crashed" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
-        assert (await http.get("/health")).status_code == 503
-        later = await http.post("/v1/completions", json=body)
-        assert later.status_code == 503
-
-    run_in_process(engine, check)
-
-
-def test_drain_timeout_ends_in_flight_requests_with_an_answer():
-    engine = FakeEngine("stalled")
-
-    async def check(http: httpx.AsyncClient, async_engine) -> None:
-        body = {"prompt": "hi", "max_tokens": 2}
-        pending = asyncio.create_task(http.post("/v1/completions", json=body))
-        streaming = asyncio.create_task(http.post("/v1/completions", json={**body, "stream": True}))
-        while async_engine.num_inflight_seqs < 2:
-            await asyncio.sleep(0.01)
-        async_engine.drain(0.2)
-        assert (await http.get("/health")).status_code == 503
-        assert (await http.post("/v1/completions", json=body)).status_code == 503  # no new work while draining
-        answer = await pending
-        assert answer.status_code == 503 and "shut down" in answer.json()["error"]["message"]
-        events = [line for line in (await streaming).text.splitlines() if line.startswith("data: ")]
-        assert "shut down" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
-        assert async_engine.num_inflight_seqs == 0 and len(engine.aborts) == 2  # the engine was told to drop both
-
-    run_in_process(engine, check)
-
-
-@slow
-def test_sigterm_finishes_in_flight_requests_then_exits_0(server):
-    """Runs last: SIGTERM mid-stream; the stream still completes, new connections are refused, exit status 0."""
-    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
-    events = []
-    refused = None
-    with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-            if len(events) == 2:
-                server.process.send_signal(signal.SIGTERM)
-            if len(events) == 4 and refused is None:
-                time.sleep(0.3)
-                try:
-                    httpx.get(server.url + "/health", timeout=2)
-                    refused = False
-                except httpx.TransportError:
-                    refused = True
-    assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
-    assert refused, "the server kept accepting connections after SIGTERM"
-    assert server.process.wait(timeout=60) == 0
+def test_metrics_count_this_traffic(server):
+    """Deltas of the counters around known traffic: prompt tokens and successes count requests (n=2 once)."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        before = wait_idle(server)
+        prompt = "Tell me about the history of the city of Paris, the capital of France, in a few words. " * 2
+        num_prompt = len(http.post("/tokenize", json={"prompt": prompt}).json()["tokens"])
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        whole = http.post(COMPLETIONS, json={**body, "n": 2})
+        assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == num_prompt
+        with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert response.status_code == 200 and events[-1] == "data: [DONE]"
+        after = wait_idle(server)
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    assert delta["jaxserve:prompt_tokens_total"] == 2 * num_prompt  # two requests, one of them n=2
+    assert delta["jaxserve:generation_tokens_total"] == 2 * 4 + 4
+    assert finished(after, "length") - finished(before, "length") == 2
+    assert after["jaxserve:kv_cache_usage_perc"] == 0
+    assert 0 < delta["jaxserve:prefix_cache_hits_total"] <= delta["jaxserve:prefix_cache_queries_total"]
+    assert "jaxserve:num_preemptions_total" in after
+    counts = {"time_to_first_token_seconds": 2, "e2e_request_latency_seconds": 2, "request_queue_time_seconds": 2,
+              "time_per_output_token_seconds": 2, "inter_token_latency_seconds": 3}  # ITL: the streamed one's gaps
+    for histogram, count in counts.items():
+        assert delta[f"jaxserve:{histogram}_count"] == count, histogram
+        assert 0 < delta[f"jaxserve:{histogram}_sum"] / count < 120, histogram
+    deadline = time.monotonic() + IDLE_TIMEOUT  # the periodic stats line follows traffic (--log-stats-interval 2)
+    while "Avg generation throughput" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)

@@ -1,10 +1,11 @@
 """jaxserve's OpenAI-compatible HTTP server: `jaxserve serve ...` runs `serve_main`.
 
 Files, one idea each: `protocol` (request models), `async_engine` (the engine thread <-> asyncio
-bridge, admission control), `serving_completion` / `serving_chat` (the two generation routes),
-`serving` (shared route helpers), `http_utils` (body parsing, SSE, disconnect detection),
-`middleware` (body limit, API key), `metrics` (Prometheus + the periodic stats line), `errors`
-(OpenAI's error JSON), `api_server` (app factory, routes, uvicorn), `cli_args` (options).
+bridge, admission control), `output_collector` (bounded per-request output buffers that merge
+deltas), `serving_completion` / `serving_chat` (the two generation routes), `serving` (shared route
+helpers), `http_utils` (body parsing, SSE, disconnect detection), `middleware` (body limit, API
+key), `metrics` (Prometheus + the periodic stats line), `errors` (OpenAI's error JSON), `api_server`
+(app factory, routes, uvicorn), `cli_args` (vLLM's options).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 def serve_main(argv: list[str]) -> None:
     """Parses `jaxserve serve` options, starts the HTTP server at once and loads the engine in the background."""
-    from jaxserve.server.api_server import ServerSettings, create_app, run_server
+    from jaxserve.server.api_server import create_app, run_server
     from jaxserve.server.async_engine import AsyncEngine
-    from jaxserve.server.cli_args import build_parser, engine_config
+    from jaxserve.server.cli_args import build_parser, engine_config, server_settings
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -36,12 +37,10 @@ def serve_main(argv: list[str]) -> None:
 
         return LLMEngine(config)
 
-    engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes, log_stats_interval=args.log_stats_interval)
-    app = create_app(engine, settings)
-    status = run_server(app, engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
-    if engine.thread_alive:  # still loading or compiling: do not wait for it (or crash tearing it down)
+    async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
+    app = create_app(async_engine, server_settings(args))
+    status = run_server(app, async_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    if async_engine.thread_alive:  # still loading or compiling: do not wait for it (or crash tearing it down)
         logger.warning("the engine thread is still busy; exiting without it")
         logging.shutdown()
         os._exit(status)

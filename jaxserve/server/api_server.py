@@ -1,8 +1,10 @@
 """The FastAPI app: routes, error handlers, middlewares and lifespan, and `run_server` (uvicorn).
 
 `create_app` takes an `AsyncEngine` (so tests can hand in one over a fake engine). The engine loads
-in the background after the HTTP server starts: `/health` is 503 until it is ready (and again if the
-engine thread crashes). Every error is OpenAI's error JSON; nothing a client sends yields a 5xx.
+in the background after the HTTP server starts; the served model names are known from the start, so
+until the engine is ready `/health` and every model route answer 503 with Retry-After (a name the
+server does not serve still gets 404). Every error is OpenAI's error JSON; nothing a client sends
+yields a 5xx. If the model fails to load or the engine loop dies, `run_server` stops and returns 1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
+from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.server.async_engine import AsyncEngine, EngineState
 from jaxserve.server.errors import APIError, bad_request, error_body
 from jaxserve.server.http_utils import read_json
@@ -36,31 +39,33 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclasses.dataclass
 class ServerSettings:
-    served_model_name: str | None = None
+    # the names clients may use; the first is reported in responses (vLLM's --served-model-name)
+    served_model_names: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_MODEL])
+    chat_template: str | None = None  # a Jinja template used instead of the tokenizer's for chat requests
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     log_stats_interval: float = 10.0  # seconds; 0 disables the periodic stats line
     engine_stop_timeout: float = 10.0  # seconds to wait for the engine thread at shutdown
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    ctx = ServingContext(engine, settings.served_model_name)
-    metrics = ServerMetrics(lambda: engine.engine, lambda: ctx.model_name)
-    engine.metrics = metrics
-    stat_logger = StatLogger(lambda: engine.engine)
+    ctx = ServingContext(async_engine, settings.served_model_names, settings.chat_template)
+    metrics = ServerMetrics(async_engine.stats, ctx.model_name)
+    async_engine.metrics = metrics
+    stat_logger = StatLogger(async_engine.stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start(asyncio.get_running_loop())
+        async_engine.start(asyncio.get_running_loop())
         stats_task = asyncio.create_task(_log_stats(stat_logger, settings.log_stats_interval))
         try:
             yield
         finally:
             stats_task.cancel()
             logger.info("shutting down: aborting %d in-flight requests, stopping the engine",
-                        engine.num_inflight_requests)
-            if not await engine.shutdown(settings.engine_stop_timeout):
+                        async_engine.num_inflight_requests)
+            if not await async_engine.shutdown(settings.engine_stop_timeout):
                 logger.warning("the engine thread did not stop within %.0fs", settings.engine_stop_timeout)
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -73,12 +78,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.state == EngineState.READY:
+        if async_engine.state == EngineState.READY:
             return Response(status_code=200)
-        message = {EngineState.LOADING: "the model is loading", EngineState.DEAD: f"the engine crashed: {engine.error}",
-                   EngineState.LOAD_FAILED: f"the model failed to load: {engine.error}",
+        message = {EngineState.LOADING: "the model is loading",
+                   EngineState.DEAD: f"the engine crashed: {async_engine.error}",
+                   EngineState.LOAD_FAILED: f"the model failed to load: {async_engine.error}",
                    EngineState.DRAINING: "the server is shutting down",
-                   EngineState.STOPPED: "the server is shutting down"}[engine.state]
+                   EngineState.STOPPED: "the server is shutting down"}[async_engine.state]
         return JSONResponse(error_body(message, "service_unavailable_error"), status_code=503)
 
     @app.get("/version")
@@ -92,10 +98,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     @app.get("/v1/models")
     async def list_models() -> dict:
         llm_engine = ctx.ready_engine()
+        root = llm_engine.config.model or llm_engine.model.name
         return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": now(), "owned_by": "jaxserve",
-            "root": llm_engine.config.model or llm_engine.model.name, "parent": None,
-            "max_model_len": llm_engine.config.max_model_len}]}
+            "id": name, "object": "model", "created": now(), "owned_by": "jaxserve", "root": root, "parent": None,
+            "max_model_len": llm_engine.config.max_model_len} for name in ctx.served_model_names]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -172,14 +178,15 @@ async def _log_stats(stat_logger: StatLogger, interval: float) -> None:
             logger.exception("stats logging failed")
 
 
-def run_server(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = 30.0) -> int:
+def run_server(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, shutdown_timeout: float = 30.0) -> int:
     """Serves until SIGTERM/SIGINT (graceful: stop accepting, let requests finish up to `shutdown_timeout`,
-    then end the rest with an error answer); returns the exit status: 0, or 1 if the model failed to load."""
+    then end the rest with an error answer) or a fatal engine error; returns the exit status: 0, or 1 if
+    the model failed to load or the engine loop died."""
     import uvicorn
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
-            engine.drain(shutdown_timeout)
+            async_engine.drain(shutdown_timeout)
             await super().shutdown(sockets)
 
     # uvicorn's own timeout is only a backstop: drain() answers every request before it
@@ -187,11 +194,12 @@ def run_server(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown
                             timeout_keep_alive=5, log_level="info")
     server = Server(config)
 
-    def load_failed(error: BaseException) -> None:
-        logger.error("exiting: the model failed to load (%s)", error)
+    def fatal_error(error: BaseException) -> None:
+        what = "the model failed to load" if async_engine.state == EngineState.LOAD_FAILED else "the engine loop died"
+        logger.error("exiting with status 1: %s (%r)", what, error)
         server.should_exit = True
 
-    engine.on_load_failed = load_failed
+    async_engine.on_fatal_error = fatal_error
     # uvicorn re-raises the signal that stopped it once it is done; make that a no-op so a graceful stop exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -201,7 +209,7 @@ def run_server(app: FastAPI, engine: AsyncEngine, host: str, port: int, shutdown
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if engine.state == EngineState.LOAD_FAILED:
+    if async_engine.state in (EngineState.LOAD_FAILED, EngineState.DEAD):
         return 1
     if not server.started:
         return 1

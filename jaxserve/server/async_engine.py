@@ -3,12 +3,15 @@
 The engine is built in that thread too (load + warm-up take a while), so the HTTP server answers
 `/health` with 503 meanwhile. Requests go in with `submit()` (validated at once, from the event loop);
 every step's outputs come back through `loop.call_soon_threadsafe` into the `Submission` of the HTTP
-request that asked for them. Leaving a `Submission` early (client gone, handler cancelled) aborts its
-unfinished engine requests, which frees their slots and pages at the engine's next step.
+request that asked for them, whose `OutputCollector` holds at most one pending output per engine
+request (streams ask for DELTA outputs, merged while the handler lags; whole answers for FINAL_ONLY).
+Leaving a `Submission` early (client gone, handler cancelled) aborts its unfinished engine requests,
+which frees their slots and pages at the engine's next step.
 
 Admission control: at most `max_num_seqs + max_waiting` sequences are in flight; beyond that
-`submit()` raises `ServerOverloaded` (answered 503 with Retry-After). If the engine thread crashes,
-every in-flight request fails with `EngineDeadError` and the engine reports itself unavailable.
+`submit()` raises `ServerOverloaded` (answered 503 with Retry-After). If the engine loop dies, every
+in-flight request fails with `EngineDeadError` (a 500), the cause is logged, and `on_fatal_error`
+tells the server to exit non-zero (as a failed load does), so a supervisor can restart it.
 On shutdown, `drain(timeout)` stops taking requests and, after `timeout`, fails what is still in
 flight with `ServerShuttingDown`, so every client gets a complete answer rather than a cut connection.
 """
@@ -16,15 +19,18 @@ flight with `ServerShuttingDown`, so every client gets a complete answer rather 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import threading
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.server.output_collector import OutputCollector
 
 if TYPE_CHECKING:
     from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.stats import SchedulerStats
     from jaxserve.outputs import RequestOutput
     from jaxserve.server.metrics import ServerMetrics
 
@@ -57,7 +63,7 @@ class RequestFailed(Exception):
 
 
 class EngineDeadError(RequestFailed):
-    """The engine thread crashed while this request was in flight: the server's fault, a 500."""
+    """The engine loop died while this request was in flight: the server's fault, a 500."""
 
     code = "engine_dead"
 
@@ -72,29 +78,27 @@ class ServerShuttingDown(RequestFailed):
 class Submission:
     """The engine requests made for one HTTP request. Iterate `results()` for `(prompt_index, output)` pairs."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
-        self._engine = engine
+    def __init__(self, async_engine: AsyncEngine, request_ids: list[str], output_kind: RequestOutputKind):
+        self._async_engine = async_engine
         self.request_ids = request_ids
+        self.output_kind = output_kind
         self._index = {request_id: index for index, request_id in enumerate(request_ids)}
         self._pending = set(request_ids)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.collector = OutputCollector(delta=output_kind == RequestOutputKind.DELTA)
 
     async def results(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs (cumulative) as the engine produces them, until every request finished; aborts the rest on exit."""
+        """Outputs (of the submission's output kind) until every request finished; aborts the rest on exit."""
         try:
             while self._pending:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                request_id, output = item
-                if output.finished:
-                    self._pending.discard(request_id)
-                yield self._index[request_id], output
+                for request_id, output in await self.collector.get():
+                    if output.finished:
+                        self._pending.discard(request_id)
+                    yield self._index[request_id], output
         finally:
             self.abort()
 
     async def final_outputs(self) -> list[RequestOutput]:
-        """Waits for every request to finish; the final outputs in prompt order."""
+        """Waits for every request to finish; the final outputs in prompt order (FINAL_ONLY: the whole answer)."""
         final: dict[int, RequestOutput] = {}
         async for index, output in self.results():
             if output.finished:
@@ -104,26 +108,40 @@ class Submission:
     def abort(self) -> None:
         """Aborts the requests that have not finished (idempotent)."""
         for request_id in list(self._pending):
-            self._engine.abort(request_id)
+            self._async_engine.abort(request_id)
         self._pending.clear()
+
+
+@dataclasses.dataclass
+class InFlight:
+    """What the server tracks of one engine request until it finishes."""
+
+    submission: Submission
+    num_seqs: int
+    last_token_time: float | None = None
+    num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # per completion: output tokens so far
+
+    def count_tokens(self, output: RequestOutput) -> None:
+        delta = self.submission.output_kind == RequestOutputKind.DELTA
+        for completion in output.outputs:
+            before = self.num_tokens.get(completion.index, 0) if delta else 0
+            self.num_tokens[completion.index] = before + len(completion.token_ids)
 
 
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 256):
         self._engine_factory = engine_factory
         self.max_waiting = max_waiting
-        self.engine: LLMEngine | None = None
+        self.llm_engine: LLMEngine | None = None
         self.state = EngineState.LOADING
         self.error: BaseException | None = None
         self.metrics: ServerMetrics | None = None
-        self.on_load_failed: Callable[[BaseException], None] | None = None
+        self.on_fatal_error: Callable[[BaseException], None] | None = None  # the model failed to load or the loop died
         self.num_inflight_seqs = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._submissions: dict[str, Submission] = {}
-        self._num_seqs: dict[str, int] = {}
-        self._last_token_time: dict[str, float] = {}
+        self._requests: dict[str, InFlight] = {}
 
     # -- lifecycle (event loop) -------------------------------------------------------------------------------
 
@@ -138,7 +156,7 @@ class AsyncEngine:
         if self.state != EngineState.READY:
             return
         self.state = EngineState.DRAINING
-        logger.info("draining: %d requests in flight get up to %.0fs to finish", len(self._submissions), timeout)
+        logger.info("draining: %d requests in flight get up to %.0fs to finish", len(self._requests), timeout)
         self._loop.call_later(timeout, self._fail_all, ServerShuttingDown(
             f"the server shut down before this request finished (after {timeout:g}s of grace)"))
 
@@ -149,7 +167,7 @@ class AsyncEngine:
             self.state = EngineState.STOPPED
         if was_loading:
             timeout = 0.0  # loading and compiling cannot be interrupted; the caller exits without the thread
-        for request_id in list(self._submissions):
+        for request_id in list(self._requests):
             self.abort(request_id)
         self._stop.set()
         if self._thread is None:
@@ -167,8 +185,8 @@ class AsyncEngine:
 
     def ready_engine(self) -> LLMEngine:
         """The engine if it takes requests, else raises EngineUnavailable saying why."""
-        if self.state == EngineState.READY and self.engine is not None:
-            return self.engine
+        if self.state == EngineState.READY and self.llm_engine is not None:
+            return self.llm_engine
         reasons = {
             EngineState.LOADING: "the model is still loading; retry shortly",
             EngineState.LOAD_FAILED: f"the model failed to load: {self.error}",
@@ -178,119 +196,129 @@ class AsyncEngine:
         }
         raise EngineUnavailable(reasons[self.state])
 
+    def stats(self) -> SchedulerStats | None:
+        """The engine's latest stats snapshot; None until it is loaded."""
+        return self.llm_engine.stats() if self.llm_engine is not None else None
+
     # -- requests (event loop) --------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> Submission:
-        """Validates and queues one engine request per prompt; raises ValueError, EngineUnavailable or overload."""
-        engine = self.ready_engine()
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               priority: int = 0) -> Submission:
+        """Validates and queues one engine request per prompt (ids `{request_id}-{prompt index}`); raises
+        ValueError (also for an id still in flight), EngineUnavailable or ServerOverloaded."""
+        llm_engine = self.ready_engine()
+        if priority != 0 and llm_engine.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} is set, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
         for token_ids in prompts:
-            engine.validate_prompt(token_ids, params)
+            llm_engine.validate_prompt(token_ids, params)
         num_seqs = len(prompts) * params.n
-        capacity = engine.config.max_num_seqs + self.max_waiting
+        capacity = llm_engine.config.max_num_seqs + self.max_waiting
         if num_seqs > capacity:
             raise ValueError(f"this request needs {num_seqs} sequences (prompts x n), more than the server holds "
                              f"at once ({capacity})")
         if self.num_inflight_seqs + num_seqs > capacity:
             raise ServerOverloaded(f"the server is at capacity ({self.num_inflight_seqs} sequences in flight, "
-                                   f"{engine.config.max_num_seqs} running + {self.max_waiting} waiting); "
+                                   f"{llm_engine.config.max_num_seqs} running + {self.max_waiting} waiting); "
                                    "retry later")
         request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
-        submission = Submission(self, request_ids)
-        added = []
+        if any(engine_request_id in self._requests for engine_request_id in request_ids):
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        submission = Submission(self, request_ids, params.output_kind)
+        accepted = []
         try:
             for engine_request_id, token_ids in zip(request_ids, prompts):
-                self._submissions[engine_request_id] = submission
-                self._num_seqs[engine_request_id] = params.n
+                llm_engine.add_request(engine_request_id, token_ids, params, priority=priority)
+                accepted.append(engine_request_id)
+                self._requests[engine_request_id] = InFlight(submission, params.n)
                 self.num_inflight_seqs += params.n
-                added.append(engine_request_id)
-                engine.add_request(engine_request_id, token_ids, params)
         except BaseException:
-            for engine_request_id in added:
+            for engine_request_id in accepted:  # only ours: a refused id may belong to another request
                 self.abort(engine_request_id)
             raise
         return submission
 
     def abort(self, request_id: str) -> None:
         """Forgets `request_id` here and tells the engine to drop it (its slot and pages free at the next step)."""
-        if self._forget(request_id) and self._engine_alive:
-            self.engine.abort_request(request_id)
+        if self._forget(request_id) is not None and self._engine_alive:
+            self.llm_engine.abort_request(request_id)
 
     @property
     def _engine_alive(self) -> bool:
-        return self.engine is not None and self.state in (EngineState.READY, EngineState.DRAINING,
-                                                          EngineState.STOPPED)
+        return self.llm_engine is not None and self.state in (EngineState.READY, EngineState.DRAINING,
+                                                              EngineState.STOPPED)
 
     @property
     def num_inflight_requests(self) -> int:
-        return len(self._submissions)
+        return len(self._requests)
 
-    def _forget(self, request_id: str) -> bool:
-        if self._submissions.pop(request_id, None) is None:
-            return False
-        self.num_inflight_seqs -= self._num_seqs.pop(request_id, 0)
-        self._last_token_time.pop(request_id, None)
-        return True
+    def _forget(self, request_id: str) -> InFlight | None:
+        record = self._requests.pop(request_id, None)
+        if record is not None:
+            self.num_inflight_seqs -= record.num_seqs
+        return record
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Runs on the event loop: routes one step's outputs to their submissions and records latencies."""
         for output in outputs:
             request_id = output.request_id
-            submission = self._submissions.get(request_id)
-            if submission is None:
+            record = self._requests.get(request_id)
+            if record is None:
                 continue  # aborted by us already
-            metrics = output.metrics
+            record.count_tokens(output)
             if self.metrics is not None:
-                self.metrics.observe_progress(output, self._last_token_time.get(request_id))
-            if metrics is not None and metrics.last_token_time is not None:
-                self._last_token_time[request_id] = metrics.last_token_time
+                self.metrics.observe_progress(output, record.last_token_time)
+            if output.metrics is not None and output.metrics.last_token_time is not None:
+                record.last_token_time = output.metrics.last_token_time
             if output.finished:
                 self._forget(request_id)
                 if self.metrics is not None and not any(c.finish_reason == "abort" for c in output.outputs):
-                    self.metrics.observe_finished(output)
-            submission.queue.put_nowait((request_id, output))
+                    self.metrics.observe_finished(output, max(record.num_tokens.values(), default=0))
+            record.submission.collector.put(request_id, output)
 
     def _fail_all(self, error: RequestFailed) -> None:
         """Runs on the event loop: every in-flight request ends with `error` (and is aborted if the engine lives)."""
-        failed = set()
-        for request_id, submission in list(self._submissions.items()):
+        for request_id, record in list(self._requests.items()):
             self.abort(request_id)
-            if id(submission) not in failed:
-                failed.add(id(submission))
-                submission.queue.put_nowait(error)
+            record.submission.collector.fail(error)
 
     # -- the engine thread ------------------------------------------------------------------------------------
 
     def _thread_main(self) -> None:
         try:
-            engine = self._engine_factory()
+            llm_engine = self._engine_factory()
         except BaseException as error:  # noqa: BLE001 - reported to the server, which exits
             logger.exception("loading the engine failed")
             self.error = error
             self.state = EngineState.LOAD_FAILED
-            self._call_in_loop(self._load_failed, error)
+            self._call_in_loop(self._report_fatal, error)
             return
-        self.engine = engine
+        self.llm_engine = llm_engine
         if self._stop.is_set() or self.state != EngineState.LOADING:
             return  # shut down while loading
         self.state = EngineState.READY
-        logger.info("engine ready: %s, max_model_len=%d, max_num_seqs=%d", getattr(engine.model, "name", "?"),
-                    engine.config.max_model_len, engine.config.max_num_seqs)
+        logger.info("engine ready: %s, max_model_len=%d, max_num_seqs=%d", getattr(llm_engine.model, "name", "?"),
+                    llm_engine.config.max_model_len, llm_engine.config.max_num_seqs)
         try:
             while not self._stop.is_set():
-                if not engine.wait_for_requests(IDLE_POLL_SECONDS):
+                if not llm_engine.wait_for_requests(IDLE_POLL_SECONDS):
                     continue
-                outputs = engine.step()
+                outputs = llm_engine.step()
                 if outputs:
                     self._call_in_loop(self._dispatch, outputs)
         except BaseException as error:  # noqa: BLE001 - fail in-flight requests instead of hanging them
-            logger.exception("the engine thread crashed; failing in-flight requests")
+            logger.exception("the engine loop died; failing in-flight requests, the server exits")
             self.error = error
             self.state = EngineState.DEAD
-            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {error!r}"))
+            self._call_in_loop(self._engine_died, error)
 
-    def _load_failed(self, error: BaseException) -> None:
-        if self.on_load_failed is not None:
-            self.on_load_failed(error)
+    def _engine_died(self, error: BaseException) -> None:
+        self._fail_all(EngineDeadError(f"the engine crashed: {error!r}"))
+        self._report_fatal(error)
+
+    def _report_fatal(self, error: BaseException) -> None:
+        if self.on_fatal_error is not None:
+            self.on_fatal_error(error)
 
     def _call_in_loop(self, callback, *args) -> None:
         try:

@@ -1,37 +1,62 @@
-"""`jaxserve serve` options: the engine's (vLLM's names) and the server's."""
+"""`jaxserve serve` options: the engine's and the server's, under vLLM's flag names and meanings, so a vLLM
+command line keeps working (`--gpu-memory-utilization`, `--block-size`, `--enable-prefix-caching`,
+`--served-model-name`, `--chat-template`, `--scheduling-policy`, `--tokenizer`, `--generation-config`, ...).
+"""
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import dataclasses
 import os
 
 from jaxserve.engine.config import EngineConfig
+from jaxserve.loading import DEFAULT_MODEL
+from jaxserve.server.api_server import ServerSettings
+
+JINJA_CHARS = "{}\n"  # a --chat-template value with any of these is a template, not a file name (as vLLM)
+ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve serve", description="Serve a model over an OpenAI-compatible API.")
     parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted store (default: "
-                                                      "the embedded SmolLM2-135M-Instruct)")
+                                                      f"the embedded {DEFAULT_MODEL})")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="decode slots")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    engine.add_argument("--generation-config", default=ENGINE_DEFAULTS["generation_config"],
+                        help="sampling defaults for fields a request leaves unset: 'auto' (the model's "
+                             "generation_config.json), 'vllm' (none) or a folder holding generation_config.json")
+    engine.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="decode slots")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, <= 2048)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512,
+    engine.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"],
                         help="prefill tokens per engine step (padded to their buckets; decodes come on top)")
-    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    engine.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["page_size"],
+                        help="tokens per KV-cache page (block)")
     engine.add_argument("--num-kv-pages", type=int, default=None, help="KV-cache pages (default: from memory)")
-    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=ENGINE_DEFAULTS["gpu_memory_utilization"],
+                        help="fraction of accelerator memory for weights, KV cache and activations")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV pages of shared prompt "
+                                                                                "prefixes")
+    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                        default=ENGINE_DEFAULTS["scheduling_policy"],
+                        help="'priority': requests' `priority` field orders them (lower first)")
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])
     engine.add_argument("--attention-backend", choices=("xla", "pallas", "pallas-interpret"), default=None)
     server = parser.add_argument_group("server")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the names clients may use; the first is reported in responses (default: --model as "
+                             f"given, else {DEFAULT_MODEL})")
+    server.add_argument("--chat-template", type=chat_template, default=None,
+                        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's")
     server.add_argument("--max-waiting", type=int, default=256,
                         help="sequences allowed to wait beyond the running ones; more get 503 + Retry-After")
     server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSERVE_API_KEY)")
-    server.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model, "
-                                                                   "or the default model's name)")
     server.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM before being aborted")
@@ -40,8 +65,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def chat_template(value: str) -> str:
+    """A --chat-template value as vLLM reads it: a file's content, or else the template itself (backslash
+    escapes such as \\n decoded). Raises ArgumentTypeError for a missing file or a template that does not parse."""
+    try:
+        with open(value, encoding="utf-8") as file:
+            template = file.read()
+    except OSError as err:
+        if not any(char in value for char in JINJA_CHARS):
+            raise argparse.ArgumentTypeError(f"{value!r} looks like a file name, but cannot be read: {err}") from None
+        template = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise argparse.ArgumentTypeError(f"not a valid Jinja template: {err}") from None
+    return template
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name, else --model as given, else the default model's name: known before loading."""
+    return list(args.served_model_name or [args.model or DEFAULT_MODEL])
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-                        num_kv_pages=args.num_kv_pages, enable_prefix_caching=args.enable_prefix_caching,
+    """The EngineConfig the flags describe; ValueError for out-of-range values."""
+    return EngineConfig(model=args.model, tokenizer=args.tokenizer, generation_config=args.generation_config,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
+                        num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend)
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(served_model_names=served_model_names(args), chat_template=args.chat_template,
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                          log_stats_interval=args.log_stats_interval)

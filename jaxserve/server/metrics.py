@@ -1,8 +1,11 @@
 """Prometheus metrics with vLLM's names under the `jaxserve:` prefix, in a private registry per server.
 
-Gauges and counters are read from the engine at scrape time (the engine already counts them), so
-they can never drift from the engine's own numbers. Latency histograms are observed by the server as
-request outputs arrive. `StatLogger` writes a vLLM-like throughput line periodically while there is
+Gauges and counters are read at scrape time from the engine's `SchedulerStats` snapshot (and nothing
+else of the engine), so they can never drift from the engine's own numbers; like vLLM's, prompt tokens
+and request successes count requests, however many completions (`n`) each has. Latency histograms are
+observed by the server as request outputs arrive: inter-token latency needs an output per step, so
+it comes from streamed requests only (a whole answer arrives once, as its final output).
+`StatLogger` writes a vLLM-like throughput line from the same snapshots periodically while there is
 traffic.
 """
 
@@ -10,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from jaxserve.engine.stats import SchedulerStats
+
 if TYPE_CHECKING:
-    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -33,16 +37,15 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class EngineCollector(Collector):
-    """Reads the engine's gauges and counters when Prometheus scrapes (zeros while the engine is loading)."""
+    """Reads the engine's `SchedulerStats` snapshot when Prometheus scrapes (zeros while the engine is loading)."""
 
-    def __init__(self, get_engine, model_name):
-        self._get_engine = get_engine
+    def __init__(self, get_stats: Callable[[], SchedulerStats | None], model_name: str):
+        self._get_stats = get_stats
         self._model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        engine: LLMEngine | None = self._get_engine()
-        labels = ["model_name"]
-        name = [self._model_name()]
+        stats = self._get_stats() or SchedulerStats()
+        labels, name = ["model_name"], [self._model_name]
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(PREFIX + metric, doc, labels=labels)
@@ -54,37 +57,32 @@ class EngineCollector(Collector):
             family.add_metric(name, value)
             return family
 
-        scheduler = engine.scheduler if engine else None
-        blocks = engine.block_manager if engine else None
-        stats = engine.stats if engine else None
         yield gauge("num_requests_running", "Sequences in decode slots (prefilling or decoding).",
-                    scheduler.num_running if scheduler else 0)
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.",
-                    scheduler.num_waiting if scheduler else 0)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0 to 1).",
-                    blocks.usage if blocks else 0.0)
-        yield counter("prompt_tokens", "Prompt tokens received (per sequence).", stats.prompt_tokens if stats else 0)
-        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens if stats else 0)
-        success = CounterMetricFamily(PREFIX + "request_success", "Finished sequences by finish reason.",
+                    stats.num_running_seqs)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting_seqs)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0 to 1).", stats.kv_cache_usage)
+        yield counter("prompt_tokens", "Prompt tokens received (once per request, whatever its n).",
+                      stats.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated (over all completions).", stats.generation_tokens)
+        success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
-        finished = dict(stats.finished) if stats else {}
+        finished = dict(stats.request_success)
         for reason in sorted(set(FINISH_REASONS) | set(finished)):
             success.add_metric(name + [reason], finished.get(reason, 0))
         yield success
         yield counter("num_preemptions", "Sequences preempted (recomputed later) for lack of KV pages.",
-                      scheduler.num_preemptions if scheduler else 0)
+                      stats.num_preemptions)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      blocks.num_prefix_queries if blocks else 0)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      blocks.num_prefix_hits if blocks else 0)
+                      stats.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
 
 
 class ServerMetrics:
-    """The registry of one server: engine-read gauges/counters plus request-latency histograms."""
+    """The registry of one server: gauges/counters from the engine's stats plus request-latency histograms."""
 
-    def __init__(self, get_engine, model_name):
+    def __init__(self, get_stats: Callable[[], SchedulerStats | None], model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineCollector(get_engine, model_name))
+        self.registry.register(EngineCollector(get_stats, model_name))
         self._model_name = model_name
 
         def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -109,24 +107,23 @@ class ServerMetrics:
         metrics = output.metrics
         if metrics is None or metrics.last_token_time is None:
             return
-        label = self._model_name()
+        label = self._model_name
         if previous_token_time is None:
             if metrics.first_token_time is not None:
                 self.time_to_first_token.labels(label).observe(metrics.first_token_time - metrics.arrival_time)
         elif metrics.last_token_time > previous_token_time:
             self.inter_token_latency.labels(label).observe(metrics.last_token_time - previous_token_time)
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        """Called once per finished (not aborted) request."""
+    def observe_finished(self, output: RequestOutput, num_tokens: int) -> None:
+        """Called once per finished (not aborted) request; `num_tokens`: its longest completion's output tokens."""
         metrics = output.metrics
         if metrics is None:
             return
-        label = self._model_name()
+        label = self._model_name
         finished = metrics.finished_time or time.monotonic()
         self.e2e_request_latency.labels(label).observe(finished - metrics.arrival_time)
         if metrics.first_scheduled_time is not None:
             self.request_queue_time.labels(label).observe(metrics.first_scheduled_time - metrics.arrival_time)
-        num_tokens = max(len(c.token_ids) for c in output.outputs) if output.outputs else 0
         if num_tokens > 1 and metrics.first_token_time is not None and metrics.last_token_time is not None:
             self.time_per_output_token.labels(label).observe(
                 (metrics.last_token_time - metrics.first_token_time) / (num_tokens - 1))
@@ -138,29 +135,25 @@ class ServerMetrics:
 class StatLogger:
     """Logs throughput and occupancy, like vLLM's periodic line, whenever there was traffic since the last one."""
 
-    def __init__(self, get_engine):
-        self._get_engine = get_engine
+    def __init__(self, get_stats: Callable[[], SchedulerStats | None]):
+        self._get_stats = get_stats
         self._last_time = time.monotonic()
-        self._last_prompt = self._last_generation = 0
-        self._last_queries = self._last_hits = 0
+        self._last = SchedulerStats()
 
     def log(self) -> None:
-        engine = self._get_engine()
-        if engine is None:
+        stats = self._get_stats()
+        if stats is None:
             return
         now = time.monotonic()
-        stats, scheduler, blocks = engine.stats, engine.scheduler, engine.block_manager
-        prompt = stats.prompt_tokens - self._last_prompt
-        generation = stats.generation_tokens - self._last_generation
-        queries = blocks.num_prefix_queries - self._last_queries
-        hits = blocks.num_prefix_hits - self._last_hits
+        last = self._last
+        prompt = stats.prompt_tokens - last.prompt_tokens
+        generation = stats.generation_tokens - last.generation_tokens
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
         seconds = max(now - self._last_time, 1e-9)
-        busy = scheduler.num_running or scheduler.num_waiting
-        if prompt or generation or busy:
+        if prompt or generation or stats.num_running_seqs or stats.num_waiting_seqs:
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                        prompt / seconds, generation / seconds, scheduler.num_running, scheduler.num_waiting,
-                        100 * blocks.usage, 100 * hits / queries if queries else 0.0)
-        self._last_time = now
-        self._last_prompt, self._last_generation = stats.prompt_tokens, stats.generation_tokens
-        self._last_queries, self._last_hits = blocks.num_prefix_queries, blocks.num_prefix_hits
+                        prompt / seconds, generation / seconds, stats.num_running_seqs, stats.num_waiting_seqs,
+                        100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+        self._last_time, self._last = now, stats

@@ -1,7 +1,8 @@
 """Request models of the OpenAI-compatible API (pydantic, strict types) and their translation to `SamplingParams`.
 
-Fields follow OpenAI's API, plus vLLM's sampling extras in the body (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...). Types are strict: `"2"` is
+Fields follow OpenAI's API, plus vLLM's extras in the body (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, ...). Sampling fields a request leaves unset
+take the model's generation-config defaults, as in vLLM. Types are strict: `"2"` is
 not an integer and `true` is not a number. Unknown fields are ignored, as in vLLM, but fields that
 ask for something this server cannot do (`logit_bias`, `suffix`, `tools`, JSON response formats,
 `best_of` > n) are refused rather than silently dropped. Responses are plain dicts built by the
@@ -10,13 +11,14 @@ serving modules, in OpenAI's shapes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_TEMPERATURE = 100.0
+OPENAI_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat's is the rest of the context)
 
 
 class StrictModel(BaseModel):
@@ -50,6 +52,7 @@ class SamplingRequest(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    priority: int = 0  # lower is served earlier under --scheduling-policy priority
     # accepted only in their no-op form
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -69,18 +72,43 @@ class SamplingRequest(StrictModel):
         if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming the field for values out of range."""
-        top_k = self.top_k if self.top_k is not None else 0
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The client's output-length limit (None if unset) and the field it came from."""
+        raise NotImplementedError
+
+    def max_tokens_for(self, prompt_lengths: list[int], max_model_len: int, defaults: Mapping[str, Any],
+                       openai_default: int | None) -> int:
+        """The request's limit if it sets one (checked against the context later); else, as vLLM, the smallest
+        of the room left in the context, the model's generation-config default and OpenAI's default (if any)."""
+        requested, field = self.requested_max_tokens()
+        if requested is not None:
+            if requested < 1:
+                raise ValueError(f"{field} must be an integer >= 1, got {requested}")
+            return requested
+        room = max(1, max_model_len - max(prompt_lengths))
+        return min(limit for limit in (room, defaults.get("max_tokens"), openai_default) if limit is not None)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
+                        defaults: Mapping[str, Any] | None = None,
+                        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> SamplingParams:
+        """The engine's SamplingParams; fields the request leaves unset take the model's generation-config
+        `defaults`, else the neutral value. Raises ValueError naming the field for values out of range."""
+        defaults = defaults or {}
+
+        def pick(field: str, neutral: Any) -> Any:
+            value = getattr(self, field)
+            return value if value is not None else defaults.get(field, neutral)
+
+        top_k = pick("top_k", 0)
         if top_k >= vocab_size:
             top_k = 0  # keeping the whole vocabulary is the same as no top-k
         return SamplingParams(
             n=self.n if self.n is not None else 1,
-            temperature=self.temperature if self.temperature is not None else 1.0,
-            top_p=self.top_p if self.top_p is not None else 1.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
             top_k=top_k,
-            min_p=self.min_p if self.min_p is not None else 0.0,
-            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty if self.presence_penalty is not None else 0.0,
             frequency_penalty=self.frequency_penalty if self.frequency_penalty is not None else 0.0,
             seed=self.seed,
@@ -92,12 +120,13 @@ class SamplingRequest(StrictModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None else True,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            output_kind=output_kind,
         )
 
 
 class CompletionRequest(SamplingRequest):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by `prompts()`
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # unset: OpenAI's 16 (OPENAI_MAX_TOKENS), within the context
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -106,6 +135,9 @@ class CompletionRequest(SamplingRequest):
         super().check_supported()
         if self.suffix:
             raise ValueError("suffix is not supported")
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of strings and token-id lists; raises ValueError if `prompt` has another shape."""

@@ -1,5 +1,6 @@
-"""`ServingContext`: what every OpenAI route needs — the engine, the served model name, tokenization,
-submitting with errors mapped to HTTP statuses, and the shared pieces of OpenAI's response shapes.
+"""`ServingContext`: what every OpenAI route needs — the engine, the served model names, tokenization and
+chat templates, the model's sampling defaults, submitting with errors mapped to HTTP statuses — and the
+shared pieces of OpenAI's response shapes.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from starlette.requests import Request
 
 from jaxserve.server.async_engine import (AsyncEngine, EngineUnavailable, RequestFailed, ServerOverloaded,
                                           Submission)
@@ -26,39 +29,48 @@ SAMPLING_FIELDS = {"model", "prompt", "messages", "n", "temperature", "top_p", "
                    "presence_penalty", "frequency_penalty", "seed", "max_tokens", "max_completion_tokens",
                    "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos", "stream",
                    "stream_options", "logit_bias", "best_of", "suffix", "tools", "response_format", "echo",
-                   "tokens"}
+                   "tokens", "priority"}
 
 
 class ServingContext:
-    def __init__(self, engine: AsyncEngine, served_model_name: str | None = None):
-        self.engine = engine
-        self._served_model_name = served_model_name
+    """The engine behind the routes, the names it is served under, and the chat template override."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_names: Sequence[str],
+                 chat_template: str | None = None):
+        if not served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        self.async_engine = async_engine
+        self.served_model_names = list(served_model_names)
+        self.chat_template = chat_template  # used instead of the tokenizer's for chat requests
         self._token_strings: dict[int, str] = {}
 
     # -- model and engine -----------------------------------------------------------------------------------
 
     @property
     def model_name(self) -> str:
-        if self._served_model_name:
-            return self._served_model_name
-        engine = self.engine.engine
-        return engine.model.name if engine is not None else "jaxserve"
+        """The name responses report: the first served name (known before the engine loads)."""
+        return self.served_model_names[0]
 
     def ready_engine(self) -> LLMEngine:
         try:
-            return self.engine.ready_engine()
+            return self.async_engine.ready_engine()
         except EngineUnavailable as err:
             raise unavailable(str(err)) from None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> Submission:
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's generation-config defaults for the sampling fields a request leaves unset."""
+        return self.ready_engine().default_sampling_params
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               priority: int = 0) -> Submission:
         """Queues the prompts; 400 for invalid input, 503 (+ Retry-After) when full or unavailable."""
         try:
-            return self.engine.submit(request_id, prompts, params)
+            return self.async_engine.submit(request_id, prompts, params, priority)
         except ValueError as err:
             raise invalid(err) from None
         except ServerOverloaded as err:
@@ -81,13 +93,16 @@ class ServingContext:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """Prompt token ids through --chat-template, or else the tokenizer's own template."""
         tokenizer = self.tokenizer()
-        if tokenizer.chat_template is None:
-            raise bad_request("this model has no chat template: use /v1/completions", param="messages")
+        if tokenizer.chat_template is None and self.chat_template is None:
+            raise bad_request("this model has no chat template: use /v1/completions or start the server with "
+                              "--chat-template", param="messages")
+        args = (tokenizer, messages, add_generation_prompt, self.chat_template)
         try:
             if sum(len(m["content"]) for m in messages) > LARGE_TEXT_CHARS:
-                return await asyncio.to_thread(render_chat, tokenizer, messages, add_generation_prompt)
-            return render_chat(tokenizer, messages, add_generation_prompt)
+                return await asyncio.to_thread(render_chat, *args)
+            return render_chat(*args)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
 
@@ -104,8 +119,9 @@ class ServingContext:
         return text
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, raw_request: Request) -> str:
+    """The request's id: `{prefix}-{X-Request-Id header}` if the client sent one (as vLLM), else a random one."""
+    return f"{prefix}-{raw_request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
 
 def now() -> int:
@@ -122,8 +138,12 @@ def unavailable(message: str) -> APIError:
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    """OpenAI's usage of whole (final, not delta) outputs."""
+    return usage_counts(sum(len(output.prompt_token_ids) for output in outputs),
+                        sum(len(c.token_ids) for output in outputs for c in output.outputs))
+
+
+def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -145,23 +165,6 @@ def engine_failures() -> Iterator[None]:
         yield
     except RequestFailed as err:
         raise request_failed(err) from None
-
-
-class DeltaTracker:
-    """What has been streamed per choice, to turn cumulative outputs into deltas."""
-
-    def __init__(self):
-        self.text_sent: dict[int, int] = {}
-        self.tokens_sent: dict[int, int] = {}
-        self.finished: set[int] = set()
-
-    def delta(self, choice: int, text: str, token_ids: list[int]) -> tuple[str, int]:
-        """(new text, index of the first new token) since the last call for this choice."""
-        text_start = self.text_sent.get(choice, 0)
-        token_start = self.tokens_sent.get(choice, 0)
-        self.text_sent[choice] = max(text_start, len(text))
-        self.tokens_sent[choice] = len(token_ids)
-        return text[text_start:], token_start
 
 
 def stop_reason(value: Any) -> Any:

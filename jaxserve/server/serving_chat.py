@@ -1,6 +1,7 @@
-"""`POST /v1/chat/completions`: messages through the model's chat template, OpenAI chat completions out,
-whole or as server-sent `chat.completion.chunk`s (a role chunk first, then content deltas) ending
-with `data: [DONE]`.
+"""`POST /v1/chat/completions`: messages through the chat template (--chat-template, else the model's),
+OpenAI chat completions out, whole (the engine's FINAL_ONLY output) or as server-sent
+`chat.completion.chunk`s (a role chunk first, then the engine's DELTA outputs as content deltas)
+ending with `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -11,37 +12,36 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.protocol import ChatCompletionRequest
-from jaxserve.server.serving import (DeltaTracker, ServingContext, engine_failures, invalid, new_id,
-                                     now, sorted_top, request_failed, stop_reason, usage)
+from jaxserve.server.serving import (ServingContext, engine_failures, invalid, new_id, now, request_failed,
+                                     sorted_top, stop_reason, usage, usage_counts)
 
 
 async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> Response:
     request = await read_json(raw_request, ChatCompletionRequest)
     ctx.check_model(request.model)
-    engine = ctx.ready_engine()
+    llm_engine = ctx.ready_engine()
     try:
         request.check_supported()
         messages = request.chat_messages()
-        max_tokens, max_tokens_field = request.requested_max_tokens()
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"{max_tokens_field} must be an integer >= 1, got {max_tokens}")
     except ValueError as err:
         raise invalid(err) from None
     add_generation_prompt = request.add_generation_prompt is not False
     prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt)
     try:
-        if max_tokens is None:  # OpenAI: up to the context length
-            max_tokens = max(1, engine.config.max_model_len - len(prompt_ids))
+        defaults = ctx.sampling_defaults()
+        max_tokens = request.max_tokens_for([len(prompt_ids)], llm_engine.config.max_model_len, defaults, None)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = request.sampling_params(max_tokens, top_logprobs, engine.vocab_size)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        params = request.sampling_params(max_tokens, top_logprobs, llm_engine.vocab_size, defaults, kind)
     except ValueError as err:
         raise invalid(err) from None
-    request_id = new_id("chatcmpl")
-    submission = ctx.submit(request_id, [prompt_ids], params)
+    request_id = new_id("chatcmpl", raw_request)
+    submission = ctx.submit(request_id, [prompt_ids], params, request.priority)
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n))
     with engine_failures():
@@ -56,7 +56,7 @@ def _full_response(ctx: ServingContext, request: ChatCompletionRequest, request_
     choices = [{
         "index": completion.index,
         "message": {"role": "assistant", "content": completion.text},
-        "logprobs": _logprobs(ctx, completion, 0, request.top_logprobs or 0) if request.logprobs else None,
+        "logprobs": _logprobs(ctx, completion, request.top_logprobs or 0) if request.logprobs else None,
         "finish_reason": completion.finish_reason,
         "stop_reason": stop_reason(completion.stop_reason),
     } for completion in output.outputs]
@@ -68,8 +68,8 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
                   n: int) -> AsyncIterator[str]:
     created = now()
     include_usage = request.include_usage
-    tracker = DeltaTracker()
-    final: RequestOutput | None = None
+    prompt_tokens = 0
+    num_tokens = 0
 
     def chunk(choices: list[dict], usage_value=None) -> dict:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
@@ -82,31 +82,24 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
         yield sse(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for index in range(n)]))
         async for _, output in submission.results():
-            if output.finished:
-                final = output
+            prompt_tokens = len(output.prompt_token_ids)
             choices = []
             for completion in output.outputs:
-                index = completion.index
-                if index in tracker.finished:
+                num_tokens += len(completion.token_ids)
+                wants_logprobs = request.logprobs and completion.token_ids
+                if not completion.text and not completion.finish_reason and not wants_logprobs:
                     continue
-                text, first_token = tracker.delta(index, completion.text, completion.token_ids)
-                wants_logprobs = request.logprobs and len(completion.token_ids) > first_token
-                if not text and not completion.finish_reason and not wants_logprobs:
-                    continue
-                if completion.finish_reason:
-                    tracker.finished.add(index)
                 choices.append({
-                    "index": index,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": (_logprobs(ctx, completion, first_token, request.top_logprobs or 0)
-                                 if request.logprobs else None),
+                    "index": completion.index,
+                    "delta": {"content": completion.text} if completion.text else {},
+                    "logprobs": _logprobs(ctx, completion, request.top_logprobs or 0) if request.logprobs else None,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": stop_reason(completion.stop_reason),
                 })
             if choices:
                 yield sse(chunk(choices))
-        if include_usage and final is not None:
-            yield sse(chunk([], usage([final])))
+        if include_usage:
+            yield sse(chunk([], usage_counts(prompt_tokens, num_tokens)))
     except RequestFailed as err:
         yield sse(request_failed(err).body())
     except ValueError as err:
@@ -114,11 +107,10 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
     yield sse("[DONE]")
 
 
-def _logprobs(ctx: ServingContext, completion: CompletionOutput, start: int, top_k: int) -> dict:
-    """OpenAI's chat logprobs ({"content": [...]}) for the tokens from `start` on."""
+def _logprobs(ctx: ServingContext, completion: CompletionOutput, top_k: int) -> dict:
+    """OpenAI's chat logprobs ({"content": [...]}) for the completion's tokens (all, or a delta's)."""
     content = []
-    entries = completion.logprobs or []
-    for token_id, top in zip(completion.token_ids[start:], entries[start:]):
+    for token_id, top in zip(completion.token_ids, completion.logprobs or []):
         text = ctx.token_string(token_id)
         content.append({
             "token": text, "logprob": top.get(token_id), "bytes": list(text.encode("utf-8")),

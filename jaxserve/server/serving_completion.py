@@ -1,5 +1,6 @@
 """`POST /v1/completions`: prompts (text or token ids, one or many) in, OpenAI text completions out,
-whole or as server-sent `text_completion` chunks ending with `data: [DONE]`.
+whole (the engine's FINAL_ONLY output) or as server-sent `text_completion` chunks (its DELTA outputs,
+so each step costs the new tokens only) ending with `data: [DONE]`.
 
 Choice `index` is `prompt_index * n + sample_index`, as in OpenAI's API.
 """
@@ -12,31 +13,32 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
-from jaxserve.server.protocol import CompletionRequest
-from jaxserve.server.serving import (DeltaTracker, ServingContext, engine_failures, invalid, new_id,
-                                     now, sorted_top, request_failed, stop_reason, usage)
+from jaxserve.server.protocol import OPENAI_MAX_TOKENS, CompletionRequest
+from jaxserve.server.serving import (ServingContext, engine_failures, invalid, new_id, now, request_failed,
+                                     sorted_top, stop_reason, usage, usage_counts)
 
 
 async def create_completion(ctx: ServingContext, raw_request: Request) -> Response:
     request = await read_json(raw_request, CompletionRequest)
     ctx.check_model(request.model)
-    engine = ctx.ready_engine()
+    llm_engine = ctx.ready_engine()
     try:
         request.check_supported()
         prompts = request.prompts()
         token_lists = [await ctx.encode(p) if isinstance(p, str) else p for p in prompts]
-        max_model_len = engine.config.max_model_len
-        max_tokens = request.max_tokens
-        if max_tokens is None:  # as vLLM: up to the context length
-            max_tokens = max(1, min(max_model_len - len(ids) for ids in token_lists))
-        params = request.sampling_params(max_tokens, request.logprobs, engine.vocab_size)
+        defaults = ctx.sampling_defaults()
+        max_tokens = request.max_tokens_for([len(ids) for ids in token_lists], llm_engine.config.max_model_len,
+                                            defaults, OPENAI_MAX_TOKENS)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        params = request.sampling_params(max_tokens, request.logprobs, llm_engine.vocab_size, defaults, kind)
     except ValueError as err:
         raise invalid(err) from None
-    request_id = new_id("cmpl")
-    submission = ctx.submit(request_id, token_lists, params)
+    request_id = new_id("cmpl", raw_request)
+    submission = ctx.submit(request_id, token_lists, params, request.priority)
     echoes = [p if isinstance(p, str) else ctx.decode(p) for p in prompts] if request.echo else None
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n, echoes))
@@ -60,7 +62,7 @@ def _full_response(ctx: ServingContext, request: CompletionRequest, request_id: 
             choices.append({
                 "index": prompt_index * n + completion.index,
                 "text": text,
-                "logprobs": (_logprobs(ctx, completion, 0, offset) if request.logprobs is not None else None),
+                "logprobs": _logprobs(ctx, completion, offset) if request.logprobs is not None else None,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": stop_reason(completion.stop_reason),
             })
@@ -71,11 +73,12 @@ def _full_response(ctx: ServingContext, request: CompletionRequest, request_id: 
 
 async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: str, submission: Submission, n: int,
                   echoes: list[str] | None) -> AsyncIterator[str]:
+    """One chunk per batch of DELTA outputs: each completion's new text (after its echo, first time)."""
     created = now()
     include_usage = request.include_usage
-    tracker = DeltaTracker()
-    offsets: dict[int, int] = {}
-    finals: dict[int, RequestOutput] = {}
+    text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts (echo included)
+    num_tokens: dict[int, int] = {}  # per choice: output tokens so far
+    prompt_tokens: dict[int, int] = {}  # per prompt
 
     def chunk(choices: list[dict], usage_value=None) -> dict:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
@@ -86,35 +89,30 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
 
     try:
         async for prompt_index, output in submission.results():
-            if output.finished:
-                finals[prompt_index] = output
+            prompt_tokens[prompt_index] = len(output.prompt_token_ids)
             choices = []
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
-                if index in tracker.finished:
-                    continue
-                text, first_token = tracker.delta(index, completion.text, completion.token_ids)
-                if echoes is not None and index not in offsets:
-                    text = echoes[prompt_index] + text
-                    offsets[index] = len(echoes[prompt_index])
-                new_tokens = len(completion.token_ids) > first_token
-                wants_logprobs = request.logprobs is not None and new_tokens
-                if not text and not completion.finish_reason and not wants_logprobs:
-                    continue
+                num_tokens[index] = num_tokens.get(index, 0) + len(completion.token_ids)
+                text = completion.text
+                if index not in text_offsets:
+                    echo = echoes[prompt_index] if echoes is not None else ""
+                    text = echo + text
+                    text_offsets[index] = len(echo)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = _logprobs(ctx, completion, first_token, offsets.get(index, 0))
-                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
-                        if logprobs["tokens"] else offsets.get(index, 0)
-                if completion.finish_reason:
-                    tracker.finished.add(index)
+                    logprobs = _logprobs(ctx, completion, text_offsets[index])
+                if not text and not completion.finish_reason and not (logprobs and logprobs["tokens"]):
+                    continue
+                if logprobs is not None:
+                    text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": completion.finish_reason,
                                 "stop_reason": stop_reason(completion.stop_reason)})
             if choices:
                 yield sse(chunk(choices))
         if include_usage:
-            yield sse(chunk([], usage([finals[i] for i in sorted(finals)])))
+            yield sse(chunk([], usage_counts(sum(prompt_tokens.values()), sum(num_tokens.values()))))
     except RequestFailed as err:
         yield sse(request_failed(err).body())
     except ValueError as err:  # cannot happen after validation, but never leave a stream open without an answer
@@ -122,11 +120,10 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
     yield sse("[DONE]")
 
 
-def _logprobs(ctx: ServingContext, completion: CompletionOutput, start: int, text_offset: int) -> dict:
-    """OpenAI's completions logprobs for the tokens from `start` on."""
+def _logprobs(ctx: ServingContext, completion: CompletionOutput, text_offset: int) -> dict:
+    """OpenAI's completions logprobs for the completion's tokens (all, or a delta's), the first at `text_offset`."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    entries = completion.logprobs or []
-    for token_id, top in zip(completion.token_ids[start:], entries[start:]):
+    for token_id, top in zip(completion.token_ids, completion.logprobs or []):
         text = ctx.token_string(token_id)
         tokens.append(text)
         token_logprobs.append(top.get(token_id))
