@@ -68,8 +68,8 @@ class EngineConfig:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.decode_batch_buckets is None:
-            # a step costs about its bucket's rows (CPU, batch 17-32 in a 64-row step: 187 vs 116 ms), while
-            # each bucket adds one forward to compile at start-up (~3 s on 2 cores)
+            # a step costs about its bucket's rows, while each bucket adds one forward to compile at start-up
+            # (benchmarks/RESULTS.md has the measurements behind this list)
             self.decode_batch_buckets = tuple(sorted({min(b, self.max_num_seqs) for b in DECODE_BATCH_BUCKETS}
                                                      | {self.max_num_seqs}))
         if max(self.decode_batch_buckets) < self.max_num_seqs:
@@ -92,8 +92,8 @@ class EngineConfig:
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """(rows, tokens) of the compiled prefill steps: one chunk of any bucket, or PREFILL_ROWS short ones.
 
-        Packing several prompts' chunks into one call multiplies the matmuls' rows (measured: one
-        128-token chunk per call ran at ~80 GFLOP/s on CPU, far below the ~140 of 512-row matmuls).
+        Packing several prompts' chunks into one call multiplies the matmuls' rows, and short matmuls run
+        far below the rate of long ones (figures in benchmarks/RESULTS.md).
         """
         packed = tuple((PREFILL_ROWS, tokens) for tokens in self.prefill_buckets
                        if PREFILL_ROWS * tokens <= self.max_num_batched_tokens)

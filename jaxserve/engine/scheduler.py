@@ -3,8 +3,8 @@
 Each `schedule()` call plans one engine step: one decode token for every running sequence, plus prefill
 chunks under a token budget (`max_num_batched_tokens`). Decodes run as their own call and are not
 charged; a prefill chunk is charged its padded size (its length bucket), so a step's prefill never
-computes much more than the budget whatever mix of chunk lengths it packs (measured on CPU: 512 real
-tokens in 64- and 128-token buckets had cost 1.7 s, against ~1 s for one 512-token chunk), and a decode
+computes much more than the budget whatever mix of chunk lengths it packs (charging real tokens let a
+step of many small buckets cost well over one full chunk; see benchmarks/RESULTS.md), and a decode
 waits at most one budget's worth of prefill. In order:
 1. every running sequence that is decoding gets one token (oldest first); if the pool has no page
    for it, the most recently admitted running sequence is preempted by recompute (pages freed,
