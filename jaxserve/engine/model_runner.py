@@ -8,7 +8,7 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   batch bucket), and returns the token sampled for every sequence that produced one, with one
   device->host transfer for the whole step.
 
-Each forward is a pure jitted function (params, KV pool, inputs) -> (logits, their argmax, new KV pool)
+The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) -> (logits, their argmax, new KV pool)
 with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
 pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a second small jitted
 function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
@@ -36,9 +36,9 @@ from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
-from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, argmax, sample
-from jaxserve.models import forward
+from jaxserve.engine.steps import ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
+from jaxserve.layers.attention import AttentionBackend
+from jaxserve.layers.sampler import PenaltyState, SampleResult
 
 logger = logging.getLogger(__name__)
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
@@ -52,59 +52,6 @@ class SampledToken:
     token: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None  # the top-k (k = params.logprobs) plus the sampled token
-
-
-def _prefill_step(config, backend, dtype, page_size, params, kv_cache, token_ids, starts, num_tokens, page_tables):
-    """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`."""
-    rows, chunk = token_ids.shape
-    positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-    valid = jnp.arange(chunk)[None, :] < num_tokens[:, None]
-    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
-    pages = jnp.take_along_axis(page_tables, page_index, axis=1)
-    slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
-    meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_tables=page_tables,
-                             context_lens=jnp.where(num_tokens > 0, starts + num_tokens, 0), query_lens=num_tokens)
-    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
-                               logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype)
-    return logits, argmax(logits), kv_cache
-
-
-def _decode_step(config, backend, dtype, page_size, params, kv_cache, token_ids, positions, page_tables, active):
-    rows = token_ids.shape[0]
-    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
-    page = jnp.take_along_axis(page_tables, page_index[:, None], axis=1)[:, 0]
-    slot_mapping = jnp.where(active, page * page_size + positions % page_size, 0)
-    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping[:, None], page_tables=page_tables,
-                             context_lens=jnp.where(active, positions + 1, 0),
-                             query_lens=jnp.ones((rows,), jnp.int32))
-    logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
-                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype)
-    return logits, argmax(logits), kv_cache
-
-
-def _sample_step(penalties: PenaltyState, logits, slots, sampling: SamplingBatch, counted):
-    """The full sampler on a forward's logits; rows with `counted` add their token to the slot's output counts."""
-    result = sample(logits, sampling, penalties, slots)
-    counts = penalties.output_counts.at[slots, result.tokens].add(counted.astype(jnp.int32))
-    return result, penalties.replace(output_counts=counts)
-
-
-def _reset_penalties_step(vocab_size, penalties: PenaltyState, slot, token_ids, num_prompt_tokens, num_tokens):
-    """A newly admitted slot's statistics: its prompt tokens, its output so far (after a preemption), no bans."""
-    index = jnp.arange(token_ids.shape[0])
-    prompt_ids = jnp.where(index < num_prompt_tokens, token_ids, vocab_size)  # out of range: dropped
-    output_ids = jnp.where((index >= num_prompt_tokens) & (index < num_tokens), token_ids, vocab_size)
-    prompt_row = jnp.zeros((vocab_size,), bool).at[prompt_ids].set(True, mode="drop")
-    count_row = jnp.zeros((vocab_size,), jnp.int32).at[output_ids].add(1, mode="drop")
-    return PenaltyState(prompt_mask=penalties.prompt_mask.at[slot].set(prompt_row),
-                        output_counts=penalties.output_counts.at[slot].set(count_row),
-                        min_tokens_ban=penalties.min_tokens_ban.at[slot].set(False))
-
-
-def _ban_step(vocab_size, penalties: PenaltyState, slot, ban_ids):
-    """Bans `ban_ids` (-1: none) for the slot until it has min_tokens outputs."""
-    banned = jnp.where(ban_ids >= 0, ban_ids, vocab_size)
-    return penalties.replace(min_tokens_ban=penalties.min_tokens_ban.at[slot, banned].set(True, mode="drop"))
 
 
 class ModelRunner:
@@ -126,11 +73,11 @@ class ModelRunner:
         self.kv_cache = [(jnp.zeros(pool_shape, self.dtype), jnp.zeros(pool_shape, self.dtype))
                          for _ in range(config.num_layers)]
         static = (config, self.backend, self.dtype, self.page_size)
-        self._prefill = jax.jit(functools.partial(_prefill_step, *static), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(_decode_step, *static), donate_argnums=(1,))
-        self._sample = jax.jit(_sample_step, donate_argnums=(0,))
-        self._reset_penalties = jax.jit(functools.partial(_reset_penalties_step, vocab), donate_argnums=(0,))
-        self._ban = jax.jit(functools.partial(_ban_step, vocab), donate_argnums=(0,))
+        self._prefill = jax.jit(functools.partial(prefill_step, *static), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(decode_step, *static), donate_argnums=(1,))
+        self._sample = jax.jit(sample_step, donate_argnums=(0,))
+        self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), donate_argnums=(0,))
+        self._ban = jax.jit(functools.partial(ban_step, vocab), donate_argnums=(0,))
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s)", self.num_pages,
                     self.page_size, self.num_pages * self.page_size, self.kv_pool_bytes / 2**20,
