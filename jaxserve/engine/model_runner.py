@@ -8,8 +8,8 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   batch bucket), and returns the token sampled for every sequence that produced one, with one
   device->host transfer for the whole step.
 
-The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) -> (logits, their argmax, new KV pool)
-with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
+The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) ->
+(logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
 pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a second small jitted
 function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
 state donated. One forward per shape serves both, so start-up compiles each forward once, and every
