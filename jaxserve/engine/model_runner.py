@@ -41,6 +41,8 @@ from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 
 logger = logging.getLogger(__name__)
+DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
+CPU_POOL_BYTES = 4 * 2**30
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
 
 
@@ -93,17 +95,20 @@ class ModelRunner:
         return self.num_pages * self.page_bytes
 
     def _pages_for_memory_budget(self) -> int:
-        """On an accelerator: the pages that fit in `gpu_memory_utilization` of the memory jax may use, after the
-        weights and penalty state (already there) and the largest step's activations. On the CPU: enough for
-        every slot at max_model_len, at most 4 GiB."""
+        """On an accelerator, vLLM's meaning: weights, KV pages and the largest step's activations together take
+        at most `gpu_memory_utilization` of the device's memory. jax's allocator is limited to
+        XLA_PYTHON_CLIENT_MEM_FRACTION of it (0.75 unless set; `jaxserve serve` sets it to the utilization), so
+        the device's total is that limit over the fraction. On the CPU: enough pages for every slot at
+        max_model_len, at most 4 GiB."""
         ec = self.engine_config
-        enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            budget = ec.gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            limit = stats["bytes_limit"]
+            total = limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
+            budget = min(ec.gpu_memory_utilization * total, limit) - stats.get("bytes_in_use", 0)
             return max(2, int(budget - self._activation_bytes()) // self.page_bytes)
-        cpu_budget = 4 * 2**30
-        return max(2, min(enough_for_all_slots, cpu_budget // self.page_bytes))
+        enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
+        return max(2, min(enough_for_all_slots, CPU_POOL_BYTES // self.page_bytes))
 
     def _activation_bytes(self) -> int:
         """A bound on one step's live activations: the widest layer's for the largest prefill, plus logits and
