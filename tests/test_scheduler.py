@@ -72,3 +72,4 @@ def test_prefix_lookups_count_once_per_admission():
     scheduler.finish(first)
     plan = run_step(scheduler)
     assert plan.admitted == [waiting] and manager.num_prefix_queries == 62
+

@@ -95,18 +95,12 @@ class ModelRunner:
         return self.num_pages * self.page_bytes
 
     def _pages_for_memory_budget(self) -> int:
-        """On an accelerator, vLLM's meaning: weights, KV pages and the largest step's activations together take
-        at most `gpu_memory_utilization` of the device's memory. jax's allocator is limited to
-        XLA_PYTHON_CLIENT_MEM_FRACTION of it (0.75 unless set; `jaxserve serve` sets it to the utilization), so
-        the device's total is that limit over the fraction. On the CPU: enough pages for every slot at
-        max_model_len, at most 4 GiB."""
         ec = self.engine_config
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            limit = stats["bytes_limit"]
-            total = limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
-            budget = min(ec.gpu_memory_utilization * total, limit) - stats.get("bytes_in_use", 0)
-            return max(2, int(budget - self._activation_bytes()) // self.page_bytes)
+            fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
+            return accelerator_kv_pages(stats, ec.gpu_memory_utilization, fraction, self._activation_bytes(),
+                                        self.page_bytes)
         enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
         return max(2, min(enough_for_all_slots, CPU_POOL_BYTES // self.page_bytes))
 
@@ -238,6 +232,17 @@ class ModelRunner:
             self._run_example(kind, jitted, inputs)
         jax.block_until_ready((self.kv_cache, self.penalties))
         return time.perf_counter() - started
+
+
+def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fraction: float,
+                         activation_bytes: int, page_bytes: int) -> int:
+    """KV pages for vLLM's `gpu_memory_utilization`: weights (already in use), KV pages and the largest step's
+    activations together take at most `utilization` of the device's memory. jax's allocator may use
+    `allocator_fraction` of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set; `jaxserve serve`
+    sets it to the utilization), so the device's total is the allocator's limit over that fraction."""
+    limit = memory_stats["bytes_limit"]
+    budget = min(utilization * limit / allocator_fraction, limit) - memory_stats.get("bytes_in_use", 0)
+    return max(2, int(budget - activation_bytes) // page_bytes)
 
 
 def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:
