@@ -319,7 +319,9 @@ def test_stop_string_through_streaming(server, path):
         body["messages"] = [{"role": "user", "content": "Describe Paris in one sentence."}]
 
     def text_of(choice: dict) -> str:
-        return choice["text"] if path == COMPLETIONS else (choice.get("message") or choice["delta"]).get("content") or ""
+        if path == COMPLETIONS:
+            return choice["text"]
+        return (choice.get("message") or choice["delta"]).get("content") or ""
 
     with httpx.Client(base_url=server.url, timeout=120) as http:
         whole = text_of(http.post(path, json=body).json()["choices"][0])
@@ -365,8 +367,18 @@ def test_streaming_client_hangup_aborts_its_request(server):
 def test_non_streaming_client_hangup_aborts_its_request(server):
     before = wait_idle(server)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + COMPLETIONS, json=body, timeout=1.5)
+
+    async def hang_up() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            request = asyncio.create_task(http.post(COMPLETIONS, json=body))
+            while running_gauge(server) != 1:
+                assert not request.done(), "the request ended before the client hung up"
+                await asyncio.sleep(0.05)
+            request.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(hang_up())
     after = wait_idle(server)
     assert finished(after, "abort") == finished(before, "abort") + 1
     assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] < 400
