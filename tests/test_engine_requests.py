@@ -231,3 +231,9 @@ def test_generation_config_eos_ids_and_defaults_reach_generation(tiny_llama_dir,
     assert llm.get_default_sampling_params().temperature == 0 and llm.get_default_sampling_params().max_tokens == 10
     out = llm.generate([prompt(50)])[0].outputs[0]
     assert out.token_ids == free.token_ids[:free.token_ids.index(eos) + 1] and out.finish_reason == "stop"
+
+
+def test_priority_needs_the_priority_policy(engine):
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        engine.add_request("prio", prompt(60), GREEDY, priority=1)
+    assert not engine.has_unfinished_requests()

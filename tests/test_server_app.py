@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 import httpx
 
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.stats import SchedulerStats
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -102,6 +103,8 @@ class FakeEngine:
 
     def stats(self) -> SchedulerStats:
         return self._stats
+
+    validate_priority = LLMEngine.validate_priority  # the real rule (it reads only config.scheduling_policy)
 
     def validate_prompt(self, token_ids, params) -> None:
         if not token_ids:

@@ -93,6 +93,7 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
+        self.validate_priority(priority)
         with self._ids_lock:
             if request_id is None:
                 request_id = next(str(i) for i in self._request_counter if str(i) not in self._live_ids)
@@ -138,6 +139,14 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def validate_priority(self, priority: int) -> None:
+        """vLLM's rule: a request priority other than 0 needs scheduling_policy="priority"."""
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} is set, but priority scheduling is not enabled "
+                             "(scheduling_policy='priority', --scheduling-policy priority)")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -27,6 +27,9 @@ def serve_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.max_waiting < 0:
         parser.error("--max-waiting must be >= 0")
+    # vLLM's --gpu-memory-utilization is a fraction of the device: let jax's allocator (0.75 of it by default)
+    # reach it; this must happen before jax starts its backend, which engine_config does
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.gpu_memory_utilization))
     try:
         config = engine_config(args)
     except ValueError as err:

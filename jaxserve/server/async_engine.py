@@ -207,9 +207,7 @@ class AsyncEngine:
         """Validates and queues one engine request per prompt (ids `{request_id}-{prompt index}`); raises
         ValueError (also for an id still in flight), EngineUnavailable or ServerOverloaded."""
         llm_engine = self.ready_engine()
-        if priority != 0 and llm_engine.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} is set, but priority scheduling is not enabled "
-                             "(--scheduling-policy priority)")
+        llm_engine.validate_priority(priority)
         for token_ids in prompts:
             llm_engine.validate_prompt(token_ids, params)
         num_seqs = len(prompts) * params.n
