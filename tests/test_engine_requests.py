@@ -237,3 +237,19 @@ def test_priority_needs_the_priority_policy(engine):
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
         engine.add_request("prio", prompt(60), GREEDY, priority=1)
     assert not engine.has_unfinished_requests()
+
+
+def test_token_latencies_are_measured_for_every_output_kind(engine):
+    """One first-token sample per request and one inter-token sample per later step, whatever the output kind
+    (a whole answer used to record none) and however many completions share the step."""
+    kinds = (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE)
+    for index, kind in enumerate(kinds):
+        engine.add_request(f"lat{index}", prompt(70 + index), SamplingParams(
+            n=2, temperature=1.0, seed=index, max_tokens=5, ignore_eos=True, output_kind=kind))
+    first, gaps = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        first += engine.iteration_stats().time_to_first_tokens
+        gaps += engine.iteration_stats().inter_token_latencies
+    assert len(first) == 3 and len(gaps) == 3 * 4
+    assert all(latency > 0 for latency in first + gaps)

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 import httpx
 
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.stats import SchedulerStats
+from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -100,9 +100,13 @@ class FakeEngine:
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._finished: dict[str, int] = {}
         self._stats = SchedulerStats()
+        self._iteration = IterationStats()
 
     def stats(self) -> SchedulerStats:
         return self._stats
+
+    def iteration_stats(self) -> IterationStats:
+        return self._iteration
 
     validate_priority = LLMEngine.validate_priority  # the real rule (it reads only config.scheduling_policy)
 
@@ -150,11 +154,12 @@ class FakeEngine:
                 self._prompt_tokens += len(request.prompt)
             self._pending.clear()
             aborted, self._abort_queue = set(self._abort_queue), []
-        outputs = []
+        outputs, first_token, gaps = [], [], []
         for request in list(self._running.values()):
             if request.request_id in aborted:
                 request.finish_reason = "abort"
             else:
+                (gaps if request.tokens else first_token).append(TOKEN_SECONDS)
                 request.tokens.append(TOKEN)
                 self._generation_tokens += request.params.n
                 request.first_token_time = request.first_token_time or request.arrival_time + TOKEN_SECONDS
@@ -169,6 +174,7 @@ class FakeEngine:
             if output is not None:
                 outputs.append(output)
         self._steps += 1
+        self._iteration = IterationStats(tuple(first_token), tuple(gaps))
         self._stats = SchedulerStats(
             num_running_seqs=sum(r.params.n for r in self._running.values()),
             num_waiting_seqs=sum(r.params.n for r in self._pending), kv_cache_usage=0.25 * len(self._running),
@@ -523,7 +529,8 @@ def test_metrics_are_the_engine_stats_and_count_requests_once():
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the fake's made-up values came through
         assert samples[f"jaxserve:time_to_first_token_seconds_count{{{label}}}"] == 2
         assert samples[f"jaxserve:e2e_request_latency_seconds_count{{{label}}}"] == 2
-        assert samples[f"jaxserve:inter_token_latency_seconds_count{{{label}}}"] == 1  # the streamed request
+        # measured in the engine for streamed and whole answers alike: 2 gaps for 3 tokens (n=2 shares steps), 1 for 2
+        assert samples[f"jaxserve:inter_token_latency_seconds_count{{{label}}}"] == 2 + 1
 
     run_in_process(engine, check)
 

@@ -27,7 +27,7 @@ from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.stats import SchedulerStats
+from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -71,6 +71,9 @@ class LLMEngine:
         self._prompt_tokens = self._generation_tokens = self._steps = 0
         self._finished: dict[str, int] = {}
         self._stats = self._snapshot()
+        self._first_token_latencies: list[float] = []
+        self._inter_token_latencies: list[float] = []
+        self._iteration = IterationStats()
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
         if self.config.warmup:
             seconds = self.runner.warmup()
@@ -84,6 +87,10 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """The snapshot published after the latest step (safe to read from any thread)."""
         return self._stats
+
+    def iteration_stats(self) -> IterationStats:
+        """The token latencies of the latest step (for the stepping thread, right after `step()`)."""
+        return self._iteration
 
     # -- requests (any thread) ---------------------------------------------------------------------------------
 
@@ -174,6 +181,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns an output for each request that changed (finished ones are then forgotten)."""
+        self._first_token_latencies, self._inter_token_latencies = [], []
         touched = self._apply_commands()
         plan = self.scheduler.schedule()
         if not plan.is_empty:
@@ -190,6 +198,7 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         self._stats = self._snapshot()
+        self._iteration = IterationStats(tuple(self._first_token_latencies), tuple(self._inter_token_latencies))
         return outputs
 
     def _run(self, plan: SchedulerOutput) -> None:
@@ -213,7 +222,11 @@ class LLMEngine:
         """Appends a sampled token and applies vLLM's stop rules: none is checked before min_tokens outputs."""
         seq, token = sample.seq, sample.token
         request = self.requests[seq.request_id]
-        request.first_token_time = request.first_token_time or now
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self._first_token_latencies.append(now - request.arrival_time)
+        elif request.last_token_time < now:  # once per request and step, though its n completions share it
+            self._inter_token_latencies.append(now - request.last_token_time)
         request.last_token_time = now
         seq.token_ids.append(token)
         self._generation_tokens += 1

@@ -1,8 +1,10 @@
-"""`SchedulerStats`: an immutable snapshot of the engine's gauges and counters, for metrics, logs and tests.
+"""`SchedulerStats`: an immutable snapshot of the engine's gauges and counters, for metrics, logs and tests;
+`IterationStats`: the token latencies of one step.
 
 The stepping thread publishes a new snapshot after every step, so any thread can read one without
 touching live engine state. Counters count requests as vLLM does: a request with `n` completions
-adds its prompt tokens once and one `request_success` when it finishes.
+adds its prompt tokens once and one `request_success` when it finishes. Latencies are measured in
+the engine, whatever output kind a request asked for, so streamed and whole answers count alike.
 """
 
 from __future__ import annotations
@@ -25,3 +27,11 @@ class SchedulerStats:
 
     def finished(self, reason: str) -> int:
         return dict(self.request_success).get(reason, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationStats:
+    """One step's token latencies, one sample per request that got tokens (its `n` completions share a step)."""
+
+    time_to_first_tokens: tuple[float, ...] = ()  # arrival to first token, for requests whose first token came
+    inter_token_latencies: tuple[float, ...] = ()  # since the request's previous token, for the others

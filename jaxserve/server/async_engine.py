@@ -30,7 +30,7 @@ from jaxserve.server.output_collector import OutputCollector
 
 if TYPE_CHECKING:
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.stats import SchedulerStats
+    from jaxserve.engine.stats import IterationStats, SchedulerStats
     from jaxserve.outputs import RequestOutput
     from jaxserve.server.metrics import ServerMetrics
 
@@ -118,7 +118,6 @@ class InFlight:
 
     submission: Submission
     num_seqs: int
-    last_token_time: float | None = None
     num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # per completion: output tokens so far
 
     def count_tokens(self, output: RequestOutput) -> None:
@@ -256,18 +255,16 @@ class AsyncEngine:
             self.num_inflight_seqs -= record.num_seqs
         return record
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the event loop: routes one step's outputs to their submissions and records latencies."""
+    def _dispatch(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
+        """Runs on the event loop: records one step's token latencies and routes its outputs to their submissions."""
+        if self.metrics is not None:
+            self.metrics.observe_iteration(iteration)
         for output in outputs:
             request_id = output.request_id
             record = self._requests.get(request_id)
             if record is None:
                 continue  # aborted by us already
             record.count_tokens(output)
-            if self.metrics is not None:
-                self.metrics.observe_progress(output, record.last_token_time)
-            if output.metrics is not None and output.metrics.last_token_time is not None:
-                record.last_token_time = output.metrics.last_token_time
             if output.finished:
                 self._forget(request_id)
                 if self.metrics is not None and not any(c.finish_reason == "abort" for c in output.outputs):
@@ -302,8 +299,9 @@ class AsyncEngine:
                 if not llm_engine.wait_for_requests(IDLE_POLL_SECONDS):
                     continue
                 outputs = llm_engine.step()
-                if outputs:
-                    self._call_in_loop(self._dispatch, outputs)
+                iteration = llm_engine.iteration_stats()
+                if outputs or iteration.time_to_first_tokens or iteration.inter_token_latencies:
+                    self._call_in_loop(self._dispatch, outputs, iteration)
         except BaseException as error:  # noqa: BLE001 - fail in-flight requests instead of hanging them
             logger.exception("the engine loop died; failing in-flight requests, the server exits")
             self.error = error

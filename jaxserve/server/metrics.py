@@ -2,9 +2,9 @@
 
 Gauges and counters are read at scrape time from the engine's `SchedulerStats` snapshot (and nothing
 else of the engine), so they can never drift from the engine's own numbers; like vLLM's, prompt tokens
-and request successes count requests, however many completions (`n`) each has. Latency histograms are
-observed by the server as request outputs arrive: inter-token latency needs an output per step, so
-it comes from streamed requests only (a whole answer arrives once, as its final output).
+and request successes count requests, however many completions (`n`) each has. Time to first token
+and inter-token latency come from the engine's per-step `IterationStats` (so whole answers count as
+much as streams); queue time, TPOT and end-to-end latency from each finished request's metrics.
 `StatLogger` writes a vLLM-like throughput line from the same snapshots periodically while there is
 traffic.
 """
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxserve.engine.stats import SchedulerStats
+from jaxserve.engine.stats import IterationStats, SchedulerStats
 
 if TYPE_CHECKING:
     from jaxserve.outputs import RequestOutput
@@ -102,17 +102,13 @@ class ServerMetrics:
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                             REQUEST_LATENCY_BUCKETS)
 
-    def observe_progress(self, output: RequestOutput, previous_token_time: float | None) -> None:
-        """Called for each output of a running request: records the first-token and inter-token latencies."""
-        metrics = output.metrics
-        if metrics is None or metrics.last_token_time is None:
-            return
+    def observe_iteration(self, iteration: IterationStats) -> None:
+        """One engine step's token latencies (measured in the engine, for every request whatever its output kind)."""
         label = self._model_name
-        if previous_token_time is None:
-            if metrics.first_token_time is not None:
-                self.time_to_first_token.labels(label).observe(metrics.first_token_time - metrics.arrival_time)
-        elif metrics.last_token_time > previous_token_time:
-            self.inter_token_latency.labels(label).observe(metrics.last_token_time - previous_token_time)
+        for latency in iteration.time_to_first_tokens:
+            self.time_to_first_token.labels(label).observe(latency)
+        for latency in iteration.inter_token_latencies:
+            self.inter_token_latency.labels(label).observe(latency)
 
     def observe_finished(self, output: RequestOutput, num_tokens: int) -> None:
         """Called once per finished (not aborted) request; `num_tokens`: its longest completion's output tokens."""
