@@ -45,8 +45,13 @@ class IncrementalDetokenizer:
         self.text = self.text[:at + len(stop)] if self.include_stop_str else self.text[:at]
         return stop
 
-    def visible_text(self, finished: bool) -> str:
-        """The text safe to show now: all of it once finished, else without a possible stop-string start."""
+    def visible_length(self, finished: bool) -> int:
+        """How much of the text is safe to show now: all of it once finished, else all but a possible
+        stop-string start."""
         if finished or not self._holdback:
-            return self.text
-        return self.text[:max(0, len(self.text) - self._holdback)]
+            return len(self.text)
+        return max(0, len(self.text) - self._holdback)
+
+    def visible_text(self, finished: bool, start: int = 0) -> str:
+        """The text safe to show now, from character `start` on (a delta copies only what it returns)."""
+        return self.text[start:self.visible_length(finished)]

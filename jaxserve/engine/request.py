@@ -61,18 +61,19 @@ class Request:
 
     def _completion(self, index: int, delta: bool) -> CompletionOutput | None:
         seq, detok = self.seqs[index], self.detokenizers[index]
-        text = detok.visible_text(seq.is_finished)
+        visible = detok.visible_length(seq.is_finished)
         first_token = first_char = 0
-        if delta:
+        if delta:  # only what is new is copied, so a streamed request costs O(new tokens) per step
             first_token, first_char = self._sent_tokens[index], self._sent_chars[index]
-            changed = seq.num_output_tokens > first_token or len(text) > first_char
+            changed = seq.num_output_tokens > first_token or visible > first_char
             if not changed and (not seq.is_finished or self._sent_finished[index]):
                 return None
             self._sent_tokens[index] = seq.num_output_tokens
-            self._sent_chars[index] = len(text)
+            self._sent_chars[index] = visible
             self._sent_finished[index] = seq.is_finished
         token_ids = seq.token_ids[seq.num_prompt_tokens + first_token:]
         logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
-        return CompletionOutput(index=seq.index, text=text[first_char:], token_ids=token_ids,
+        text = detok.visible_text(seq.is_finished, first_char)
+        return CompletionOutput(index=seq.index, text=text, token_ids=token_ids,
                                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                                 logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
