@@ -1,73 +1,43 @@
 """Hugging Face checkpoints: safetensors read tensor by tensor, mapped onto our fused parameter tree in the serving dtype.
 
-Each tensor is memory-mapped from its file and copied once, straight into an array of the serving dtype (fused
-qkv / gate_up kernels are filled part by part), so loading holds the params in that dtype and nothing more: no
-float32 copy of the model, no second copy of the checkpoint.
+Each tensor is read only when its parameter is built and copied straight into an array of the serving dtype (fused
+qkv / gate_up kernels are filled part by part), so loading holds the params in that dtype plus one tensor in
+flight: no float32 copy of the model, no second copy of the checkpoint.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
-from typing import Iterator, Mapping, NamedTuple
+from typing import Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 
-SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-
-
-class TensorLocation(NamedTuple):
-    file: str
-    offset: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-
-def read_safetensors_header(file: str) -> dict[str, TensorLocation]:
-    """Where each tensor of one `.safetensors` file lies: an 8-byte header length, a JSON header, then the data."""
-    with open(file, "rb") as handle:
-        header_len = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_len))
-    locations = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{file}: tensor {name!r} has dtype {info['dtype']}; jaxserve reads "
-                             f"{', '.join(SAFETENSORS_DTYPES)} checkpoints")
-        locations[name] = TensorLocation(file, 8 + header_len + info["data_offsets"][0],
-                                         np.dtype(SAFETENSORS_DTYPES[info["dtype"]]), tuple(info["shape"]))
-    return locations
-
 
 class SafetensorsDir(Mapping[str, np.ndarray]):
-    """The tensors of every `*.safetensors` file in a directory (sharded or not), each mapped only when looked up.
-
-    A looked-up tensor is a read-only memory map of its bytes in the file, in the checkpoint's dtype.
-    """
+    """The tensors of every `*.safetensors` file in a directory (sharded or not), each read only when looked up,
+    as a numpy array in the checkpoint's dtype (bfloat16 included) by safetensors' own reader."""
 
     def __init__(self, path: str):
+        from safetensors import safe_open
+
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ValueError(f"no *.safetensors files in {path!r}")
-        self._locations: dict[str, TensorLocation] = {}
-        for file in files:
-            self._locations.update(read_safetensors_header(file))
+        self._readers = [safe_open(file, framework="np") for file in files]
+        self._reader_of = {name: reader for reader in self._readers for name in reader.keys()}
 
     def __getitem__(self, name: str) -> np.ndarray:
-        file, offset, dtype, shape = self._locations[name]
-        return np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=shape)
+        return self._reader_of[name].get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._locations)
+        return iter(self._reader_of)
 
     def __len__(self) -> int:
-        return len(self._locations)
+        return len(self._reader_of)
 
 
 def read_safetensors_dir(path: str) -> SafetensorsDir:
