@@ -80,12 +80,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     async def health() -> Response:
         if async_engine.state == EngineState.READY:
             return Response(status_code=200)
-        message = {EngineState.LOADING: "the model is loading",
-                   EngineState.DEAD: f"the engine crashed: {async_engine.error}",
-                   EngineState.LOAD_FAILED: f"the model failed to load: {async_engine.error}",
-                   EngineState.DRAINING: "the server is shutting down",
-                   EngineState.STOPPED: "the server is shutting down"}[async_engine.state]
-        return JSONResponse(error_body(message, "service_unavailable_error"), status_code=503)
+        return JSONResponse(error_body(async_engine.unavailable_reason(), "service_unavailable_error"),
+                            status_code=503)
 
     @app.get("/version")
     async def version() -> dict:

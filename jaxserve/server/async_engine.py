@@ -186,14 +186,18 @@ class AsyncEngine:
         """The engine if it takes requests, else raises EngineUnavailable saying why."""
         if self.state == EngineState.READY and self.llm_engine is not None:
             return self.llm_engine
-        reasons = {
+        raise EngineUnavailable(self.unavailable_reason())
+
+    def unavailable_reason(self) -> str:
+        """Why the engine takes no requests now (for 503 answers and /health)."""
+        return {
+            EngineState.READY: "the engine is ready",
             EngineState.LOADING: "the model is still loading; retry shortly",
             EngineState.LOAD_FAILED: f"the model failed to load: {self.error}",
             EngineState.DEAD: f"the engine crashed: {self.error}",
             EngineState.DRAINING: "the server is shutting down",
             EngineState.STOPPED: "the server is shutting down",
-        }
-        raise EngineUnavailable(reasons[self.state])
+        }[self.state]
 
     def stats(self) -> SchedulerStats | None:
         """The engine's latest stats snapshot; None until it is loaded."""
