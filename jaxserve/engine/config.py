@@ -26,6 +26,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None  # a tokenizer directory to use instead of the model's
     generation_config: str = "auto"  # "auto": the model's generation_config.json, "vllm": ignore it, or a folder
+    tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over (Megatron-style)
     max_num_seqs: int = 64  # decode slots
     max_model_len: int | None = None  # default: min(model's max_position_embeddings, 2048)
     page_size: int = 16
@@ -49,6 +50,7 @@ class EngineConfig:
         if self.attention_backend is None:
             self.attention_backend = "pallas" if platform == "gpu" else "xla"
         checks = [
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("page_size", self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
              "must be a power of two"),

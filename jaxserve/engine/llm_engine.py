@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import ModelRunner, SampledToken
@@ -41,6 +42,7 @@ class LLMEngine:
         self.config = config or EngineConfig(**options)
         _enable_compilation_cache(self.config.compilation_cache_dir)
         started = time.perf_counter()
+        self.mesh = make_mesh(self.config.tensor_parallel_size)
         self.model = loaded or load_model(self.config.model, dtype=self.config.jax_dtype,
                                           tokenizer=self.config.tokenizer,
                                           generation_config=self.config.generation_config)
@@ -53,7 +55,7 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(model_config, self.model.params, self.config, self.eos_token_ids)
+        self.runner = ModelRunner(model_config, self.model.params, self.config, self.eos_token_ids, self.mesh)
         self.model.params = None  # the runner holds the device copy
         if self.runner.num_pages - 1 < self.config.pages_per_seq:
             raise ValueError(f"num_kv_pages={self.runner.num_pages} cannot hold one sequence of max_model_len="

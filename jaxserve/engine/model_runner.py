@@ -8,7 +8,9 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   batch bucket), and returns the token sampled for every sequence that produced one, with one
   device->host transfer for the whole step.
 
-The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) ->
+Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
+outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
+over the mesh. The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) ->
 (logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
 pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a second small jitted
 function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
@@ -28,8 +30,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import KV_POOL, REPLICATED, param_shardings
+from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, is_plain_greedy,
                                          prefill_groups, prefill_inputs)
@@ -39,6 +44,7 @@ from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.steps import ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.sampler import PenaltyState, SampleResult
+from jaxserve.models import fuse_layer
 
 logger = logging.getLogger(__name__)
 DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
@@ -57,38 +63,81 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params, engine_config: EngineConfig, eos_token_ids: set[int]):
+    """`params` is the checkpoint-layout tree (numpy or jax arrays, placed anywhere); the runner consumes it group
+    by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
+
+    def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
+                 mesh: Mesh | None = None):
         self.config = config
         self.engine_config = engine_config
         self.eos_token_ids = eos_token_ids
         self.dtype = engine_config.jax_dtype
-        self.backend = AttentionBackend(engine_config.attention_backend)
+        self.mesh = mesh if mesh is not None else make_mesh(engine_config.tensor_parallel_size)
+        self.tp = TensorParallel(self.mesh.size)
+        self.tp.check(config)
+        self.backend = AttentionBackend(engine_config.attention_backend, self.mesh)
         self.page_size = engine_config.page_size
-        self.params = jax.tree.map(lambda x: jnp.asarray(x, self.dtype), params)
+        self.params = self._serving_params(params)
+        replicated = NamedSharding(self.mesh, REPLICATED)
         slots, vocab = engine_config.max_num_seqs, config.vocab_size
-        self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab), bool),
-                                      output_counts=jnp.zeros((slots, vocab), jnp.int32),
-                                      min_tokens_ban=jnp.zeros((slots, vocab), bool))
+        self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab), bool, device=replicated),
+                                      output_counts=jnp.zeros((slots, vocab), jnp.int32, device=replicated),
+                                      min_tokens_ban=jnp.zeros((slots, vocab), bool, device=replicated))
         self.slot_params = SlotSamplingParams(slots)
         self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
-        pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = [(jnp.zeros(pool_shape, self.dtype), jnp.zeros(pool_shape, self.dtype))
+        pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
+                                             config.head_dim)
+        pool = NamedSharding(self.mesh, KV_POOL)
+        self.kv_cache = [(jnp.zeros(pool_shape, self.dtype, device=pool), jnp.zeros(pool_shape, self.dtype, device=pool))
                          for _ in range(config.num_layers)]
-        static = (config, self.backend, self.dtype, self.page_size)
-        self._prefill = jax.jit(functools.partial(prefill_step, *static), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(decode_step, *static), donate_argnums=(1,))
-        self._sample = jax.jit(sample_step, donate_argnums=(0,))
-        self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), donate_argnums=(0,))
-        self._ban = jax.jit(functools.partial(ban_step, vocab), donate_argnums=(0,))
+        params_in, kv_in = param_shardings(self.params, config, self.tp, self.mesh), [(pool, pool)] * config.num_layers
+        forward_shardings = dict(in_shardings=(params_in, kv_in) + (replicated,) * 4,
+                                 out_shardings=(replicated, replicated, kv_in), donate_argnums=(1,))
+        static = (config, self.tp, self.backend, self.dtype, self.page_size)
+        self._prefill = jax.jit(functools.partial(prefill_step, *static), **forward_shardings)
+        self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
+        on_every_device = dict(in_shardings=replicated, out_shardings=replicated, donate_argnums=(0,))
+        self._sample = jax.jit(sample_step, **on_every_device)
+        self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), **on_every_device)
+        self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
-        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s)", self.num_pages,
-                    self.page_size, self.num_pages * self.page_size, self.kv_pool_bytes / 2**20,
-                    engine_config.dtype, self.backend.name, pool_shape)
+        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s, "
+                    "split over %d devices)", self.num_pages, self.page_size, self.num_pages * self.page_size,
+                    self.kv_pool_bytes / 2**20, engine_config.dtype, self.backend.name, pool_shape, self.tp.size)
+
+    def _serving_params(self, params: dict) -> dict:
+        """The serving-layout params on the mesh, built group by group (each layer fused on its own devices)."""
+        config, tp, mesh = self.config, self.tp, self.mesh
+
+        def to_serving(kind: str, group: dict) -> dict:
+            group = jax.tree.map(lambda x: x.astype(self.dtype), group)
+            return fuse_layer(group, config, tp) if kind == "layer" else group
+
+        converters: dict[str, object] = {}  # one compiled conversion serves every layer
+        serving = {}
+        for name in list(params):
+            group = params.pop(name)
+            group = jax.device_put(group, param_shardings({name: group}, config, tp, mesh)[name])
+            kind = "layer" if name.startswith("layers_") else name
+            if kind not in converters:
+                out = jax.eval_shape(functools.partial(to_serving, kind), group)
+                converters[kind] = jax.jit(functools.partial(to_serving, kind),
+                                           out_shardings=param_shardings({name: out}, config, tp, mesh)[name])
+            serving[name] = converters[kind](group)
+            del group  # freed before the next group is placed
+        return serving
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page over all layers and all devices (K and V)."""
         cfg = self.config
-        return 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg) * cfg.head_dim
+                * jnp.dtype(self.dtype).itemsize)
+
+    @property
+    def device_page_bytes(self) -> int:
+        """Bytes of one page held by each device: its heads' share."""
+        return self.page_bytes // self.tp.size
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -96,11 +145,11 @@ class ModelRunner:
 
     def _pages_for_memory_budget(self) -> int:
         ec = self.engine_config
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = self.mesh.local_devices[0].memory_stats() or {}  # each device holds the same share
         if "bytes_limit" in stats:
             fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
             return accelerator_kv_pages(stats, ec.gpu_memory_utilization, fraction, self._activation_bytes(),
-                                        self.page_bytes)
+                                        self.device_page_bytes)
         enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
         return max(2, min(enough_for_all_slots, CPU_POOL_BYTES // self.page_bytes))
 

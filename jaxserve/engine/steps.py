@@ -15,7 +15,7 @@ from jaxserve.layers.sampler import PenaltyState, SamplingBatch, argmax, sample
 from jaxserve.models import forward
 
 
-def prefill_step(config, backend, dtype, page_size, params, kv_cache, token_ids, starts, num_tokens, page_tables):
+def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, token_ids, starts, num_tokens, page_tables):
     """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`."""
     rows, chunk = token_ids.shape
     positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
@@ -26,11 +26,11 @@ def prefill_step(config, backend, dtype, page_size, params, kv_cache, token_ids,
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_tables=page_tables,
                              context_lens=jnp.where(num_tokens > 0, starts + num_tokens, 0), query_lens=num_tokens)
     logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
-                               logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype)
+                               logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp)
     return logits, argmax(logits), kv_cache
 
 
-def decode_step(config, backend, dtype, page_size, params, kv_cache, token_ids, positions, page_tables, active):
+def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, token_ids, positions, page_tables, active):
     rows = token_ids.shape[0]
     page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
     page = jnp.take_along_axis(page_tables, page_index[:, None], axis=1)[:, 0]
@@ -39,7 +39,7 @@ def decode_step(config, backend, dtype, page_size, params, kv_cache, token_ids, 
                              context_lens=jnp.where(active, positions + 1, 0),
                              query_lens=jnp.ones((rows,), jnp.int32))
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
-                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype)
+                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp)
     return logits, argmax(logits), kv_cache
 
 

@@ -7,6 +7,9 @@ The model calls `backend.write_kv` and `backend.attend` and never knows which im
 * `pallas-interpret`: the same kernels in Pallas' interpreter, for tests on CPU.
 
 All backends share one layout per layer's page pool: `[kv_heads, num_pages, page_size, head_dim]`.
+Under tensor parallelism (`mesh` set) each device holds its heads' slice of the pool and runs the same
+code on its own heads (`shard_map` over the heads axis); attention never crosses heads, so no device
+talks to another here.
 A Pallas grid cell then streams one head's pages, and the XLA loop contracts each head's
 keys without transposing them, which measured faster on CPU than `[num_pages, page_size, kv_heads,
 head_dim]` (figures in benchmarks/RESULTS.md).
@@ -15,12 +18,18 @@ head_dim]` (figures in benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxserve.distributed.shardings import KV_POOL, REPLICATED
+from jaxserve.distributed.tensor_parallel import MODEL_AXIS
 
 ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret")
+HEADS = P(None, None, MODEL_AXIS, None)  # q, k, v and the output: [B, T, heads, head_dim]
 
 
 @flax.struct.dataclass
@@ -39,10 +48,18 @@ class AttentionBackend:
     """One way of storing and reading the paged KV cache. Hashable, so jitted functions can take it as static."""
 
     name: str
+    mesh: Mesh | None = None  # tensor parallelism: the pool and the heads are split over its model axis
 
     def __post_init__(self) -> None:
         if self.name not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.name!r}")
+
+    def _per_device(self, function, in_specs: tuple, out_specs):
+        """`function` run on each device's heads when the heads are split, else as it is."""
+        if self.mesh is None or self.mesh.size == 1:
+            return function
+        # check_vma off: pallas_call does not declare how its outputs vary over the mesh
+        return jax.shard_map(function, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     @staticmethod
     def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -51,27 +68,35 @@ class AttentionBackend:
     def write_kv(self, k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array,
                  slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Scatters `k, v: [B, T, kv_heads, head_dim]` into their slots. Padding tokens target the scratch page."""
-        slots = slot_mapping.reshape(-1)
-        if slots.shape[0] == 1:
-            # XLA rewrites a one-row scatter as a dynamic-update-slice fusion that copies the whole donated
-            # pool every step, slow for a large pool; writing the row twice keeps it a scatter.
-            slots = jnp.concatenate([slots, slots])
-            k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
-        heads, pages, page_size, head_dim = k_pool.shape
-        k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(k_pool.dtype)
-        v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(v_pool.dtype)
-        flat_shape = (heads, pages * page_size, head_dim)
-        k_pool = k_pool.reshape(flat_shape).at[:, slots].set(k_new).reshape(k_pool.shape)
-        v_pool = v_pool.reshape(flat_shape).at[:, slots].set(v_new).reshape(v_pool.shape)
-        return k_pool, v_pool
+        write = self._per_device(_write_kv, (KV_POOL, KV_POOL, HEADS, HEADS, REPLICATED), (KV_POOL, KV_POOL))
+        return write(k_pool, v_pool, k, v, slot_mapping)
 
     def attend(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None) -> jax.Array:
         """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`)."""
         if self.name == "xla":
-            return _xla_paged_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window)
-        return _pallas_paged_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window,
+            attend = functools.partial(_xla_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window)
+        else:
+            attend = functools.partial(_pallas_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
                                        interpret=self.name == "pallas-interpret")
+        return self._per_device(attend, (HEADS, KV_POOL, KV_POOL, REPLICATED), HEADS)(q, k_pool, v_pool, meta)
+
+
+def _write_kv(k_pool, v_pool, k, v, slot_mapping):
+    """One device's scatter (see `AttentionBackend.write_kv`)."""
+    slots = slot_mapping.reshape(-1)
+    if slots.shape[0] == 1:
+        # XLA rewrites a one-row scatter as a dynamic-update-slice fusion that copies the whole donated
+        # pool every step, slow for a large pool; writing the row twice keeps it a scatter.
+        slots = jnp.concatenate([slots, slots])
+        k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
+    heads, pages, page_size, head_dim = k_pool.shape
+    k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(k_pool.dtype)
+    v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1).astype(v_pool.dtype)
+    flat_shape = (heads, pages * page_size, head_dim)
+    k_pool = k_pool.reshape(flat_shape).at[:, slots].set(k_new).reshape(k_pool.shape)
+    v_pool = v_pool.reshape(flat_shape).at[:, slots].set(v_new).reshape(v_pool.shape)
+    return k_pool, v_pool
 
 
 DECODE_BLOCK_TOKENS = 32  # keys per loop iteration for one query token: the fastest block size measured on CPU

@@ -46,7 +46,7 @@ def read_safetensors_dir(path: str) -> SafetensorsDir:
 
 
 def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, dtype: DTypeLike = np.float32) -> dict:
-    """Maps HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to our tree in `dtype`, fusing qkv and gate/up.
+    """Maps HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to our checkpoint-layout tree in `dtype`.
 
     HF linear weights are `[out, in]`; our kernels are `[in, out]`. Each source tensor is converted to `dtype` as it
     is copied into its place, so the only arrays allocated are the params themselves.
@@ -58,26 +58,19 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         return state[name]
 
-    def vector(*names: str) -> np.ndarray:
-        return np.concatenate([get(n) for n in names], dtype=dtype)
+    def vector(name: str) -> np.ndarray:
+        return np.asarray(get(name), dtype=dtype)
 
-    def dense(*names: str) -> np.ndarray:
-        weights = [get(n) for n in names]
-        kernel = np.empty((weights[0].shape[1], sum(w.shape[0] for w in weights)), dtype)
-        start = 0
-        for weight in weights:
-            kernel[:, start:start + weight.shape[0]] = weight.T
-            start += weight.shape[0]
-        return kernel
+    def dense(name: str, bias: bool = False) -> dict:
+        kernel = {"kernel": np.ascontiguousarray(get(name + ".weight").T, dtype=dtype)}
+        return kernel | ({"bias": vector(name + ".bias")} if bias else {})
 
     params: dict = {"embed": {"embedding": np.array(get("model.embed_tokens.weight"), dtype=dtype)}}
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
         attn_prefix = prefix + "self_attn."
-        qkv = {"kernel": dense(*(attn_prefix + f"{p}_proj.weight" for p in "qkv"))}
-        if config.qkv_bias:
-            qkv["bias"] = vector(*(attn_prefix + f"{p}_proj.bias" for p in "qkv"))
-        attn = {"qkv_proj": qkv, "o_proj": {"kernel": dense(attn_prefix + "o_proj.weight")}}
+        attn = {f"{p}_proj": dense(attn_prefix + f"{p}_proj", config.qkv_bias) for p in "qkv"}
+        attn["o_proj"] = dense(attn_prefix + "o_proj")
         if config.qk_norm:
             attn["q_norm"] = {"scale": vector(attn_prefix + "q_norm.weight")}
             attn["k_norm"] = {"scale": vector(attn_prefix + "k_norm.weight")}
@@ -85,14 +78,11 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
             "input_norm": {"scale": vector(prefix + "input_layernorm.weight")},
             "attn": attn,
             "post_attention_norm": {"scale": vector(prefix + "post_attention_layernorm.weight")},
-            "mlp": {
-                "gate_up_proj": {"kernel": dense(prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")},
-                "down_proj": {"kernel": dense(prefix + "mlp.down_proj.weight")},
-            },
+            "mlp": {name: dense(prefix + f"mlp.{name}") for name in ("gate_proj", "up_proj", "down_proj")},
         }
     params["final_norm"] = {"scale": vector("model.norm.weight")}
     if not config.tie_word_embeddings:
-        params["lm_head"] = {"kernel": dense("lm_head.weight")}
+        params["lm_head"] = dense("lm_head")
     return params
 
 

@@ -97,7 +97,7 @@ def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32) -> tup
     """
     import orbax.checkpoint as ocp
 
-    from jaxserve.models import param_shapes
+    from jaxserve.models import checkpoint_shapes
 
     path = Path(path).absolute()
     verify_store(path)
@@ -105,7 +105,7 @@ def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32) -> tup
     params = {}
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-            for group, shapes in param_shapes(config).items():
+            for group, shapes in checkpoint_shapes(config).items():
                 target = {group: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)}
                 restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), target)
                 params.update(checkpointer.restore(path / PARAMS_DIR, args=ocp.args.PyTreeRestore(

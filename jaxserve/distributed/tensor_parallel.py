@@ -1,0 +1,68 @@
+"""The tensor-parallel layout: how many heads each device holds, the rule that decides it, and the device mesh.
+
+Megatron-style: every device holds `num_q_heads / N` query heads and the KV heads they read, and
+`intermediate_size / N` MLP columns. With N dividing the KV heads each device holds `num_kv_heads / N`
+of them; with N a multiple of the KV heads (vLLM's rule) each KV head is replicated on
+`N / num_kv_heads` devices, so every device still holds exactly one. The page pool then has one head
+per device ("pool heads"), and device d's pool head is the KV head its query heads read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.config import ModelConfig
+
+MODEL_AXIS = "model"  # the mesh axis the weights, heads and KV pages are split over
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """`size` devices splitting the model's heads and MLP columns. Hashable, so jitted code can take it as static."""
+
+    size: int = 1
+
+    def check(self, config: ModelConfig) -> None:
+        """ValueError naming the numbers when `config` cannot be split `size` ways (checked before any loading)."""
+        n, q, kv = self.size, config.num_q_heads, config.num_kv_heads
+        if n < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+        if q % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads ({q})")
+        if kv % n and n % kv:
+            raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
+                             f"multiple of it (KV heads are then replicated)")
+        if config.intermediate_size % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide intermediate_size ({config.intermediate_size})")
+
+    def q_heads_per_device(self, config: ModelConfig) -> int:
+        return config.num_q_heads // self.size
+
+    def kv_heads_per_device(self, config: ModelConfig) -> int:
+        return max(1, config.num_kv_heads // self.size)
+
+    def pool_heads(self, config: ModelConfig) -> int:
+        """KV heads in the page pool: the model's, or one per device when they are replicated."""
+        return self.size * self.kv_heads_per_device(config)
+
+    def pool_head_sources(self, config: ModelConfig) -> np.ndarray:
+        """The model KV head each pool head holds (the identity unless KV heads are replicated)."""
+        pool = self.pool_heads(config)
+        return np.arange(pool) * config.num_kv_heads // pool
+
+    def splits_kv_weights(self, config: ModelConfig) -> bool:
+        """Whether the k/v projections split over the devices (else every device reads them whole)."""
+        return config.num_kv_heads % self.size == 0
+
+
+def make_mesh(size: int, devices: list | None = None) -> Mesh:
+    """A one-axis mesh (`MODEL_AXIS`) over the first `size` devices (of every host, in process order)."""
+    devices = jax.devices() if devices is None else devices
+    if size > len(devices):
+        raise ValueError(f"tensor_parallel_size {size} needs {size} devices, but only {len(devices)} are visible "
+                         f"({', '.join(sorted({d.platform for d in devices}))})")
+    return Mesh(np.array(devices[:size]), (MODEL_AXIS,))
