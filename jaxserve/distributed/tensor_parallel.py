@@ -62,6 +62,9 @@ class TensorParallel:
 def make_mesh(size: int, devices: list | None = None) -> Mesh:
     """A one-axis mesh (`MODEL_AXIS`) over the first `size` devices (of every host, in process order)."""
     devices = jax.devices() if devices is None else devices
+    if jax.process_count() > 1 and size != len(devices):
+        raise ValueError(f"tensor_parallel_size {size} must equal the number of devices of all {jax.process_count()} "
+                         f"hosts ({len(devices)}): every host runs its share of every step")
     if size > len(devices):
         raise ValueError(f"tensor_parallel_size {size} needs {size} devices, but only {len(devices)} are visible "
                          f"({', '.join(sorted({d.platform for d in devices}))})")

@@ -45,7 +45,7 @@ class LLMEngine:
         self.mesh = make_mesh(self.config.tensor_parallel_size)
         self.model = loaded or load_model(self.config.model, dtype=self.config.jax_dtype,
                                           tokenizer=self.config.tokenizer,
-                                          generation_config=self.config.generation_config)
+                                          generation_config=self.config.generation_config, mesh=self.mesh)
         self.tokenizer = self.model.tokenizer
         # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a
         # request leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens

@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +101,11 @@ class ModelRunner:
         self._sample = jax.jit(sample_step, **on_every_device)
         self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), **on_every_device)
         self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
+        self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
+                        "reset": self._reset_penalties, "ban": self._ban}
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
+        # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
+        self.on_call: Callable[[str, tuple], None] | None = None
         logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s, "
                     "split over %d devices)", self.num_pages, self.page_size, self.num_pages * self.page_size,
                     self.kv_pool_bytes / 2**20, engine_config.dtype, self.backend.name, pool_shape, self.tp.size)
@@ -220,6 +225,8 @@ class ModelRunner:
 
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
         """Runs the executable compiled at start-up for these shapes, or (warm-up off) the lazily compiling jit."""
+        if self.on_call is not None:
+            self.on_call(kind, inputs)
         executable = self._compiled.get((kind, _shape_key(inputs)))
         if executable is None and self._compiled:
             logger.warning("compiling a %s step for shapes %s while serving: warm-up missed it", kind,
@@ -234,30 +241,31 @@ class ModelRunner:
         return power_of_two_buckets(16, max(16, self.engine_config.max_model_len))
 
     def example_inputs(self):
-        """`(kind, jitted, inputs)` for every shape the engine can run; they write only to the scratch page."""
+        """`(kind, inputs)` for every shape the engine can run; they write only to the scratch page."""
         ec = self.engine_config
         for rows, tokens in ec.prefill_shapes:
             zeros = np.zeros(rows, np.int32)
-            yield "prefill", self._prefill, (
+            yield "prefill", (
                 np.zeros((rows, tokens), np.int32), zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32))
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
-            yield "decode", self._decode, (zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32),
-                                           np.zeros(rows, bool))
+            yield "decode", (zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32), np.zeros(rows, bool))
         neutral = SlotSamplingParams(max(ec.decode_batch_buckets + tuple(r for r, _ in ec.prefill_shapes)))
         for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
             zeros = np.zeros(rows, np.int32)
-            yield "sample", self._sample, (np.zeros((rows, self.config.vocab_size), np.float32), zeros,
-                                           neutral.batch(zeros, zeros), np.zeros(rows, bool))
+            yield "sample", (np.zeros((rows, self.config.vocab_size), np.float32), zeros,
+                             neutral.batch(zeros, zeros), np.zeros(rows, bool))
         for length in self.reset_buckets:
-            yield "reset", self._reset_penalties, (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
-        yield "ban", self._ban, (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
+            yield "reset", (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
+        yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
 
     def _state(self, kind: str) -> tuple:
         return (self.penalties,) if kind in ("reset", "ban", "sample") else (self.params, self.kv_cache)
 
-    def _run_example(self, kind: str, jitted, inputs) -> None:
-        outputs = self._call(kind, jitted, self._state(kind), inputs)
+    def replay(self, kind: str, inputs: tuple) -> None:
+        """Runs one call as `_call` would and keeps only its new state: how a multi-host follower runs the
+        leader's calls, and how warm-up runs its examples."""
+        outputs = self._call(kind, self._jitted[kind], self._state(kind), inputs)
         if kind in ("reset", "ban"):
             self.penalties = outputs
         elif kind == "sample":
@@ -272,13 +280,13 @@ class ModelRunner:
         started = time.perf_counter()
         compiling = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
-            for kind, jitted, inputs in self.example_inputs():
+            for kind, inputs in self.example_inputs():
                 key = (kind, _shape_key(inputs))
                 if key not in compiling:
-                    compiling[key] = pool.submit(jitted.lower(*self._state(kind), *inputs).compile)
+                    compiling[key] = pool.submit(self._jitted[kind].lower(*self._state(kind), *inputs).compile)
             self._compiled = {key: future.result() for key, future in compiling.items()}
-        for kind, jitted, inputs in self.example_inputs():
-            self._run_example(kind, jitted, inputs)
+        for kind, inputs in self.example_inputs():
+            self.replay(kind, inputs)
         jax.block_until_ready((self.kv_cache, self.penalties))
         return time.perf_counter() - started
 

@@ -21,28 +21,49 @@ def serve_main(argv: list[str]) -> None:
     """Parses `jaxserve serve` options, starts the HTTP server at once and loads the engine in the background."""
     from jaxserve.server.api_server import create_app, run_server
     from jaxserve.server.async_engine import AsyncEngine
-    from jaxserve.server.cli_args import build_parser, engine_config, server_settings
+    from jaxserve.server.cli_args import build_parser, engine_config, multihost, server_settings
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_waiting < 0:
         parser.error("--max-waiting must be >= 0")
+    try:
+        hosts = multihost(args)
+    except ValueError as err:
+        parser.error(str(err))
     # vLLM's --gpu-memory-utilization is a fraction of the device: let jax's allocator (0.75 of it by default)
-    # reach it; this must happen before jax starts its backend, which engine_config does
+    # reach it; this and jax.distributed must happen before jax starts its backend, which engine_config does
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.gpu_memory_utilization))
+    if hosts.enabled:
+        hosts.initialize()
     try:
         config = engine_config(args)
     except ValueError as err:
         parser.error(str(err))
+    if hosts.enabled and not hosts.is_leader:
+        _follow(config, hosts)  # never returns
+    leader = None
 
     def build_engine():
         from jaxserve.engine.llm_engine import LLMEngine
 
-        return LLMEngine(config)
+        llm_engine = LLMEngine(config)
+        if leader is not None:
+            leader.wait_for_followers()
+            llm_engine.runner.on_call = leader.send
+        return llm_engine
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
+    if hosts.enabled:
+        from jaxserve.distributed.multihost import PlanLeader
+
+        leader = PlanLeader(hosts, on_lost=async_engine.peer_lost)
     app = create_app(async_engine, server_settings(args))
     status = run_server(app, async_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    if leader is not None:  # the followers exit when told; jax.distributed's shutdown would wait for them
+        leader.close(status)
+        logging.shutdown()
+        os._exit(status)
     if async_engine.thread_alive:  # still loading or compiling: do not wait for it (or crash tearing it down)
         logger.warning("the engine thread is still busy; exiting without it")
         logging.shutdown()
@@ -50,6 +71,21 @@ def serve_main(argv: list[str]) -> None:
     logging.shutdown()
     if status:
         sys.exit(status)
+
+
+def _follow(config, hosts) -> None:
+    """A follower host: builds the same engine as the leader (loading and warm-up run in step with it), then
+    runs the calls the leader sends until it stops."""
+    from jaxserve.distributed.multihost import follow
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    try:
+        llm_engine = LLMEngine(config)
+    except BaseException:
+        logger.exception("follower rank %d failed to build its engine", hosts.node_rank)
+        logging.shutdown()
+        os._exit(1)
+    follow(llm_engine.runner, hosts)
 
 
 __all__ = ["serve_main"]

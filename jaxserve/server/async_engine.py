@@ -68,6 +68,13 @@ class EngineDeadError(RequestFailed):
     code = "engine_dead"
 
 
+class PeerLost(RequestFailed):
+    """A host serving the model with this one (multi-host) is gone, so no step can run: a 503."""
+
+    status = 503
+    code = "engine_unavailable"
+
+
 class ServerShuttingDown(RequestFailed):
     """The server stopped before this request finished (graceful-shutdown timeout): a 503."""
 
@@ -311,6 +318,20 @@ class AsyncEngine:
             self.error = error
             self.state = EngineState.DEAD
             self._call_in_loop(self._engine_died, error)
+
+    def peer_lost(self, reason: str) -> None:
+        """Any thread: another host of a multi-host engine is gone. Every in-flight request fails with 503 and
+        the server exits non-zero (the engine thread may be stuck in a collective; nobody waits for it)."""
+        self._call_in_loop(self._peer_lost, reason)
+
+    def _peer_lost(self, reason: str) -> None:
+        if self.state in (EngineState.LOAD_FAILED, EngineState.DEAD, EngineState.STOPPED):
+            return
+        logger.error("%s; failing in-flight requests, the server exits", reason)
+        self.error = RuntimeError(reason)
+        self.state = EngineState.LOAD_FAILED if self.state == EngineState.LOADING else EngineState.DEAD
+        self._fail_all(PeerLost(f"the engine lost a host: {reason}"))
+        self._report_fatal(self.error)
 
     def _engine_died(self, error: BaseException) -> None:
         self._fail_all(EngineDeadError(f"the engine crashed: {error!r}"))

@@ -10,6 +10,7 @@ import codecs
 import dataclasses
 import os
 
+from jaxserve.distributed.multihost import MultiHost
 from jaxserve.engine.config import EngineConfig
 from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.server.api_server import ServerSettings
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--generation-config", default=ENGINE_DEFAULTS["generation_config"],
                         help="sampling defaults for fields a request leaves unset: 'auto' (the model's "
                              "generation_config.json), 'vllm' (none) or a folder holding generation_config.json")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"],
+                        help="devices (over all hosts) the weights, heads and KV pages are split over")
     engine.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="decode slots")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, <= 2048)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"],
@@ -47,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])
     engine.add_argument("--attention-backend", choices=("xla", "pallas", "pallas-interpret"), default=None)
+    hosts = parser.add_argument_group("multi-host (sglang-jax's flags; every host runs the same command)")
+    hosts.add_argument("--nnodes", type=int, default=1, help="hosts serving the model together")
+    hosts.add_argument("--node-rank", type=int, default=0, help="this host's rank; rank 0 serves HTTP")
+    hosts.add_argument("--dist-init-addr", default=None,
+                       help="HOST:PORT of rank 0 for jax.distributed (the plan channel uses PORT+1)")
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="the names clients may use; the first is reported in responses (default: --model as "
@@ -92,11 +100,17 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe; ValueError for out-of-range values."""
     return EngineConfig(model=args.model, tokenizer=args.tokenizer, generation_config=args.generation_config,
+                        tensor_parallel_size=args.tensor_parallel_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend)
+
+
+def multihost(args: argparse.Namespace) -> MultiHost:
+    """The multi-host flags; ValueError for inconsistent ones."""
+    return MultiHost(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

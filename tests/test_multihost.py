@@ -1,0 +1,167 @@
+"""Multi-host serving on one machine: three `jaxserve serve` processes of one CPU device each, joined by
+jax.distributed (gloo CPU collectives), serve one model split three ways.
+
+Over HTTP the answers equal one device's; SIGTERM to the leader ends every rank; a follower that dies makes
+the leader fail the request in flight with 503 and exit non-zero, and the other follower exits with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import TINY_DIMS, save_tiny_tokenizer
+from tests.test_server_process import EXIT_TIMEOUT, REPO, START_TIMEOUT, free_port
+
+RANKS = 3
+OPTIONS = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "32",
+           "--log-stats-interval", "0", "--shutdown-timeout", "10"]
+PROMPTS = ["Once upon a time", "the then in an"]
+MAX_TOKENS = 12
+
+# Patches the leader: its engine never runs a step while serving (warm-up is done by then), so a request
+# stays in flight until the test has killed a follower.
+LEADER_NEVER_STEPS = """
+import threading
+from jaxserve.engine.model_runner import ModelRunner
+
+def never_execute(self, plan):
+    threading.Event().wait(600)
+
+ModelRunner.execute = never_execute
+"""
+
+
+@pytest.fixture(scope="module")
+def three_head_model(tmp_path_factory) -> str:
+    """A tiny random-weight Llama with 6 query and 3 KV heads, so three hosts hold one KV head each."""
+    import torch
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("three_heads"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_DIMS, "hidden_size": 96, "intermediate_size": 192,
+                                         "num_attention_heads": 6, "num_key_value_heads": 3})
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, config.vocab_size)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_device_texts(three_head_model) -> list[str]:
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    return [output.outputs[0].text for output in outputs]
+
+
+class Cluster:
+    """RANKS `jaxserve serve` processes on this machine, rank 0 serving HTTP."""
+
+    def __init__(self, model: str, log_dir: Path, leader_prelude: str = ""):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        self.logs = [log_dir / f"rank{rank}.log" for rank in range(RANKS)]
+        address = f"127.0.0.1:{free_port()}"
+        env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+        env |= {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+        self.processes = []
+        for rank in range(RANKS):
+            script = f"{leader_prelude if rank == 0 else ''}\nfrom jaxserve.cli import main\nmain()\n"
+            command = [sys.executable, "-c", script, "serve", "--model", model, "--port", str(self.port),
+                       "--tensor-parallel-size", str(RANKS), "--nnodes", str(RANKS), "--node-rank", str(rank),
+                       "--dist-init-addr", address, *OPTIONS]
+            with open(self.logs[rank], "wb") as log:
+                self.processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                                       stderr=subprocess.STDOUT))
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text(errors="replace")[-3000:]
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            for rank, process in enumerate(self.processes):
+                assert process.poll() is None, f"rank {rank} exited with {process.returncode}:\n{self.log(rank)}"
+            assert time.monotonic() < deadline, f"not healthy in time:\n{self.log(0)}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+
+    def wait_exits(self) -> list[int]:
+        """Every rank's exit status; fails if any rank is still running after EXIT_TIMEOUT."""
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        codes = []
+        for rank, process in enumerate(self.processes):
+            try:
+                codes.append(process.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} still runs {EXIT_TIMEOUT}s later:\n{self.log(rank)}")
+        return codes
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def start_cluster(three_head_model, tmp_path):
+    clusters = []
+
+    def start(leader_prelude: str = "") -> Cluster:
+        clusters.append(Cluster(three_head_model, tmp_path, leader_prelude))
+        clusters[-1].wait_healthy()
+        return clusters[-1]
+
+    yield start
+    for cluster in clusters:
+        cluster.kill()
+
+
+def complete(cluster: Cluster, prompt: str) -> httpx.Response:
+    body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    return httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
+
+
+def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, one_device_texts):
+    cluster = start_cluster()
+    texts = [complete(cluster, prompt).json()["choices"][0]["text"] for prompt in PROMPTS]
+    assert texts == one_device_texts
+    cluster.processes[0].send_signal(signal.SIGTERM)
+    assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
+
+
+def test_a_dead_follower_fails_the_request_in_flight_with_503_and_every_rank_exits(start_cluster):
+    cluster = start_cluster(LEADER_NEVER_STEPS)
+    body = {"model": cluster.model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=EXIT_TIMEOUT) as response:
+        assert response.status_code == 200  # accepted: the request is in flight
+        cluster.processes[2].kill()
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_unavailable" and "follower rank 2" in error["message"], error
+    codes = cluster.wait_exits()
+    assert codes[0] != 0 and codes[1] != 0, [cluster.log(rank) for rank in range(2)]
