@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# four host devices, so tensor-parallel tests run in this process; one-device engines use the first only
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
