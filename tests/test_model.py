@@ -11,15 +11,16 @@ import transformers
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.loading import load_model
-from jaxserve.models import forward
+from jaxserve.models import forward, fuse_params
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PAGE_SIZE = 8
 
 
-def full_forward_logits(loaded, token_ids: list[int], backend: str = "xla") -> np.ndarray:
-    """Logits of every position of one sequence, computed through the paged cache (pages 1.., page 0 scratch)."""
-    cfg = loaded.config
+def full_forward_logits(params, cfg, token_ids: list[int], backend: str = "xla") -> np.ndarray:
+    """Logits of every position of one sequence, computed through the paged cache (pages 1.., page 0 scratch).
+
+    `params` are in the serving layout (`fuse_params` of what the loader returns)."""
     attn = AttentionBackend(backend)
     num_tokens = len(token_ids)
     num_pages = -(-num_tokens // PAGE_SIZE)
@@ -32,7 +33,7 @@ def full_forward_logits(loaded, token_ids: list[int], backend: str = "xla") -> n
         context_lens=jnp.array([num_tokens], jnp.int32),
         query_lens=jnp.array([num_tokens], jnp.int32))
     logits, _ = jax.jit(forward, static_argnums=(1, 2))(
-        loaded.params, cfg, attn, jnp.array([token_ids], jnp.int32), cache, meta)
+        params, cfg, attn, jnp.array([token_ids], jnp.int32), cache, meta)
     return np.asarray(logits[0])
 
 
@@ -45,12 +46,13 @@ def hf_logits(hf_model, token_ids: list[int]) -> np.ndarray:
 def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
     path = tiny_model_dirs[family]
     loaded = load_model(path)
+    params = fuse_params(loaded.params, loaded.config)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = np.random.default_rng(1)
     # the 40-token prompt crosses the Mistral sliding window (16) and several pages
     prompts = [rng.integers(0, loaded.config.vocab_size, size=n).tolist() for n in (1, 7, 16, 40)]
     for prompt in prompts:
-        ours, theirs = full_forward_logits(loaded, prompt), hf_logits(hf_model, prompt)
+        ours, theirs = full_forward_logits(params, loaded.config, prompt), hf_logits(hf_model, prompt)
         rel_err = np.abs(ours - theirs).max() / np.abs(theirs).max()
         assert rel_err < 1e-4, (family, len(prompt), rel_err)
 
@@ -60,7 +62,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     ours = list(prompt)
     for _ in range(24):
-        ours.append(int(np.argmax(full_forward_logits(loaded, ours)[-1])))
+        ours.append(int(np.argmax(full_forward_logits(params, loaded.config, ours)[-1])))
     assert ours[len(prompt):] == hf_tokens
 
 

@@ -1,10 +1,14 @@
 """Model loading: the embedded default model, HF checkpoint directories, GGUF files, and converted stores.
 
-`load_model(name_or_path, dtype)` resolves what the user named and returns a `LoadedModel` with its params
-already in the serving dtype, its tokenizer (or one from another directory) and generation_config.json's EOS
-ids and sampling defaults. GGUF files are converted once (dequantized, tokenizer rebuilt) into a float32
-store under the checkpoint directory; later loads read the store in seconds. A corrupt store is reported,
-deleted and rebuilt.
+`load_model(name_or_path, dtype, mesh=...)` resolves what the user named, reads its `ModelConfig` (config.json,
+the store's config, or a GGUF's metadata), checks that its heads split over the mesh (`TensorParallel.check`,
+before any weight is read), and returns a `LoadedModel` with its params as jax arrays in the checkpoint layout
+(`models.checkpoint_shapes`), already in the serving dtype and placed by the sharding table: each device
+receives only its shard, read slice by slice from safetensors or restored shard by shard from a store, so the
+host never holds the whole model. With it come the tokenizer (or one from another directory) and
+generation_config.json's EOS ids and sampling defaults. GGUF files are converted once (dequantized in host
+memory, tokenizer rebuilt) into a float32 store under the checkpoint directory; later loads read the store in
+seconds. A corrupt store, or one saved in an older layout, is reported, deleted and rebuilt.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.loading.generation_config import (generation_config_file, generation_eos_token_ids,
                                                 read_generation_config, sampling_defaults)
-from jaxserve.loading.store import CorruptCheckpointError, is_store, restore_store, save_store
+from jaxserve.loading.store import (CorruptCheckpointError, is_store, read_store_config, restore_store, save_store,
+                                   verify_store)
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -35,7 +42,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 class LoadedModel:
     name: str
     config: ModelConfig
-    params: dict
+    params: dict  # checkpoint layout (`models.checkpoint_shapes`), jax arrays placed on the mesh
     tokenizer: Any  # a transformers PreTrainedTokenizerFast, or None for tokenizer-less checkpoints
     # SamplingParams defaults from generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
     # max_tokens): only those the file sets, for requests that leave them unset
@@ -84,16 +91,18 @@ def convert_gguf(gguf_path: str, store_path: Path) -> None:
     logger.info("converted %s -> %s in %.1fs", gguf_path, store_path, time.perf_counter() - started)
 
 
-def restore_gguf_cached(gguf_path: str, store_path: Path, dtype: DTypeLike) -> tuple[ModelConfig, dict]:
-    """Restores the store converted from `gguf_path`, converting (again) if it is missing or corrupt."""
+def restore_gguf_cached(gguf_path: str, store_path: Path, dtype: DTypeLike,
+                        mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """Restores the store converted from `gguf_path` onto `mesh`, converting (again) if it is missing, corrupt or
+    saved in an older layout."""
     if store_path.exists():
         try:
-            return restore_store(store_path, dtype)
+            return restore_store(store_path, dtype, mesh)
         except CorruptCheckpointError as err:
             logger.warning("%s; deleting it and converting again", err)
             shutil.rmtree(store_path)
     convert_gguf(gguf_path, store_path)
-    return restore_store(store_path, dtype)
+    return restore_store(store_path, dtype, mesh)
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -112,15 +121,40 @@ def resolve_model(model: str | None) -> ModelSource:
         f"nor a directory with config.json + *.safetensors")
 
 
-def load_weights(source: ModelSource, dtype: DTypeLike) -> tuple[ModelConfig, dict]:
-    """`(ModelConfig, params in dtype)` of `source`."""
-    if source.kind == "gguf":
-        return restore_gguf_cached(str(source.weights), source.directory, dtype)
+def gguf_model_config(gguf_path: str) -> ModelConfig:
+    """The `ModelConfig` a GGUF file's metadata describes (its tensors are not read)."""
+    from gguf import GGUFReader
+
+    from jaxserve.loading.gguf_convert import gguf_hf_config
+
+    return ModelConfig.from_hf(gguf_hf_config(GGUFReader(gguf_path)))
+
+
+def model_config(source: ModelSource) -> ModelConfig:
+    """`source`'s `ModelConfig`, read before any weight: config.json, the store's config, or for a GGUF file its
+    converted store's config (its metadata while it has no intact store)."""
     if source.kind == "store":
-        return restore_store(source.directory, dtype)
+        return read_store_config(source.directory)
+    if source.kind == "gguf":
+        try:
+            verify_store(source.directory)
+            return read_store_config(source.directory)
+        except CorruptCheckpointError:  # not converted yet (or damaged: rebuilt when the weights are loaded)
+            return gguf_model_config(str(source.weights))
+    from jaxserve.loading.hf import hf_model_config
+
+    return hf_model_config(str(source.weights))
+
+
+def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params)` of `source`: jax arrays in `dtype` placed on `mesh` (default: one device)."""
+    if source.kind == "gguf":
+        return restore_gguf_cached(str(source.weights), source.directory, dtype, mesh)
+    if source.kind == "store":
+        return restore_store(source.directory, dtype, mesh)
     from jaxserve.loading.hf import load_hf_checkpoint
 
-    return load_hf_checkpoint(str(source.weights), dtype)
+    return load_hf_checkpoint(str(source.weights), dtype, mesh)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -143,18 +177,23 @@ def model_tokenizer(directory: Path) -> Any:
 
 
 def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
-               tokenizer: str | os.PathLike | None = None, generation_config: str = "auto") -> LoadedModel:
-    """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`).
+               tokenizer: str | os.PathLike | None = None, generation_config: str = "auto",
+               mesh: Mesh | None = None) -> LoadedModel:
+    """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`), placed on `mesh`.
 
     `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file.
     `tokenizer`: a directory whose tokenizer replaces the model's (vLLM's `--tokenizer`).
     `generation_config`: "auto", "vllm" or a directory; see `jaxserve.loading.generation_config`.
+    `mesh`: the tensor-parallel device mesh (`distributed.tensor_parallel.make_mesh`); None means one device.
+    ValueError (before any weight is read) if the model's heads cannot be split over the mesh.
     """
     dtype = jnp.dtype(dtype)
+    mesh = make_mesh(1) if mesh is None else mesh
     source = resolve_model(model)
     generation_file = generation_config_file(generation_config, source.directory)
     override_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
-    config, params = load_weights(source, dtype)
+    TensorParallel(mesh.size).check(model_config(source))
+    config, params = load_weights(source, dtype, mesh)
     generation = read_generation_config(generation_file)
     return LoadedModel(
         name=source.name,

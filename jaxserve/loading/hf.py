@@ -1,94 +1,151 @@
-"""Hugging Face checkpoints: safetensors read tensor by tensor, mapped onto our fused parameter tree in the serving dtype.
+"""Hugging Face checkpoints: safetensors read lazily, slice by slice, straight onto the devices in the serving dtype.
 
-Each tensor is read only when its parameter is built and copied straight into an array of the serving dtype (fused
-qkv / gate_up kernels are filled part by part), so loading holds the params in that dtype plus one tensor in
-flight: no float32 copy of the model, no second copy of the checkpoint.
+One table (`hf_sources`) maps every parameter of our checkpoint-layout tree (`models.checkpoint_shapes`) to the
+HF tensor it comes from and whether it is transposed (HF linear weights are `[out, in]`, our kernels `[in, out]`).
+`load_hf_checkpoint` builds each parameter with `jax.make_array_from_callback` and its target sharding: every
+device's callback reads only that device's slice of the tensor (`safe_open(...).get_slice`), casts it to the
+serving dtype and hands it to the device. The file is opened (memory-mapped) for one tensor at a time, so the
+host holds one tensor's slices in flight: no float32 copy of the model, no copy of the checkpoint, and with
+tensor parallelism no device's shard ever passes through the host whole. `convert_hf_state_dict` applies the
+same table to an in-memory state dict (the GGUF conversion's).
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
-from typing import Iterator, Mapping
+from typing import Mapping
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 
-
-class SafetensorsDir(Mapping[str, np.ndarray]):
-    """The tensors of every `*.safetensors` file in a directory (sharded or not), each read only when looked up,
-    as a numpy array in the checkpoint's dtype (bfloat16 included) by safetensors' own reader."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise ValueError(f"no *.safetensors files in {path!r}")
-        self._readers = [safe_open(file, framework="np") for file in files]
-        self._reader_of = {name: reader for reader in self._readers for name in reader.keys()}
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._reader_of[name].get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._reader_of)
-
-    def __len__(self) -> int:
-        return len(self._reader_of)
+INDEX_FILE = "model.safetensors.index.json"
+GLOBAL_TENSORS = {"embed/embedding": "model.embed_tokens.weight", "final_norm/scale": "model.norm.weight",
+                  "lm_head/kernel": "lm_head.weight"}
+LAYER_MODULES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "attn": "self_attn", "mlp": "mlp"}
 
 
-def read_safetensors_dir(path: str) -> SafetensorsDir:
-    """Every tensor of every `*.safetensors` file in `path`, read lazily (see `SafetensorsDir`)."""
-    return SafetensorsDir(path)
+def hf_source(path: str) -> tuple[str, bool]:
+    """`(HF tensor name, transposed?)` of our parameter at `path` ("layers_0/attn/q_proj/kernel", ...).
+
+    Kernels are transposed (HF `[out, in]`); the embedding, norms and biases are not.
+    """
+    if path in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[path], path.endswith("/kernel")
+    group, module, *inner, leaf = path.split("/")
+    if not group.startswith("layers_") or module not in LAYER_MODULES:
+        raise KeyError(f"no Hugging Face tensor for parameter {path!r}")
+    name = ".".join(["model.layers", group.removeprefix("layers_"), LAYER_MODULES[module], *inner,
+                     "bias" if leaf == "bias" else "weight"])
+    return name, leaf == "kernel"
+
+
+def hf_sources(config: ModelConfig) -> dict:
+    """The checkpoint-layout tree of `config` with `(HF tensor name, transposed?)` leaves (see `hf_source`)."""
+    from jaxserve.distributed.shardings import path_name
+    from jaxserve.models import checkpoint_shapes
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: hf_source(path_name(path)), checkpoint_shapes(config))
+
+
+def is_source(leaf) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[0], str)
+
+
+def tensor_files(path: str) -> dict[str, str]:
+    """Which `*.safetensors` file of directory `path` holds each tensor (from the index file, else the headers)."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}")
+    located = {}
+    for file in files:
+        with safe_open(file, framework="np") as reader:
+            located.update(dict.fromkeys(reader.keys(), file))
+    return located
+
+
+def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype) -> np.ndarray:
+    """Our `index` of the HF tensor `tensor` (a safetensors slice) in `dtype`: for a transposed kernel our
+    `[i0, i1]` is their `[i1, i0]`, read and then transposed."""
+    index = tuple(index) + (slice(None),) * (len(tensor.get_shape()) - len(index))
+    if transposed:
+        return np.ascontiguousarray(tensor[index[1], index[0]].T, dtype=dtype)
+    return np.ascontiguousarray(tensor[index], dtype=dtype)
+
+
+def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DTypeLike) -> dict:
+    """The checkpoint-layout params of the HF checkpoint in `path`, each a jax array in `dtype` placed with its
+    sharding from `shardings` (a tree like `checkpoint_shapes(config)`); each device's slice is read on its own."""
+    from safetensors import safe_open
+
+    from jaxserve.models import checkpoint_shapes
+
+    dtype = np.dtype(dtype)
+    files = tensor_files(path)
+
+    def load(source: tuple[str, bool], sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
+        name, transposed = source
+        if name not in files:
+            raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
+        with safe_open(files[name], framework="np") as reader:  # unmapped again once this tensor is placed
+            tensor = reader.get_slice(name)
+            shape = tuple(tensor.get_shape())
+            check_shape(name, shape[::-1] if transposed else shape, expected.shape, path)
+            return jax.make_array_from_callback(
+                expected.shape, sharding, lambda index: read_hf_slice(tensor, transposed, index, dtype), dtype=dtype)
+
+    return jax.tree.map(load, hf_sources(config), shardings, checkpoint_shapes(config, dtype), is_leaf=is_source)
+
+
+def check_shape(name: str, ours: tuple, expected: tuple, where: str) -> None:
+    """ValueError if HF tensor `name`, in our orientation `ours`, is not the shape the config implies."""
+    if tuple(ours) != tuple(expected):
+        raise ValueError(f"checkpoint {where!r}: tensor {name!r} has shape {tuple(ours)} in our layout, "
+                         f"the model config implies {tuple(expected)}")
 
 
 def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, dtype: DTypeLike = np.float32) -> dict:
-    """Maps HF names (`model.layers.0.self_attn.q_proj.weight`, ...) to our checkpoint-layout tree in `dtype`.
+    """Maps an in-memory HF state dict (`model.layers.0.self_attn.q_proj.weight`, ...) to our checkpoint-layout tree
+    of numpy arrays in `dtype`, by the same table as `load_hf_params` (used by the GGUF conversion)."""
+    from jaxserve.models import checkpoint_shapes
 
-    HF linear weights are `[out, in]`; our kernels are `[in, out]`. Each source tensor is converted to `dtype` as it
-    is copied into its place, so the only arrays allocated are the params themselves.
-    """
     dtype = np.dtype(dtype)
 
-    def get(name: str) -> np.ndarray:
+    def convert(source: tuple[str, bool], expected: jax.ShapeDtypeStruct) -> np.ndarray:
+        name, transposed = source
         if name not in state:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        return state[name]
+        tensor = state[name].T if transposed else state[name]
+        check_shape(name, tensor.shape, expected.shape, "state dict")
+        return np.ascontiguousarray(tensor, dtype=dtype)
 
-    def vector(name: str) -> np.ndarray:
-        return np.asarray(get(name), dtype=dtype)
-
-    def dense(name: str, bias: bool = False) -> dict:
-        kernel = {"kernel": np.ascontiguousarray(get(name + ".weight").T, dtype=dtype)}
-        return kernel | ({"bias": vector(name + ".bias")} if bias else {})
-
-    params: dict = {"embed": {"embedding": np.array(get("model.embed_tokens.weight"), dtype=dtype)}}
-    for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}."
-        attn_prefix = prefix + "self_attn."
-        attn = {f"{p}_proj": dense(attn_prefix + f"{p}_proj", config.qkv_bias) for p in "qkv"}
-        attn["o_proj"] = dense(attn_prefix + "o_proj")
-        if config.qk_norm:
-            attn["q_norm"] = {"scale": vector(attn_prefix + "q_norm.weight")}
-            attn["k_norm"] = {"scale": vector(attn_prefix + "k_norm.weight")}
-        params[f"layers_{layer}"] = {
-            "input_norm": {"scale": vector(prefix + "input_layernorm.weight")},
-            "attn": attn,
-            "post_attention_norm": {"scale": vector(prefix + "post_attention_layernorm.weight")},
-            "mlp": {name: dense(prefix + f"mlp.{name}") for name in ("gate_proj", "up_proj", "down_proj")},
-        }
-    params["final_norm"] = {"scale": vector("model.norm.weight")}
-    if not config.tie_word_embeddings:
-        params["lm_head"] = dense("lm_head")
-    return params
+    return jax.tree.map(convert, hf_sources(config), checkpoint_shapes(config), is_leaf=is_source)
 
 
-def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32) -> tuple[ModelConfig, dict]:
-    """`(ModelConfig, params in dtype)` from a HF checkpoint directory (config.json + safetensors)."""
+def hf_model_config(path: str) -> ModelConfig:
+    """The `ModelConfig` of the HF checkpoint directory `path` (its config.json; no weights read)."""
     from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
-    return config, convert_hf_state_dict(read_safetensors_dir(path), config, dtype)
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
+def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params)` from a HF checkpoint directory (config.json + safetensors): jax arrays in `dtype`
+    placed on `mesh` (default: one device) by the sharding table. The head counts are checked before any read."""
+    from jaxserve.loading.placement import checkpoint_shardings
+
+    config = hf_model_config(path)
+    return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh), dtype)

@@ -1,7 +1,10 @@
 """The converted-checkpoint store: params saved with orbax beside the model config, tokenizer and generation config.
 
-Params keep the dtype they were saved in (float32 for converted GGUF files) and are restored straight into the
-serving dtype, group by group, so a float32 store served in bfloat16 never holds the float32 model.
+Params are saved in the checkpoint layout (`models.checkpoint_shapes`: q/k/v and gate/up apart) and keep the dtype
+they were saved in (float32 for converted GGUF files). They are restored straight into the serving dtype as jax
+arrays with their target shardings (each device reads its own shard), group by group, so a float32 store served
+in bfloat16 never holds the float32 model. A store whose saved tree is not the checkpoint layout of its config
+(e.g. one saved in the earlier fused layout, `qkv_proj` / `gate_up_proj`) is reported as `CorruptCheckpointError`.
 
 A store directory is written under a temporary name and renamed into place only when complete; its
 manifest (written last) lists every file with its size, so a truncated or partial directory is
@@ -13,12 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
@@ -88,37 +93,80 @@ def verify_store(path: str | os.PathLike) -> None:
                 f"checkpoint {path} is corrupt: {name} has {file.stat().st_size} bytes, expected {size}")
 
 
-def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32) -> tuple[ModelConfig, dict]:
-    """`(ModelConfig, params as numpy arrays in dtype)` from a verified store.
+def read_store_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` a store was saved with (no weights read); `CorruptCheckpointError` if it is unreadable."""
+    file = Path(path) / CONFIG_FILE
+    try:
+        return ModelConfig.from_json(file.read_text())
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise CorruptCheckpointError(f"checkpoint {path}: unreadable {CONFIG_FILE} ({err})") from err
 
-    Orbax casts each array to `dtype` as it reads it, but it reads all the arrays it is asked for at once (into one
-    coalesced buffer of their stored bytes), so the params are restored one top-level group (the embedding, one
-    layer, the head) at a time: the stored-dtype bytes in flight are one group's, never the whole model's.
+
+def check_stored_layout(checkpointer, params_dir: Path, config: ModelConfig) -> None:
+    """`CorruptCheckpointError` unless the saved tree is exactly the checkpoint layout of `config` (same parameter
+    paths and shapes). Orbax's partial restore would return a placeholder, not an error, for a missing parameter."""
+    from jaxserve.distributed.shardings import path_name
+    from jaxserve.models import checkpoint_shapes
+
+    metadata = checkpointer.metadata(params_dir)
+    metadata = getattr(metadata, "item_metadata", metadata)
+    stored = {path_name(key): tuple(leaf.shape) for key, leaf in jax.tree_util.tree_flatten_with_path(metadata)[0]}
+    expected = {path_name(key): leaf.shape
+                for key, leaf in jax.tree_util.tree_flatten_with_path(checkpoint_shapes(config))[0]}
+    if any(re.search(r"/(qkv_proj|gate_up_proj)/", name) for name in stored):
+        raise CorruptCheckpointError(f"checkpoint {params_dir.parent} is in the old fused layout (qkv_proj / "
+                                     f"gate_up_proj); it must be converted again")
+    missing, unexpected = sorted(expected.keys() - stored.keys()), sorted(stored.keys() - expected.keys())
+    if missing or unexpected:
+        raise CorruptCheckpointError(f"checkpoint {params_dir.parent} does not hold the parameters of its config: "
+                                     f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for name, shape in expected.items():
+        if stored[name] != shape:
+            raise CorruptCheckpointError(f"checkpoint {params_dir.parent}: {name} has shape {stored[name]}, "
+                                         f"its config implies {shape}")
+
+
+def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32,
+                  mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params)` from a verified store: jax arrays in `dtype`, placed on `mesh` (default: one device)
+    by the sharding table. The head counts are checked against the mesh before any weight is read.
+
+    Orbax casts each array to `dtype` as it reads it, and reads for each device only that device's shard. It
+    reads all the arrays it is asked for at once, so the params are restored one top-level group (the embedding,
+    one layer, the head) at a time: the stored-dtype bytes in flight are one group's, never the whole model's.
     """
     import orbax.checkpoint as ocp
 
+    from jaxserve.loading.placement import checkpoint_shardings
     from jaxserve.models import checkpoint_shapes
 
     path = Path(path).absolute()
     verify_store(path)
-    config = ModelConfig.from_json((path / CONFIG_FILE).read_text())
+    config = read_store_config(path)
+    shardings = checkpoint_shardings(config, dtype, mesh)
     params = {}
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-            for group, shapes in checkpoint_shapes(config).items():
-                target = {group: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)}
-                restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), target)
+            check_stored_layout(checkpointer, path / PARAMS_DIR, config)
+            for group, shapes in checkpoint_shapes(config, dtype).items():
+                target = {group: jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
+                                              shapes, shardings[group])}
+                restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, dtype=s.dtype), target)
                 params.update(checkpointer.restore(path / PARAMS_DIR, args=ocp.args.PyTreeRestore(
                     item=target, restore_args=restore_args, partial_restore=True)))
+    except CorruptCheckpointError:
+        raise
     except Exception as err:  # orbax raises many types for a damaged directory
         raise CorruptCheckpointError(f"checkpoint {path} does not restore: {err}") from err
+    if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
+        raise CorruptCheckpointError(f"checkpoint {path} does not hold every parameter of its config")
     return config, params
 
 
-def load_store(path: str | os.PathLike, dtype: DTypeLike = np.float32):
-    """`(ModelConfig, params in dtype, tokenizer or None)` from a verified store."""
+def load_store(path: str | os.PathLike, dtype: DTypeLike = np.float32, mesh: Mesh | None = None):
+    """`(ModelConfig, params in dtype on mesh, tokenizer or None)` from a verified store."""
     from transformers import AutoTokenizer
 
-    config, params = restore_store(path, dtype)
+    config, params = restore_store(path, dtype, mesh)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (Path(path) / "tokenizer.json").exists() else None
     return config, params, tokenizer
