@@ -212,9 +212,13 @@ def test_abort_frees_slot_and_pages(llm):
     assert engine.scheduler.num_running == 0 and engine.page_manager.num_free_pages == free_before
 
 
-def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, caplog):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, tiny_llama_dir, caplog, tensor_parallel_size):
     """A mixed workload — penalties, min_tokens with many stop ids, logprobs, n > 1, short and long prompts,
-    chunked prefill — runs only the executables compiled at start-up."""
+    chunked prefill — runs only the executables compiled at start-up, on one device or split over two."""
+    if tensor_parallel_size > 1:
+        llm = LLM(tiny_llama_dir, enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size,
+                  **ENGINE_OPTIONS)
     runner = llm.llm_engine.runner
     old_pool = runner.kv_cache[0][0]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 500, 1, 200, seed=15)]
