@@ -265,6 +265,8 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64, max
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="HF checkpoint dir, .gguf file or converted store (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="devices the model is split over (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     group.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="decode slots")
     group.add_argument("--max-model-len", type=int, default=max_model_len)
     group.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
@@ -277,7 +279,7 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64, max
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**engine_options(args))` keyword arguments from `add_engine_args` flags."""
-    options = dict(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    options = dict(model=args.model, tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                    num_kv_pages=args.num_kv_pages, dtype=args.dtype,
                    enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
