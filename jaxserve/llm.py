@@ -17,7 +17,7 @@ Message = dict[str, str]
 class LLM:
     """`LLM(model=None, **engine_options)`: None loads the embedded default model (SmolLM2-135M-Instruct).
 
-    Engine options are `EngineConfig`'s fields: max_num_seqs, max_model_len, page_size, num_kv_pages,
+    Engine options are `EngineConfig`'s fields: tensor_parallel_size, max_num_seqs, max_model_len, page_size, num_kv_pages,
     gpu_memory_utilization, max_num_batched_tokens, enable_prefix_caching, dtype, seed,
     attention_backend, scheduling_policy, tokenizer, generation_config, ...
     """
