@@ -24,7 +24,7 @@ from benchmarks.metrics import RequestResult
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
-           "baselines/hf_transformers.py", "kernels.py", "random_model.py"]
+           "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py"]
 
 
 # -- metric math ---------------------------------------------------------------------------------------------
@@ -458,3 +458,27 @@ def test_random_model_has_the_default_models_shapes(tmp_path):
     assert (config.num_layers, config.hidden_size, config.intermediate_size, config.num_q_heads, config.num_kv_heads,
             config.head_dim, config.vocab_size) == (2, 64, 96, 4, 2, 16, 128)
     assert config.tie_word_embeddings
+
+
+def test_loading_memory_builds_a_checkpoint_transformers_reads_and_measures_it(tmp_path):
+    """The torch-free random checkpoint has HF's names, shapes and sharded layout (transformers loads it with no
+    missing or unexpected tensor), and a measured load reports the params' bytes."""
+    import torch
+    import transformers
+
+    from benchmarks import loading_memory
+
+    shapes = {**loading_memory.RANDOM_1B_SHAPES, "vocab_size": 96, "hidden_size": 48, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8,
+              "tie_word_embeddings": False}
+    path = loading_memory.build_random_checkpoint(tmp_path / "random", shapes, shard_mib=0)
+    assert len(list(path.glob("*.safetensors"))) > 2  # one tensor per file at shard_mib=0
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16,
+                                                                    output_loading_info=True)
+    assert not any(info.values()), info
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        math.prod(shape) for shape in loading_memory.hf_tensor_shapes(shapes).values())
+    result = loading_memory.measure(str(path), 1)
+    assert result["model_bytes"] == result["placed_bytes"] == 2 * result["parameters"]
+    assert result["parameters"] == sum(p.numel() for p in model.parameters())
+    assert result["peak_rss"] >= result["rss_after"] > 0 and result["peak_rss"] >= result["baseline_rss"]

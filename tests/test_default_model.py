@@ -62,6 +62,10 @@ def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(default_llm):
 def test_store_round_trip_gives_identical_params(tmp_path):
     store = checkpoint_root() / DEFAULT_MODEL
     config, params, tokenizer = load_store(store)
+    # the checkpoint layout (q/k/v and gate/up apart), as jax arrays placed on the default one-device mesh
+    assert set(params["layers_0"]["attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(params["layers_0"]["mlp"]) == {"gate_proj", "up_proj", "down_proj"}
+    assert all(isinstance(leaf, jax.Array) and len(leaf.devices()) == 1 for leaf in jax.tree.leaves(params))
     copy = tmp_path / "copy"
     save_store(copy, config, params, tokenizer)
     config2, params2, _ = load_store(copy)
