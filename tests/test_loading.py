@@ -107,7 +107,8 @@ import jax, jax.numpy as jnp
 from jaxserve.loading import load_model
 
 def resident(key):
-    return next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return next(int(l.split()[1]) * 1024 for l in lines if l.startswith(key))
 
 jax.block_until_ready(load_model(sys.argv[1], jnp.bfloat16).params)  # imports, orbax and tensorstore set-up
 ctypes.CDLL("libc.so.6").malloc_trim(0)

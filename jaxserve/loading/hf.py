@@ -6,8 +6,8 @@ HF tensor it comes from and whether it is transposed (HF linear weights are `[ou
 device's callback reads only that device's slice of the tensor (`safe_open(...).get_slice`), casts it to the
 serving dtype and hands it to the device. The file is opened (memory-mapped) for one tensor at a time, so the
 host holds one tensor's slices in flight: no float32 copy of the model, no copy of the checkpoint, and with
-tensor parallelism no device's shard ever passes through the host whole. `convert_hf_state_dict` applies the
-same table to an in-memory state dict (the GGUF conversion's).
+tensor parallelism a split tensor is never read whole, only each device's part of it. `convert_hf_state_dict`
+applies the same table to an in-memory state dict (the GGUF conversion's).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Params are saved in the checkpoint layout (`models.checkpoint_shapes`: q/k/v and gate/up apart) and keep the dtype
 they were saved in (float32 for converted GGUF files). They are restored straight into the serving dtype as jax
-arrays with their target shardings (each device reads its own shard), group by group, so a float32 store served
+arrays with their target shardings (each device receives its own shard), group by group, so a float32 store served
 in bfloat16 never holds the float32 model. A store whose saved tree is not the checkpoint layout of its config
 (e.g. one saved in the earlier fused layout, `qkv_proj` / `gate_up_proj`) is reported as `CorruptCheckpointError`.
 
@@ -131,9 +131,11 @@ def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32,
     """`(ModelConfig, params)` from a verified store: jax arrays in `dtype`, placed on `mesh` (default: one device)
     by the sharding table. The head counts are checked against the mesh before any weight is read.
 
-    Orbax casts each array to `dtype` as it reads it, and reads for each device only that device's shard. It
-    reads all the arrays it is asked for at once, so the params are restored one top-level group (the embedding,
-    one layer, the head) at a time: the stored-dtype bytes in flight are one group's, never the whole model's.
+    Orbax casts each array to `dtype` as it reads it and places it straight onto the devices with its sharding, so
+    each device receives only its shard (the store's chunks, one per array as saved from the host, are read whole
+    and sliced). It reads all the arrays it is asked for at once, so the params are restored one top-level group
+    (the embedding, one layer, the head) at a time: the stored-dtype bytes in flight are one group's, never the
+    whole model's.
     """
     import orbax.checkpoint as ocp
 
@@ -149,7 +151,7 @@ def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32,
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
             check_stored_layout(checkpointer, path / PARAMS_DIR, config)
             for group, shapes in checkpoint_shapes(config, dtype).items():
-                target = {group: jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
+                target = {group: jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, dtype, sharding=where),
                                               shapes, shardings[group])}
                 restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, dtype=s.dtype), target)
                 params.update(checkpointer.restore(path / PARAMS_DIR, args=ocp.args.PyTreeRestore(
