@@ -17,30 +17,33 @@ TINY_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
-def tiny_hf_config(family: str):
+def tiny_hf_config(family: str, **overrides):
+    """A tiny config of `family` (TINY_DIMS, with `overrides` of its sizes)."""
     import transformers
 
+    dims = {**TINY_DIMS, **overrides}
     if family == "llama":
-        return transformers.LlamaConfig(**TINY_DIMS, rope_theta=10000.0, tie_word_embeddings=False,
+        return transformers.LlamaConfig(**dims, rope_theta=10000.0, tie_word_embeddings=False,
                                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 64})
     if family == "mistral":
-        return transformers.MistralConfig(**TINY_DIMS, sliding_window=16, tie_word_embeddings=False)
+        return transformers.MistralConfig(**dims, sliding_window=16, tie_word_embeddings=False)
     if family == "qwen2":
-        return transformers.Qwen2Config(**TINY_DIMS, tie_word_embeddings=True)
+        return transformers.Qwen2Config(**dims, tie_word_embeddings=True)
     if family == "qwen3":
-        return transformers.Qwen3Config(**TINY_DIMS, head_dim=32, tie_word_embeddings=False)
+        return transformers.Qwen3Config(**dims, head_dim=32, tie_word_embeddings=False)
     raise ValueError(family)
 
 
-def save_tiny_model(family: str, path: str, seed: int = 0) -> str:
-    """A random-weight HF model of `family` (float32) with a small byte-level tokenizer, saved to `path`."""
+def save_tiny_model(family: str, path: str, seed: int = 0, **overrides) -> str:
+    """A random-weight HF model of `family` (float32, `overrides` of TINY_DIMS) with a small byte-level tokenizer,
+    saved to `path`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(family)
+    config = tiny_hf_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits small; larger weights make logits differ visibly between tokens
         for param in model.parameters():

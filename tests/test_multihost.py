@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import TINY_DIMS, save_tiny_tokenizer
-from tests.test_server_process import EXIT_TIMEOUT, REPO, START_TIMEOUT, free_port
+from tests.conftest import save_tiny_model
+from tests.test_server_process import EXIT_TIMEOUT, REPO, free_port, wait_healthy
 
 RANKS = 3
 OPTIONS = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "32",
@@ -43,21 +43,8 @@ ModelRunner.execute = never_execute
 @pytest.fixture(scope="module")
 def three_head_model(tmp_path_factory) -> str:
     """A tiny random-weight Llama with 6 query and 3 KV heads, so three hosts hold one KV head each."""
-    import torch
-    import transformers
-
-    path = str(tmp_path_factory.mktemp("three_heads"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**TINY_DIMS, "hidden_size": 96, "intermediate_size": 192,
-                                         "num_attention_heads": 6, "num_key_value_heads": 3})
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path, config.vocab_size)
-    return path
+    return save_tiny_model("llama", str(tmp_path_factory.mktemp("three_heads")), hidden_size=96,
+                           intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
 
 
 @pytest.fixture(scope="module")
@@ -95,17 +82,7 @@ class Cluster:
         return self.logs[rank].read_text(errors="replace")[-3000:]
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            for rank, process in enumerate(self.processes):
-                assert process.poll() is None, f"rank {rank} exited with {process.returncode}:\n{self.log(rank)}"
-            assert time.monotonic() < deadline, f"not healthy in time:\n{self.log(0)}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        wait_healthy(self.url, self.processes, self.log)
 
     def wait_exits(self) -> list[int]:
         """Every rank's exit status; fails if any rank is still running after EXIT_TIMEOUT."""

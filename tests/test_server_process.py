@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -79,6 +80,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_healthy(url: str, processes: list[subprocess.Popen], log: Callable[[int], str]) -> None:
+    """Waits until `url`/health answers 200; fails with the log of a process (by index) that exited, or in time."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        for index, process in enumerate(processes):
+            assert process.poll() is None, f"process {index} exited with {process.returncode}:\n{log(index)}"
+        assert time.monotonic() < deadline, f"not healthy in time:\n{log(0)}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+
+
 class Server:
     """`jaxserve serve` in a subprocess, after `prelude` (Python run first in the same process)."""
 
@@ -98,16 +114,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            assert self.process.poll() is None, f"exited with {self.process.returncode}:\n{self.log()[-3000:]}"
-            assert time.monotonic() < deadline, f"not healthy in time:\n{self.log()[-3000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        wait_healthy(self.url, [self.process], lambda _: self.log()[-3000:])
 
     def stop(self) -> None:
         if self.process.poll() is None:
