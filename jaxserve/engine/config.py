@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
+QUANTIZATIONS = (None,)  # the values implemented so far (issue 13 adds "int8" and "awq")
+KV_CACHE_DTYPES = ("auto",)  # (issue 13 adds "int8" and "fp8")
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -35,6 +37,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # prefill tokens per step, padded to their buckets (decodes come on top)
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
+    quantization: str | None = None  # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq"
+    kv_cache_dtype: str = "auto"  # KV pages: "auto" (the serving dtype), "int8" (per-token scales) or "fp8" (e4m3)
     attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret"; default pallas on GPU, xla on CPU
     seed: int = 0
     scheduling_policy: str = "fcfs"  # or "priority" (lower value first, aged so nothing starves)
@@ -58,6 +62,8 @@ class EngineConfig:
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "must be 'fcfs' or 'priority'"),
+            ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
         ]
         for field, ok, message in checks:
             if not ok:

@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=ENGINE_DEFAULTS["scheduling_policy"],
                         help="'priority': requests' `priority` field orders them (lower first)")
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    engine.add_argument("--quantization", "-q", default=None,
+                        help="weights: int8 (W8A16, quantized at load) or awq (AutoAWQ 4-bit checkpoints)")
+    engine.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"],
+                        help="KV pages: auto (the model dtype), int8 or fp8 (e4m3)")
     engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])
     engine.add_argument("--attention-backend", choices=("xla", "pallas", "pallas-interpret"), default=None)
     hosts = parser.add_argument_group("multi-host (sglang-jax's flags; every host runs the same command)")
@@ -105,7 +109,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-                        dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend)
+                        dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def multihost(args: argparse.Namespace) -> MultiHost:
