@@ -24,6 +24,10 @@ MASK_VALUE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Triton's tl.dot needs every tile dimension to be >= 16.
 MIN_TILE: int = 16
 
+# Page dtypes that come with per-token float32 scales (k = k_pages * k_scales); the kernels convert
+# each KV tile to the compute dtype and apply the scales to the logits and probabilities.
+SCALED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= ``n`` (and >= 1)."""
@@ -75,15 +79,17 @@ def validate_paged_kv(
     if (k_scales is None) != (v_scales is None):
         raise ValueError("pass both k_scales and v_scales, or neither")
     if k_scales is not None:
-        if k_pages.dtype != jnp.int8 or v_pages.dtype != jnp.int8:
-            raise ValueError("k_scales/v_scales are only meaningful with int8 k_pages/v_pages")
+        if k_pages.dtype not in SCALED_KV_DTYPES or v_pages.dtype != k_pages.dtype:
+            raise ValueError(
+                "k_scales/v_scales are only meaningful with int8 or float8_e4m3fn k_pages/v_pages"
+            )
         expected = (num_kv_heads, num_pages, page_size)
         if k_scales.shape != expected or v_scales.shape != expected:
             raise ValueError(
                 f"k_scales/v_scales must be {expected}; got {k_scales.shape}, {v_scales.shape}"
             )
-    elif k_pages.dtype == jnp.int8:
-        raise ValueError("int8 k_pages/v_pages need k_scales and v_scales")
+    elif k_pages.dtype in SCALED_KV_DTYPES:
+        raise ValueError(f"{k_pages.dtype} k_pages/v_pages need k_scales and v_scales")
     return num_kv_heads, num_pages, page_size
 
 

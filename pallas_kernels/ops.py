@@ -34,7 +34,8 @@ def paged_attention(
       q: [batch, num_q_heads, head_dim]; query head ``i`` reads KV head
         ``i // (num_q_heads // num_kv_heads)``.
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], the
-        same dtype as q, or int8 together with ``k_scales``/``v_scales``.
+        same dtype as q, or int8 / float8_e4m3fn together with
+        ``k_scales``/``v_scales``.
       lengths: int32[batch], keys per sequence (0 gives a zero output row).
       page_indices: int32[batch, pages_per_seq]; only the first
         ``ceil(length / page_size)`` entries of a row are read, the rest may
@@ -48,7 +49,7 @@ def paged_attention(
         default: one split per 4 KV tiles of ``pages_per_seq`` pages (never
         a function of the batch size).
       k_scales, v_scales: float32 [num_kv_heads, num_pages, page_size]
-        per-token scales for int8 pools (k = k_int8 * k_scale).
+        per-token scales for int8 or float8_e4m3fn pools (k = k_pages * k_scale).
       interpret: run the Pallas kernel in interpret mode (needed on CPU).
 
     Returns:
@@ -107,7 +108,7 @@ def ragged_paged_attention(
         ``cu_q_lens[num_seqs]`` on are padding (their output is 0 and their
         contents, even NaN, affect nothing else).
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] (or int8
-        with scales), already holding the new tokens' K/V.
+        / float8_e4m3fn with scales), already holding the new tokens' K/V.
       kv_lens: int32[max_seqs], total keys per sequence including the new tokens.
       page_indices: int32[max_seqs, pages_per_seq].
       cu_q_lens: int32[max_seqs + 1], cumulative query lengths.

@@ -7,8 +7,8 @@ columns together; see `models.llama.fuse_params`). Megatron-style:
 * q/k/v, gate and up projections split on their output features, o and down on their input features
   (XLA's SPMD partitioner inserts the all-reduce after them);
 * the embedding and the LM head split on the vocabulary (replicated when it does not divide evenly);
-* norms replicated; the page pool split on its heads axis; everything the host sends or reads
-  (token ids, page tables, logits, sampled tokens, penalty state) replicated.
+* norms replicated; the page pool (and a quantized pool's per-token scales) split on its heads axis;
+  everything the host sends or reads (token ids, page tables, logits, sampled tokens, penalty state) replicated.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jaxserve.distributed.tensor_parallel import MODEL_AXIS, TensorParallel
 
 REPLICATED = P()
 KV_POOL = P(MODEL_AXIS)  # [pool_heads, pages, page_size, head_dim]
+KV_SCALES = P(MODEL_AXIS)  # quantized pools' per-token scales [pool_heads, pages, page_size]: split like their pages
 SPLIT_OUTPUT = P(None, MODEL_AXIS)  # kernels are [in_features, out_features]
 SPLIT_INPUT = P(MODEL_AXIS, None)
 SPLIT_VECTOR = P(MODEL_AXIS)

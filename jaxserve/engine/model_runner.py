@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.shardings import KV_POOL, REPLICATED, param_shardings
+from jaxserve.distributed.shardings import REPLICATED, param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, is_plain_greedy,
@@ -76,7 +76,7 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(engine_config.tensor_parallel_size)
         self.tp = TensorParallel(self.mesh.size)
         self.tp.check(config)
-        self.backend = AttentionBackend(engine_config.attention_backend, self.mesh)
+        self.backend = AttentionBackend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
         self.page_size = engine_config.page_size
         self.params = self._serving_params(params)
         replicated = NamedSharding(self.mesh, REPLICATED)
@@ -88,9 +88,10 @@ class ModelRunner:
         self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
         pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
                                              config.head_dim)
-        pool = NamedSharding(self.mesh, KV_POOL)
-        self.kv_cache = [(jnp.zeros(pool_shape, self.dtype, device=pool), jnp.zeros(pool_shape, self.dtype, device=pool))
+        # one (K, V) pair per layer: arrays, or QuantizedPages (values + per-token scales) for an int8/fp8 cache
+        self.kv_cache = [tuple(self.backend.empty_pool(pool_shape, self.dtype) for _ in "kv")
                          for _ in range(config.num_layers)]
+        pool = self.backend.pool_shardings()
         params_in, kv_in = param_shardings(self.params, config, self.tp, self.mesh), [(pool, pool)] * config.num_layers
         forward_shardings = dict(in_shardings=(params_in, kv_in) + (replicated,) * 4,
                                  out_shardings=(replicated, replicated, kv_in), donate_argnums=(1,))
@@ -106,9 +107,11 @@ class ModelRunner:
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
         self.on_call: Callable[[str, tuple], None] | None = None
-        logger.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB (%s, %s attention, per layer %s, "
-                    "split over %d devices)", self.num_pages, self.page_size, self.num_pages * self.page_size,
-                    self.kv_pool_bytes / 2**20, engine_config.dtype, self.backend.name, pool_shape, self.tp.size)
+        logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
+                    "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
+                    self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
+                    self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
+                    self.backend.name, pool_shape, self.tp.size)
 
     def _serving_params(self, params: dict) -> dict:
         """The serving-layout params on the mesh, built group by group (each layer fused on its own devices)."""
@@ -134,10 +137,20 @@ class ModelRunner:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page over all layers and all devices (K and V)."""
+        """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included)."""
         cfg = self.config
-        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg) * cfg.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
+                * self.backend.token_bytes(cfg.head_dim, self.dtype))
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """The dtype the K/V pages hold ("float32", "bfloat16", "int8", "float8_e4m3fn")."""
+        return jnp.dtype(self.backend.storage_dtype(self.dtype)).name
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the pool can hold for sequences (page 0 is the scratch page)."""
+        return (self.num_pages - 1) * self.page_size
 
     @property
     def device_page_bytes(self) -> int:
