@@ -129,3 +129,95 @@ def test_xla_path_converts_per_block_never_the_whole_pool(kv_cache_dtype):
     row_tokens = 32 * page_size  # one row's whole page table
     sizes = [math.prod(shape) for shape in _float_outputs(closed.jaxpr)]
     assert sizes and max(sizes) < row_tokens * heads * head_dim, sorted(sizes)[-3:]
+
+
+# -- the engine with quantized pages ----------------------------------------------------------------------------
+
+SMALL = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=64, warmup=False)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_pallas_kernels_read_quantized_pages_as_the_xla_path_does(tiny_llama_dir, kv_cache_dtype):
+    """The engine's pages (and their scales) through both Pallas kernels in interpret mode give the XLA path's
+    greedy tokens with the same kv_cache_dtype."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 40, seed=16)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(SMALL, decode_batch_buckets=(4,), kv_cache_dtype=kv_cache_dtype)
+    xla = LLM(tiny_llama_dir, attention_backend="xla", **options)
+    pallas = LLM(tiny_llama_dir, attention_backend="pallas-interpret", **options)
+    k_pool = pallas.llm_engine.runner.kv_cache[0][0]
+    assert isinstance(k_pool, QuantizedPages)
+    assert k_pool.values.dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype]
+    assert k_pool.scales.shape == k_pool.values.shape[:3] and k_pool.scales.dtype == jnp.float32
+    assert token_ids(pallas.generate(prompts, params, use_tqdm=False)) == token_ids(
+        xla.generate(prompts, params, use_tqdm=False))
+
+
+def shard_shapes(array: jax.Array) -> set[tuple[int, ...]]:
+    return {shard.data.shape for shard in array.addressable_shards}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_preemption_prefix_caching_and_two_devices_with_quantized_pages(tiny_llama_dir, kv_cache_dtype):
+    """Pages and scales split over two devices, too few pages (preemption) and shared prefixes (cache hits) give
+    the tokens of one device with room for everything and no prefix caching, with the same kv_cache_dtype."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 500, 10, 60, seed=6)]
+    shared = random_prompts(1, 500, 64, 64, seed=7)[0]
+    prompts += [{"prompt_token_ids": shared + tail} for tail in random_prompts(3, 500, 3, 9, seed=8)]
+    options = dict(max_num_seqs=8, max_model_len=256, page_size=16, max_num_batched_tokens=64, warmup=False,
+                   kv_cache_dtype=kv_cache_dtype)
+    reference = token_ids(LLM(tiny_llama_dir, enable_prefix_caching=False, **options).generate(
+        prompts, params, use_tqdm=False))
+    constrained = LLM(tiny_llama_dir, tensor_parallel_size=2, num_kv_pages=24, **options)
+    k_pool = constrained.llm_engine.runner.kv_cache[0][0]
+    assert shard_shapes(k_pool.values) == {(1, *k_pool.shape[1:])}  # 2 KV heads: one per device
+    assert shard_shapes(k_pool.scales) == {(1, *k_pool.shape[1:3])}
+    assert {s.device for s in k_pool.scales.addressable_shards} == set(constrained.llm_engine.runner.mesh.devices.flat)
+    assert token_ids(constrained.generate(prompts, params, use_tqdm=False)) == reference
+    stats = constrained.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype, storage", [
+    ("float32", "auto", "float32"), ("float32", "int8", "int8"), ("float32", "fp8", "float8_e4m3fn"),
+    ("bfloat16", "auto", "bfloat16"), ("bfloat16", "int8", "int8"),
+])
+def test_page_budget_counts_the_quantized_page_and_shows_it(tiny_llama_dir, monkeypatch, caplog, dtype,
+                                                            kv_cache_dtype, storage):
+    """The CPU pool budget holds (head_dim * itemsize) / (head_dim + 4 bytes of scale) times the pages, and the
+    capacity and dtype show in the stats, the start-up log and /metrics."""
+    from jaxserve.engine import model_runner
+    from jaxserve.server.metrics import EngineCollector
+
+    budget = 64 * 4096  # 64 float32 pages of the tiny model (2 layers x 2 KV heads x 8 tokens x 16 dims x 4 B, K+V)
+    monkeypatch.setattr(model_runner, "CPU_POOL_BYTES", budget)
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.model_runner"):
+        llm = LLM(tiny_llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_model_len=256,
+                  page_size=8, max_num_batched_tokens=64, warmup=False)
+    runner = llm.llm_engine.runner
+    head_dim, itemsize = 16, {"float32": 4, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1}[storage]
+    token_bytes = head_dim * itemsize + (4 if kv_cache_dtype != "auto" else 0)
+    assert runner.page_bytes == 2 * 2 * 8 * 2 * token_bytes
+    assert runner.num_pages == budget // runner.page_bytes  # 64 (float32), 128 (bf16), 204 (int8 / fp8)
+    leaves = jax.tree.leaves(runner.kv_cache)
+    assert sum(leaf.nbytes for leaf in leaves) == runner.kv_pool_bytes  # what is allocated is what was counted
+    assert {leaf.dtype.name for leaf in leaves} == ({storage, "float32"} if kv_cache_dtype != "auto" else {storage})
+    assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids  # it serves
+    stats = llm.llm_engine.stats()
+    capacity = (runner.num_pages - 1) * 8
+    assert (stats.kv_cache_capacity_tokens, stats.kv_cache_dtype, stats.kv_cache_storage_dtype) == (
+        capacity, kv_cache_dtype, storage)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:"))
+    assert f"({capacity} usable tokens)" in line and f"kv_cache_dtype {kv_cache_dtype}: {storage} pages" in line
+    samples = {(family.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in EngineCollector(llm.llm_engine.stats, "tiny").collect() for sample in family.samples}
+    labels = (("kv_cache_dtype", kv_cache_dtype), ("model_name", "tiny"), ("storage_dtype", storage))
+    assert samples[("jaxserve:kv_cache_capacity_tokens", labels)] == capacity
+
+
+def test_an_unknown_kv_cache_dtype_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8', 'fp8'\), got 'int4'"):
+        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        AttentionBackend("xla", kv_cache_dtype="float8")

@@ -289,7 +289,9 @@ class LLMEngine:
             kv_cache_usage=manager.usage, prefix_cache_queries=manager.num_prefix_queries,
             prefix_cache_hits=manager.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
-            request_success=tuple(sorted(self._finished.items())), num_steps=self._steps)
+            request_success=tuple(sorted(self._finished.items())), num_steps=self._steps,
+            kv_cache_capacity_tokens=self.runner.kv_capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_storage_dtype=self.runner.kv_storage_dtype)
 
 
 def _enable_compilation_cache(directory: str | None) -> None:

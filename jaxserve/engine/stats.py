@@ -24,6 +24,9 @@ class SchedulerStats:
     generation_tokens: int = 0  # over all completions
     request_success: tuple[tuple[str, int], ...] = ()  # (finish reason, finished requests)
     num_steps: int = 0
+    kv_cache_capacity_tokens: int = 0  # tokens the KV pool holds for sequences (set at start-up)
+    kv_cache_dtype: str = "auto"  # the kv_cache_dtype option: "auto", "int8" or "fp8"
+    kv_cache_storage_dtype: str = ""  # what the pages hold: "float32", "bfloat16", "int8", "float8_e4m3fn"
 
     def finished(self, reason: str) -> int:
         return dict(self.request_success).get(reason, 0)

@@ -61,6 +61,12 @@ class EngineCollector(Collector):
                     stats.num_running_seqs)
         yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting_seqs)
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0 to 1).", stats.kv_cache_usage)
+        capacity = GaugeMetricFamily(PREFIX + "kv_cache_capacity_tokens",
+                                     "Tokens the KV-cache pool holds, by kv_cache_dtype and the dtype its pages store.",
+                                     labels=labels + ["kv_cache_dtype", "storage_dtype"])
+        capacity.add_metric(name + [stats.kv_cache_dtype, stats.kv_cache_storage_dtype],
+                            stats.kv_cache_capacity_tokens)
+        yield capacity
         yield counter("prompt_tokens", "Prompt tokens received (once per request, whatever its n).",
                       stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated (over all completions).", stats.generation_tokens)
