@@ -45,6 +45,7 @@ if not INTERPRET and jax.default_backend() != "gpu":
     )
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
+SCALED = (np.dtype(np.int8), np.dtype(jnp.float8_e4m3fn))  # page dtypes that come with per-token scales
 POISON = {"nan": np.nan, "huge": 3.0e4}  # huge stays finite in bf16 and after int8 scaling
 
 
@@ -139,7 +140,7 @@ def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 # --------------------------------------------------------------------------- #
 @dataclasses.dataclass
 class PagedKV:
-    k_pages: np.ndarray  # [kv_heads, num_pages, page_size, D], float32 or int8
+    k_pages: np.ndarray  # [kv_heads, num_pages, page_size, D], float32, int8 or float8_e4m3fn
     v_pages: np.ndarray
     k_scales: np.ndarray | None
     v_scales: np.ndarray | None
@@ -148,7 +149,7 @@ class PagedKV:
     def device(self, dtype) -> dict:
         """Kernel keyword arguments; float pools are cast to ``dtype``."""
         def cast(pages):
-            return jnp.asarray(pages) if pages.dtype == np.int8 else jnp.asarray(pages, dtype)
+            return jnp.asarray(pages) if pages.dtype in SCALED else jnp.asarray(pages, dtype)
         kw = dict(k_pages=cast(self.k_pages), v_pages=cast(self.v_pages))
         if self.k_scales is not None:
             kw.update(k_scales=jnp.asarray(self.k_scales), v_scales=jnp.asarray(self.v_scales))
@@ -163,12 +164,13 @@ class PagedKV:
 
 
 def make_paged_kv(rng, kv_lens, *, kv_heads, head_dim, page_size, pages_per_seq,
-                  int8=False, poison="nan", unowned="poison_pages") -> PagedKV:
+                  int8=False, fp8=False, poison="nan", unowned="poison_pages") -> PagedKV:
     """Random pools; each sequence owns ceil(len/page_size) pages at scattered ids.
 
     Every other page and every slot past a sequence's length holds the poison
     value.  Unowned page-table entries point at poisoned pages, or hold ids out
-    of range (``unowned="out_of_range"``).
+    of range (``unowned="out_of_range"``).  ``int8`` / ``fp8``: quantized pages
+    (float8_e4m3fn values up to 448, NaN where poisoned) with per-token scales.
     """
     owned = [math.ceil(n / page_size) for n in kv_lens]
     num_poison_pages = 3
@@ -185,6 +187,15 @@ def make_paged_kv(rng, kv_lens, *, kv_heads, head_dim, page_size, pages_per_seq,
         poisoned = (k_scales, v_scales)
         k[:, poison_ids] = 127
         v[:, poison_ids] = 127
+        bad = np.nan if poison == "nan" else 1e6
+    elif fp8:
+        k, v = (np.clip(rng.standard_normal(shape) * 100, -448, 448).astype(jnp.float8_e4m3fn)
+                for _ in "kv")
+        k_scales = rng.uniform(0.0005, 0.005, size=shape[:3]).astype(np.float32)
+        v_scales = rng.uniform(0.0005, 0.005, size=shape[:3]).astype(np.float32)
+        poisoned = (k_scales, v_scales)
+        k[:, poison_ids] = np.nan if poison == "nan" else 448  # e4m3fn has a NaN, unlike int8
+        v[:, poison_ids] = np.nan if poison == "nan" else 448
         bad = np.nan if poison == "nan" else 1e6
     else:
         k = rng.standard_normal(shape).astype(np.float32)
@@ -296,6 +307,24 @@ def test_decode_int8_kv(dtype):
     assert_close(out, expected, dtype, "decode int8")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_decode_fp8_kv(dtype, poison):
+    """float8_e4m3fn pages with per-token scales (kv_cache_dtype="fp8"); NaN pages where a row does not read."""
+    rng = np.random.default_rng(12)
+    lengths = [1, 15, 17, 64, 0]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=16, pages_per_seq=4, fp8=True,
+                       poison=poison)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 8, 64)), dtype)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        pages_per_compute_block=1, num_splits=2, interpret=INTERPRET, poison_output=True,
+        **kv.device(dtype),
+    )
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, **kv.host(dtype))
+    assert_close(out, expected, dtype, "decode fp8")
+
+
 @pytest.mark.parametrize("window,splits", [(1, 3), (16, 2), (35, None)])
 def test_decode_sliding_window(window, splits):
     rng = np.random.default_rng(window)
@@ -358,6 +387,13 @@ def test_decode_rejects_bad_arguments():
     with pytest.raises(ValueError, match="scales"):
         int8 = pages.astype(jnp.int8)
         pallas_kernels.paged_attention(q, int8, int8, lengths, table, interpret=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn k_pages/v_pages need k_scales"):
+        fp8 = pages.astype(jnp.float8_e4m3fn)
+        pallas_kernels.paged_attention(q, fp8, fp8, lengths, table, interpret=True)
+    with pytest.raises(ValueError, match="only meaningful with int8 or float8_e4m3fn"):
+        scales = jnp.ones(pages.shape[:3], jnp.float32)
+        pallas_kernels.paged_attention(q, pages, pages, lengths, table, k_scales=scales, v_scales=scales,
+                                       interpret=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -367,7 +403,7 @@ MIXED = [(1, 37), (16, 16), (5, 40), (17, 17), (0, 9), (3, 3)]  # (q_len, kv_len
 
 
 def make_ragged(rng, seqs, *, kv_heads, group, head_dim, page_size, dtype, extra_seq_slots=2,
-                tail_tokens=3, int8=False):
+                tail_tokens=3, int8=False, fp8=False):
     """Inputs with NaN tail tokens and garbage cu_q_lens/kv_lens in inactive slots."""
     q_lens = [s[0] for s in seqs]
     kv_lens = [s[1] for s in seqs]
@@ -375,7 +411,7 @@ def make_ragged(rng, seqs, *, kv_heads, group, head_dim, page_size, dtype, extra
     max_seqs = len(seqs) + extra_seq_slots
     kv = make_paged_kv(rng, kv_lens + [0] * extra_seq_slots, kv_heads=kv_heads,
                        head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq,
-                       int8=int8)
+                       int8=int8, fp8=fp8)
     used = sum(q_lens)
     num_tokens = used + tail_tokens
     cu = np.zeros(max_seqs + 1, np.int32)
@@ -426,6 +462,27 @@ def test_ragged_matches_float64_reference(seqs, group, kv_heads, head_dim, page_
     )
     assert_close(out, expected, dtype, "ragged")
     used = int(inp["cu_q_lens"][len(seqs)])
+    assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
+
+
+@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 20)])
+def test_ragged_fp8_kv(dtype, window):
+    """float8_e4m3fn pages with per-token scales (kv_cache_dtype="fp8") through the ragged kernel."""
+    rng = np.random.default_rng(19)
+    inp = make_ragged(rng, MIXED, kv_heads=2, group=2, head_dim=64, page_size=16, dtype=dtype, fp8=True)
+    kv = inp["kv"]
+    out = triton_ragged.ragged_paged_attention(
+        inp["q"], kv_lens=jnp.asarray(inp["kv_lens"]), page_indices=jnp.asarray(kv.page_indices),
+        cu_q_lens=jnp.asarray(inp["cu_q_lens"]), num_seqs=jnp.asarray(inp["num_seqs"]),
+        sliding_window=window, pages_per_compute_block=1, interpret=INTERPRET, poison_output=True,
+        **kv.device(dtype),
+    )
+    expected = numpy_ragged_reference(
+        np.asarray(inp["q"], np.float64), kv_lens=inp["kv_lens"], cu_q_lens=inp["cu_q_lens"],
+        num_seqs=inp["num_seqs"], sliding_window=window, **kv.host(dtype),
+    )
+    assert_close(out, expected, dtype, "ragged fp8")
+    used = int(inp["cu_q_lens"][len(MIXED)])
     assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
 
 
