@@ -7,6 +7,7 @@ columns together; see `models.llama.fuse_params`). Megatron-style:
 * q/k/v, gate and up projections split on their output features, o and down on their input features
   (XLA's SPMD partitioner inserts the all-reduce after them);
 * the embedding and the LM head split on the vocabulary (replicated when it does not divide evenly);
+* int8 weights' per-output-channel scales split like their kernel's output features;
 * norms replicated; the page pool (and a quantized pool's per-token scales) split on its heads axis;
   everything the host sends or reads (token ids, page tables, logits, sampled tokens, penalty state) replicated.
 """
@@ -32,14 +33,19 @@ SPLIT_VECTOR = P(MODEL_AXIS)
 # replicated instead when the KV heads are (tensor_parallel_size a multiple of num_kv_heads).
 PARAM_TABLE: tuple[tuple[str, P | str], ...] = (
     (r"embed/embedding", "vocab_rows"),
-    (r"lm_head/kernel", "vocab_columns"),
+    (r"embed/scale", "vocab_vector"),  # int8 weights (layers/quant_dense.py): one scale per output channel,
+    (r"lm_head/kernel", "vocab_columns"),  # split with the kernel's output features, replicated where the
+    (r"lm_head/scale", "vocab_vector"),  # kernel is split on its input features
     (r"attn/(qkv|q)_proj/kernel", SPLIT_OUTPUT),
-    (r"attn/(qkv|q)_proj/bias", SPLIT_VECTOR),
+    (r"attn/(qkv|q)_proj/(bias|scale)", SPLIT_VECTOR),
     (r"attn/[kv]_proj/kernel", "kv_kernel"),
-    (r"attn/[kv]_proj/bias", "kv_vector"),
+    (r"attn/[kv]_proj/(bias|scale)", "kv_vector"),
     (r"attn/o_proj/kernel", SPLIT_INPUT),
+    (r"attn/o_proj/scale", REPLICATED),
     (r"mlp/(gate_up|gate|up)_proj/kernel", SPLIT_OUTPUT),
+    (r"mlp/(gate_up|gate|up)_proj/scale", SPLIT_VECTOR),
     (r"mlp/down_proj/kernel", SPLIT_INPUT),
+    (r"mlp/down_proj/scale", REPLICATED),
     (r"(norm|_norm)/scale", REPLICATED),
 )
 
@@ -58,6 +64,7 @@ def param_spec(path: str, config: ModelConfig, tp: TensorParallel) -> P:
     return {
         "vocab_rows": SPLIT_INPUT if vocab_splits else REPLICATED,
         "vocab_columns": SPLIT_OUTPUT if vocab_splits else REPLICATED,
+        "vocab_vector": SPLIT_VECTOR if vocab_splits else REPLICATED,
         "kv_kernel": SPLIT_OUTPUT if kv_splits else REPLICATED,
         "kv_vector": SPLIT_VECTOR if kv_splits else REPLICATED,
     }[spec]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
-QUANTIZATIONS = (None,)  # the values implemented so far (issue 13 adds "int8" and "awq")
+QUANTIZATIONS = (None, "int8")  # the values implemented so far (issue 13 adds "awq")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # int8: per-token scales; fp8: e4m3 with per-token scales
 
 

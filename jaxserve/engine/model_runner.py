@@ -44,6 +44,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.steps import ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
 from jaxserve.layers.attention import AttentionBackend
+from jaxserve.layers.quant_dense import quantize_params
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.models import fuse_layer
 
@@ -119,7 +120,9 @@ class ModelRunner:
 
         def to_serving(kind: str, group: dict) -> dict:
             group = jax.tree.map(lambda x: x.astype(self.dtype), group)
-            return fuse_layer(group, config, tp) if kind == "layer" else group
+            group = fuse_layer(group, config, tp) if kind == "layer" else group
+            # int8 weights: per output channel, which commutes with fusing's column permutation
+            return quantize_params(group) if self.engine_config.quantization == "int8" else group
 
         converters: dict[str, object] = {}  # one compiled conversion serves every layer
         serving = {}

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.quant_dense import Embedding, Linear
 from jaxserve.layers.rotary import apply_rope, rope_inverse_frequencies
 
 KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
@@ -53,8 +54,8 @@ class Attention(nn.Module):
         batch, num_tokens, _ = x.shape
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
         kv_width = tp.kv_heads_per_device(cfg) * cfg.head_dim
-        qkv = nn.Dense(tp.size * (q_width + 2 * kv_width), use_bias=cfg.qkv_bias, dtype=self.dtype,
-                       param_dtype=self.dtype, name="qkv_proj")(x)
+        qkv = Linear(tp.size * (q_width + 2 * kv_width), use_bias=cfg.qkv_bias, dtype=self.dtype,
+                     name="qkv_proj")(x)
         qkv = qkv.reshape(batch, num_tokens, tp.size, q_width + 2 * kv_width)  # one row of columns per device
         q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
         q = q.reshape(batch, num_tokens, cfg.num_q_heads, cfg.head_dim)
@@ -70,7 +71,7 @@ class Attention(nn.Module):
         out = self.backend.attend(q, k_pool, v_pool, meta, sm_scale=cfg.head_dim ** -0.5,
                                   sliding_window=self.sliding_window)
         out = out.reshape(batch, num_tokens, cfg.q_size)
-        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="o_proj")(out)
+        out = Linear(cfg.hidden_size, dtype=self.dtype, in_shards=tp.size, name="o_proj")(out)
         return out, k_pool, v_pool
 
 
@@ -82,12 +83,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg, shards = self.config, self.tp.size
-        gate_up = nn.Dense(2 * cfg.intermediate_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                           name="gate_up_proj")(x)
+        gate_up = Linear(2 * cfg.intermediate_size, dtype=self.dtype, name="gate_up_proj")(x)
         gate, up = jnp.split(gate_up.reshape(*x.shape[:-1], shards, -1), 2, axis=-1)  # [..., device, columns]
         hidden = (nn.silu(gate) * up).reshape(*x.shape[:-1], cfg.intermediate_size)
-        return nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                        name="down_proj")(hidden)
+        return Linear(cfg.hidden_size, dtype=self.dtype, in_shards=shards, name="down_proj")(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +120,8 @@ class LlamaForCausalLM(nn.Module):
     @nn.compact
     def __call__(self, token_ids, kv_cache: KVCache, meta: AttentionMetadata, logits_indices=None):
         cfg = self.config
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed")
+        vocab_shards = self.tp.size if cfg.vocab_size % self.tp.size == 0 else 1  # as the sharding table splits it
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, vocab_shards=vocab_shards, name="embed")
         x = embed(token_ids)
         new_cache = []
         for layer, (k_pool, v_pool) in enumerate(kv_cache):
@@ -134,8 +134,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                              name="lm_head")(x)
+            logits = Linear(cfg.vocab_size, dtype=self.dtype, name="lm_head")(x)
         return logits.astype(jnp.float32), new_cache
 
 

@@ -1,0 +1,196 @@
+"""Weight-only int8 (W8A16): symmetric, per output channel, quantized once at load time; layers that read either
+float or int8 weights.
+
+* `quantize_params(group)` turns a serving-layout parameter group into int8: every dense kernel
+  (`[in, out]`) becomes `{"kernel": int8 [in, out], "scale": float32 [out]}` with
+  `kernel * scale ~= w` (scale = max |w| over the input features / 127, rounded to nearest), the
+  embedding table `[vocab, hidden]` the same per row (one scale per token, which is also per output
+  channel of a tied LM head). Biases and norms stay float.
+* `Linear` and `Embedding` are `nn.Dense` / `nn.Embed` with the same parameter names, initializers and float
+  arithmetic; given a `scale` leaf (the tree `quantize_params` made) they run the int8 path instead. The mode is
+  carried by the parameter tree itself, so the jitted steps need no extra static argument.
+
+The int8 matmul reads the int8 kernel from memory and applies the scale to the output columns after the dot:
+`y = (x @ w_int8.astype(x.dtype)) * scale`. How the convert reaches the dot depends on the backend:
+
+* XLA:GPU fuses a convert feeding a dot operand into the GEMM (Triton GEMM fusion), so the plain expression
+  is used there.
+* XLA:CPU does not (measured, jax 0.10): the convert becomes its own loop fusion writing a float copy of the
+  whole matrix every step, then the dot reads it back, which makes int8 slower than float32. So on CPU the
+  matmul runs as a `fori_loop` over contiguous blocks of the kernel's major axis (input rows of a `[in, out]`
+  kernel, vocabulary rows of the embedding used as an LM head): each iteration converts one block (~1 MiB of
+  float, cache-resident) and multiplies it, and no buffer of the full weight's size in float ever exists
+  (tests/test_quantization.py checks the compiled decode step). A Python-unrolled version was measured 10x
+  slower to compile and slower to run.
+
+Under tensor parallelism the blocked loop never slices a sharded axis: `in_shards` / `out_shards` name how many
+devices split the blocked axis, which becomes an explicit leading device axis of the reshaped kernel, so each
+device loops over its own shard's blocks and row-parallel layers still all-reduce once, after the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+QUANTIZE_EMBEDDING = True  # the embedding table (and so a tied LM head) too; benchmarks/quality.py measures both
+BLOCK_BYTES = 1 << 20  # float bytes of one converted block in the CPU loop
+MAX_BLOCKS = 64  # more iterations than this cost more in loop overhead than the blocks save
+
+
+def quantize_int8(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of `w` with one float32 scale per slice along `axis` (the axis reduced: the input features):
+    `(q, scale)` with `q * expand(scale) ~= w`, |q| <= 127. An all-zero channel gets scale 1."""
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=axis)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w32 / jnp.expand_dims(scale, axis)), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def quantize_params(tree: dict, quantize_embedding: bool | None = None) -> dict:
+    """A serving-layout parameter tree (or one group of it) with every dense kernel, and the embedding table
+    unless `quantize_embedding` is False (default: `QUANTIZE_EMBEDDING`), in int8 with float32 scales."""
+    if quantize_embedding is None:
+        quantize_embedding = QUANTIZE_EMBEDDING
+    if "kernel" in tree and tree["kernel"].ndim == 2:
+        kernel, scale = quantize_int8(tree["kernel"], axis=0)
+        return {**tree, "kernel": kernel, "scale": scale}
+    if "embedding" in tree:
+        if not quantize_embedding:
+            return tree
+        embedding, scale = quantize_int8(tree["embedding"], axis=1)
+        return {**tree, "embedding": embedding, "scale": scale}
+    return {name: quantize_params(value, quantize_embedding) if isinstance(value, dict) else value
+            for name, value in tree.items()}
+
+
+def is_quantized(params: dict) -> bool:
+    """Whether a parameter tree holds any int8 weight."""
+    return any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params))
+
+
+def blocked_matmuls() -> bool:
+    """Whether int8 matmuls run as a loop over blocks (XLA:CPU, which does not fuse a convert into a dot)."""
+    return jax.default_backend() == "cpu"
+
+
+def _num_blocks(length: int, other: int, itemsize: int) -> int:
+    """How many equal blocks to cut `length` rows of `other` columns into: the fewest whose float size is at
+    most BLOCK_BYTES, at most MAX_BLOCKS (the block count must divide `length`)."""
+    fewest = -(-length * other * itemsize // BLOCK_BYTES)
+    for blocks in range(max(1, fewest), min(length, MAX_BLOCKS) + 1):
+        if length % blocks == 0:
+            return blocks
+    divisors = [d for d in range(1, min(length, MAX_BLOCKS) + 1) if length % d == 0]
+    return max(divisors)
+
+
+def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: int = 1) -> jax.Array:
+    """`x [..., in] @ (kernel int8 [in, out] * scale [out])` in `x.dtype`, float32 accumulation.
+
+    `in_shards`: the devices the input features are split over (a row-parallel layer), so blocks never cross them.
+    """
+    lead, fan_in = x.shape[:-1], x.shape[-1]
+    fan_out = kernel.shape[1]
+    rows = x.reshape(-1, fan_in)
+    if not blocked_matmuls():
+        y = jnp.dot(rows, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        n = in_shards if fan_in % in_shards == 0 else 1
+        k = _num_blocks(fan_in // n, fan_out, jnp.dtype(x.dtype).itemsize)
+        r = fan_in // (n * k)
+        xb = rows.reshape(rows.shape[0], n, k, r)
+        wb = kernel.reshape(n, k, r, fan_out)
+
+        def block(j, acc):  # acc [n, rows, out]: each device's partial sums, added up once after the loop
+            xj = jax.lax.dynamic_index_in_dim(xb, j, 2, keepdims=False)  # [rows, n, r]
+            wj = jax.lax.dynamic_index_in_dim(wb, j, 1, keepdims=False).astype(x.dtype)  # [n, r, out]
+            return acc + jnp.einsum("bnr,nro->nbo", xj, wj, preferred_element_type=jnp.float32)
+
+        y = jax.lax.fori_loop(0, k, block, jnp.zeros((n, rows.shape[0], fan_out), jnp.float32)).sum(0)
+    return (y * scale).astype(x.dtype).reshape(*lead, fan_out)
+
+
+def int8_matmul_transposed(x: jax.Array, table: jax.Array, scale: jax.Array, out_shards: int = 1) -> jax.Array:
+    """`x [..., in] @ (table int8 [out, in] * scale[out, None]).T` in `x.dtype`: a tied LM head over an int8
+    embedding table. `out_shards`: the devices the table's rows (the vocabulary) are split over."""
+    lead, fan_in = x.shape[:-1], x.shape[-1]
+    fan_out = table.shape[0]
+    rows = x.reshape(-1, fan_in)
+    if not blocked_matmuls():
+        y = jnp.dot(rows, table.astype(x.dtype).T, preferred_element_type=jnp.float32)
+    else:
+        n = out_shards if fan_out % out_shards == 0 else 1
+        k = _num_blocks(fan_out // n, fan_in, jnp.dtype(x.dtype).itemsize)
+        v = fan_out // (n * k)
+        wb = table.reshape(n, k, v, fan_in)
+
+        def block(j, out):  # out [rows, n, k, v]
+            wj = jax.lax.dynamic_index_in_dim(wb, j, 1, keepdims=False).astype(x.dtype)  # [n, v, in]
+            yj = jnp.einsum("bi,nvi->bnv", rows, wj, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_index_in_dim(out, yj, j, 2)
+
+        y = jax.lax.fori_loop(0, k, block, jnp.zeros((rows.shape[0], n, k, v), jnp.float32))
+        y = y.reshape(rows.shape[0], fan_out)
+    return (y * scale).astype(x.dtype).reshape(*lead, fan_out)
+
+
+class Linear(nn.Module):
+    """`nn.Dense` (same names, initializers and float arithmetic) that also runs int8 weights: params `kernel`
+    (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional).
+    `in_shards`: devices the input features are split over (row-parallel layers)."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    in_shards: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "scale"):
+            y = int8_matmul(x.astype(self.dtype), self.get_variable("params", "kernel"),
+                            self.get_variable("params", "scale"), self.in_shards)
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
+            x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
+            y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(self.dtype)
+        return y
+
+
+class Embedding(nn.Module):
+    """`nn.Embed` (same name, initializer and float arithmetic) that also runs an int8 table: params `embedding`
+    (float or int8 `[vocab, hidden]`) and `scale` (float32 `[vocab]`, only when int8).
+    `vocab_shards`: devices the vocabulary is split over (the tied LM head's blocks stay within them)."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+    vocab_shards: int = 1
+
+    def setup(self):
+        if self.has_variable("params", "scale"):
+            self.embedding = self.get_variable("params", "embedding")
+            self.scale = self.get_variable("params", "scale")
+        else:
+            self.embedding = self.param("embedding", nn.linear.default_embed_init,
+                                        (self.num_embeddings, self.features), self.dtype)
+            self.scale = None
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        rows = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        if self.scale is not None:
+            rows = (rows * jnp.take(self.scale, ids, axis=0)[..., None]).astype(self.dtype)
+        return rows
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        if self.scale is not None:
+            return int8_matmul_transposed(query.astype(self.dtype), self.embedding, self.scale, self.vocab_shards)
+        query, embedding = nn.dtypes.promote_dtype(query, self.embedding, dtype=self.dtype)
+        return jnp.dot(query, embedding.T)
