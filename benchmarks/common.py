@@ -275,6 +275,7 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64, max
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--attention-backend", default=None, help="xla | pallas | pallas-interpret (engine default)")
+    group.add_argument("--quantization", default=None, help="weights: int8 (W8A16, per output channel); default float")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,6 +286,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                    enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
+    if getattr(args, "quantization", None):
+        options["quantization"] = args.quantization
     return options
 
 

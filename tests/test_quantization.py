@@ -91,7 +91,7 @@ def decode_hlo(llm: LLM, rows: int) -> str:
 
 def test_decode_step_never_materializes_a_float_weight(odd_dims_dir, monkeypatch):
     # blocks of a real model's size (1 MiB of float) would hold a tiny model's whole weights
-    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", 16 * 1024)
+    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (16 * 1024, 16 * 1024))
     llm = LLM(model=odd_dims_dir, quantization="int8", **SMALL)
     params = llm.llm_engine.runner.params
     assert is_quantized(params) and params["embed"]["embedding"].dtype == jnp.int8
@@ -129,3 +129,19 @@ def test_int8_on_two_devices_matches_one_and_splits_the_scales(odd_dims_dir):
 def test_an_unknown_quantization_is_a_value_error():
     with pytest.raises(ValueError, match="quantization must be one of .*'int8'.*got 'int4'"):
         EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_blocked_matmuls_match_numpy_for_any_device_split(shards, monkeypatch):
+    """The CPU loop's block and device-axis bookkeeping (a row-parallel kernel, a vocabulary-split tied LM head)."""
+    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (4 * 1024, 4 * 1024))  # several blocks per device
+    rng = np.random.default_rng(shards)
+    x = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    kernel = rng.integers(-127, 128, (64, 48)).astype(np.int8)
+    table = rng.integers(-127, 128, (96, 64)).astype(np.int8)
+    scale_out, scale_vocab = rng.random(48).astype(np.float32), rng.random(96).astype(np.float32)
+    ours = quant_dense.int8_matmul(jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(scale_out), in_shards=shards)
+    np.testing.assert_allclose(ours, x @ (kernel * scale_out), rtol=1e-5, atol=1e-4)
+    ours = quant_dense.int8_matmul_transposed(jnp.asarray(x), jnp.asarray(table), jnp.asarray(scale_vocab),
+                                              out_shards=shards)
+    np.testing.assert_allclose(ours, x @ (table * scale_vocab[:, None]).T, rtol=1e-5, atol=1e-4)

@@ -15,13 +15,17 @@ The int8 matmul reads the int8 kernel from memory and applies the scale to the o
 
 * XLA:GPU fuses a convert feeding a dot operand into the GEMM (Triton GEMM fusion), so the plain expression
   is used there.
-* XLA:CPU does not (measured, jax 0.10): the convert becomes its own loop fusion writing a float copy of the
-  whole matrix every step, then the dot reads it back, which makes int8 slower than float32. So on CPU the
-  matmul runs as a `fori_loop` over contiguous blocks of the kernel's major axis (input rows of a `[in, out]`
-  kernel, vocabulary rows of the embedding used as an LM head): each iteration converts one block (~1 MiB of
-  float, cache-resident) and multiplies it, and no buffer of the full weight's size in float ever exists
-  (tests/test_quantization.py checks the compiled decode step). A Python-unrolled version was measured 10x
-  slower to compile and slower to run.
+* XLA:CPU does not (measured, jax 0.10.2): the convert becomes its own loop fusion writing a float copy of the
+  whole matrix every step, then the dot reads it back (576x3072 at batch 1: 0.52 ms against 0.23 ms for the
+  float32 dot). `dot_general` with an int8 operand and `preferred_element_type` lowers to the same convert + dot,
+  and neither `--xla_cpu_use_xnnpack`, the xnn/ynn/onednn `..._fusion_type=LIBRARY_FUSION_TYPE_DOT,..._ELTWISE`
+  flags nor `sum(x[..., None] * w)` (a reduce fusion: 13 ms) changes that. So on CPU the matmul runs as a
+  `fori_loop` over contiguous blocks of the kernel's major axis (input rows of a `[in, out]` kernel, vocabulary
+  rows of the embedding used as an LM head): each iteration converts one block (BLOCK_BYTES of float,
+  cache-resident) and multiplies it, so no float buffer of a whole weight ever exists (tests/test_quantization.py
+  checks the compiled decode step). A Python-unrolled version compiled 12x slower and ran slower. The layers'
+  blocked matmuls run at about float32's speed at batch 1 (the int8->float convert, not memory, is the limit);
+  the blocked LM head is 3x faster than the float one, whose `x @ embedding.T` XLA:CPU runs slowly.
 
 Under tensor parallelism the blocked loop never slices a sharded axis: `in_shards` / `out_shards` name how many
 devices split the blocked axis, which becomes an explicit leading device axis of the reshaped kernel, so each
@@ -37,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 QUANTIZE_EMBEDDING = True  # the embedding table (and so a tied LM head) too; benchmarks/quality.py measures both
-BLOCK_BYTES = 1 << 20  # float bytes of one converted block in the CPU loop
+BLOCK_BYTES = (256 << 10, 1 << 20)  # float bytes of one converted block in the CPU loop: up to 16 rows, more rows
 MAX_BLOCKS = 64  # more iterations than this cost more in loop overhead than the blocks save
 
 
@@ -78,10 +82,10 @@ def blocked_matmuls() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _num_blocks(length: int, other: int, itemsize: int) -> int:
+def _num_blocks(length: int, other: int, itemsize: int, rows: int) -> int:
     """How many equal blocks to cut `length` rows of `other` columns into: the fewest whose float size is at
-    most BLOCK_BYTES, at most MAX_BLOCKS (the block count must divide `length`)."""
-    fewest = -(-length * other * itemsize // BLOCK_BYTES)
+    most BLOCK_BYTES (for a matmul of `rows` activation rows), at most MAX_BLOCKS (the count must divide `length`)."""
+    fewest = -(-length * other * itemsize // BLOCK_BYTES[rows > 16])
     for blocks in range(max(1, fewest), min(length, MAX_BLOCKS) + 1):
         if length % blocks == 0:
             return blocks
@@ -101,7 +105,7 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: in
         y = jnp.dot(rows, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
     else:
         n = in_shards if fan_in % in_shards == 0 else 1
-        k = _num_blocks(fan_in // n, fan_out, jnp.dtype(x.dtype).itemsize)
+        k = _num_blocks(fan_in // n, fan_out, jnp.dtype(x.dtype).itemsize, rows.shape[0])
         r = fan_in // (n * k)
         xb = rows.reshape(rows.shape[0], n, k, r)
         wb = kernel.reshape(n, k, r, fan_out)
@@ -109,6 +113,8 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: in
         def block(j, acc):  # acc [n, rows, out]: each device's partial sums, added up once after the loop
             xj = jax.lax.dynamic_index_in_dim(xb, j, 2, keepdims=False)  # [rows, n, r]
             wj = jax.lax.dynamic_index_in_dim(wb, j, 1, keepdims=False).astype(x.dtype)  # [n, r, out]
+            if n == 1:  # a plain 2-D dot (XLA:CPU runs batched dots slower)
+                return acc + jnp.dot(xj[:, 0], wj[0], preferred_element_type=jnp.float32)[None]
             return acc + jnp.einsum("bnr,nro->nbo", xj, wj, preferred_element_type=jnp.float32)
 
         y = jax.lax.fori_loop(0, k, block, jnp.zeros((n, rows.shape[0], fan_out), jnp.float32)).sum(0)
@@ -125,17 +131,20 @@ def int8_matmul_transposed(x: jax.Array, table: jax.Array, scale: jax.Array, out
         y = jnp.dot(rows, table.astype(x.dtype).T, preferred_element_type=jnp.float32)
     else:
         n = out_shards if fan_out % out_shards == 0 else 1
-        k = _num_blocks(fan_out // n, fan_in, jnp.dtype(x.dtype).itemsize)
+        k = _num_blocks(fan_out // n, fan_in, jnp.dtype(x.dtype).itemsize, rows.shape[0])
         v = fan_out // (n * k)
         wb = table.reshape(n, k, v, fan_in)
 
-        def block(j, out):  # out [rows, n, k, v]
+        def block(j, out):  # out [k, n, rows, v]: each block's logits written whole, along the major axis
             wj = jax.lax.dynamic_index_in_dim(wb, j, 1, keepdims=False).astype(x.dtype)  # [n, v, in]
-            yj = jnp.einsum("bi,nvi->bnv", rows, wj, preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_index_in_dim(out, yj, j, 2)
+            if n == 1:  # a plain 2-D dot (XLA:CPU runs batched dots slower)
+                yj = jnp.dot(rows, wj[0].T, preferred_element_type=jnp.float32)[None]
+            else:
+                yj = jnp.einsum("bi,nvi->nbv", rows, wj, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_index_in_dim(out, yj, j, 0)
 
-        y = jax.lax.fori_loop(0, k, block, jnp.zeros((rows.shape[0], n, k, v), jnp.float32))
-        y = y.reshape(rows.shape[0], fan_out)
+        y = jax.lax.fori_loop(0, k, block, jnp.zeros((k, n, rows.shape[0], v), jnp.float32))
+        y = y.transpose(2, 1, 0, 3).reshape(rows.shape[0], fan_out)  # vocab id = (shard * k + block) * v + row
     return (y * scale).astype(x.dtype).reshape(*lead, fan_out)
 
 

@@ -1,0 +1,187 @@
+"""Accuracy of quantization modes against the float model on the shipped prompts (benchmarks/data/prompts.jsonl,
+rendered with the chat template), greedy decoding.
+
+For every mode, against the first mode (the float reference):
+
+* greedy agreement: the mean common prefix of the `--max-tokens` (32) greedy tokens each prompt gets (EOS ignored,
+  so every output has that many), and the share of prompts whose tokens are all equal;
+* teacher forcing: the mean absolute difference of the log-probability the reference gave its own greedy tokens
+  and the one the mode gives those same tokens after the same context (one forward over prompt + reference tokens
+  with the mode's serving params, `jaxserve.models.forward`), and the share of positions whose argmax agrees.
+
+A mode is a name and engine options (`LLM(**options)`); built in: `float` ({}), `int8` ({quantization: int8}) and
+`int8-float-embedding` (int8 with the embedding table, and so the tied LM head, kept float). Others come from the
+command line as `NAME:key=value,key=value` (e.g. `kv-int8:kv_cache_dtype=int8`). Teacher forcing runs the
+forward on a float KV pool of its own, so it measures weight modes only; greedy agreement goes through the
+whole engine and measures any mode.
+
+    python benchmarks/quality.py --modes float int8 int8-float-embedding
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+from benchmarks import common
+from benchmarks.datasets import DEFAULT_PROMPTS_FILE, chat_messages, load_prompt_file, render_chat
+
+NAME = "quality"
+BUILT_IN = {"float": {}, "int8": {"quantization": "int8"},
+            "int8-float-embedding": {"quantization": "int8", "_float_embedding": True}}
+PAD_TO = 64  # teacher-forcing sequences are right-padded to a multiple of this (causal: padding changes nothing)
+
+
+def parse_mode(spec: str) -> tuple[str, dict[str, Any]]:
+    """`int8` (built in) or `NAME:key=value,...` -> (name, engine options); values are int, float, bool or str."""
+    if spec in BUILT_IN:
+        return spec, dict(BUILT_IN[spec])
+    name, _, rest = spec.partition(":")
+    if not rest:
+        raise ValueError(f"unknown mode {spec!r}: built in are {sorted(BUILT_IN)}, others are NAME:key=value,...")
+    options: dict[str, Any] = {}
+    for item in rest.split(","):
+        key, _, value = item.partition("=")
+        for kind in (int, float):
+            try:
+                options[key] = kind(value)
+                break
+            except ValueError:
+                pass
+        else:
+            options[key] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
+    return name, options
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[int]) -> list[tuple[list, list]]:
+    """For each sequence: (log-probabilities of tokens[start:] given what precedes them, argmax at those positions),
+    from the engine's serving params (one device) through `models.forward` over a fresh float pool."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+    from jaxserve.models import forward
+
+    runner = llm.llm_engine.runner
+    if runner.tp.size != 1:
+        raise ValueError("teacher forcing runs on one device")
+    cfg, page_size = runner.config, runner.page_size
+    backend = AttentionBackend("xla")
+    run = jax.jit(forward, static_argnums=(1, 2), static_argnames=("dtype",))
+    results = []
+    for tokens, start in zip(sequences, starts):
+        length = -(-len(tokens) // PAD_TO) * PAD_TO
+        pages = length // page_size
+        shape = backend.pool_shape(pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
+        cache = [(jnp.zeros(shape, runner.dtype), jnp.zeros(shape, runner.dtype)) for _ in range(cfg.num_layers)]
+        ids = np.zeros(length, np.int32)
+        ids[:len(tokens)] = tokens
+        meta = AttentionMetadata(positions=jnp.arange(length, dtype=jnp.int32)[None],
+                                 slot_mapping=(jnp.arange(length, dtype=jnp.int32) + page_size)[None],
+                                 page_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
+                                 context_lens=jnp.array([len(tokens)], jnp.int32),
+                                 query_lens=jnp.array([len(tokens)], jnp.int32))
+        logits, _ = run(runner.params, cfg, backend, jnp.asarray(ids)[None], cache, meta, dtype=runner.dtype)
+        logp = np.asarray(jax.nn.log_softmax(logits[0, start - 1:len(tokens) - 1].astype(jnp.float32), axis=-1))
+        targets = np.asarray(tokens[start:])
+        results.append((logp[np.arange(len(targets)), targets].tolist(), logp.argmax(-1).tolist()))
+    return results
+
+
+def build_engine(options: dict[str, Any], mode_options: dict[str, Any]):
+    from jaxserve import LLM
+    from jaxserve.layers import quant_dense
+
+    mode_options = dict(mode_options)
+    float_embedding = mode_options.pop("_float_embedding", False)
+    saved = quant_dense.QUANTIZE_EMBEDDING
+    quant_dense.QUANTIZE_EMBEDDING = not float_embedding  # read while the weights are quantized at load
+    try:
+        return LLM(**{**options, **mode_options}, warmup=False)
+    finally:
+        quant_dense.QUANTIZE_EMBEDDING = saved
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=["float", "int8", "int8-float-embedding"],
+                        help="the first is the reference; built in: " + ", ".join(BUILT_IN))
+    parser.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS_FILE))
+    common.add_engine_args(parser, max_num_seqs=64, max_model_len=1024)
+    common.add_common_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    common.quiet_logs()
+    common.seed_everything(args.seed)
+    from jaxserve import SamplingParams
+
+    modes = [parse_mode(spec) for spec in args.modes]
+    tokenizer = common.load_tokenizer(args.model)
+    entries = load_prompt_file(args.prompts_file)[:args.num_prompts]
+    prompts = [render_chat(tokenizer, chat_messages(entry))[1] for entry in entries]
+    prompts = [p for p in prompts if len(p) + args.max_tokens <= args.max_model_len]
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    options = common.engine_options(args)
+    options.pop("quantization", None)  # each mode says its own
+    reference: dict[str, Any] = {}
+    rows = []
+    for name, mode_options in modes:
+        started = time.perf_counter()
+        llm = build_engine(options, mode_options)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        if not reference:
+            reference["tokens"] = tokens
+        forced = teacher_forced_logprobs(llm, [p + t for p, t in zip(prompts, reference["tokens"])],
+                                         [len(p) for p in prompts])
+        if "logprobs" not in reference:
+            reference["logprobs"] = [lp for lp, _ in forced]
+        prefixes = [common_prefix(t, r) for t, r in zip(tokens, reference["tokens"])]
+        diffs = [abs(a - b) for (lp, _), ref in zip(forced, reference["logprobs"]) for a, b in zip(lp, ref)]
+        agree = [int(a == b) for (_, argmax), ref in zip(forced, reference["tokens"]) for a, b in zip(argmax, ref)]
+        rows.append({"mode": name, "options": mode_options, "mean_common_prefix": statistics.mean(prefixes),
+                     "min_common_prefix": min(prefixes), "all_equal": sum(p == args.max_tokens for p in prefixes)
+                     / len(prefixes), "mean_abs_logprob_diff": statistics.mean(diffs),
+                     "max_abs_logprob_diff": max(diffs), "teacher_forced_argmax_agreement": statistics.mean(agree),
+                     "mean_reference_logprob": statistics.mean(lp for lps in reference["logprobs"] for lp in lps),
+                     "seconds": time.perf_counter() - started})
+        print(f"{name}: mean common prefix {rows[-1]['mean_common_prefix']:.2f} / {args.max_tokens}, "
+              f"|d logprob| {rows[-1]['mean_abs_logprob_diff']:.4f}", flush=True)
+        del llm
+    payload = {"model": common.model_label(args.model), "dtype": args.dtype, "num_prompts": len(prompts),
+               "max_tokens": args.max_tokens, "reference": modes[0][0], "rows": rows}
+    path = common.write_result(NAME, payload, args.result_file, argv)
+    print(common.format_table(
+        ["mode", "mean common prefix", "min", "all 32 equal", "mean |d logprob|", "max |d logprob|",
+         "forced argmax agree"],
+        [[r["mode"], r["mean_common_prefix"], r["min_common_prefix"], r["all_equal"], r["mean_abs_logprob_diff"],
+          r["max_abs_logprob_diff"], r["teacher_forced_argmax_agreement"]] for r in rows]))
+    print(f"result: {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
