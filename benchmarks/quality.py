@@ -9,13 +9,15 @@ For every mode, against the first mode (the float reference):
   and the one the mode gives those same tokens after the same context (one forward over prompt + reference tokens
   with the mode's serving params, `jaxserve.models.forward`), and the share of positions whose argmax agrees.
 
-A mode is a name and engine options (`LLM(**options)`); built in: `float` ({}), `int8` ({quantization: int8}) and
-`int8-float-embedding` (int8 with the embedding table, and so the tied LM head, kept float). Others come from the
-command line as `NAME:key=value,key=value` (e.g. `kv-int8:kv_cache_dtype=int8`). Teacher forcing runs the
-forward on a float KV pool of its own, so it measures weight modes only; greedy agreement goes through the
-whole engine and measures any mode.
+A mode is a name and engine options (`LLM(**options)`); built in: `float` ({}), `int8` ({quantization: int8}),
+`int8-float-embedding` (int8 with the embedding table, and so the tied LM head, kept float), `kv-int8` and
+`kv-fp8` ({kv_cache_dtype: int8 / fp8}). Others come from the command line as `NAME:key=value,key=value`.
+Teacher forcing runs the engine's own model, attention backend and KV page dtype over a fresh pool (the tokens
+are written, quantized if the mode says so, then read back, as in a prefill), so it measures weight and KV
+modes alike; greedy agreement goes through the whole engine.
 
     python benchmarks/quality.py --modes float int8 int8-float-embedding
+    python benchmarks/quality.py --modes float kv-int8 kv-fp8 --num-prompts 12
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from benchmarks.datasets import DEFAULT_PROMPTS_FILE, chat_messages, load_prompt
 
 NAME = "quality"
 BUILT_IN = {"float": {}, "int8": {"quantization": "int8"},
-            "int8-float-embedding": {"quantization": "int8", "_float_embedding": True}}
+            "int8-float-embedding": {"quantization": "int8", "_float_embedding": True},
+            "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"}}
 PAD_TO = 64  # teacher-forcing sequences are right-padded to a multiple of this (causal: padding changes nothing)
 
 
@@ -70,26 +73,27 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[int]) -> list[tuple[list, list]]:
     """For each sequence: (log-probabilities of tokens[start:] given what precedes them, argmax at those positions),
-    from the engine's serving params (one device) through `models.forward` over a fresh float pool."""
+    from the engine's serving params (one device) through `models.forward` with its attention backend over a fresh
+    pool of its KV page dtype."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+    from jaxserve.layers.attention import AttentionMetadata
     from jaxserve.models import forward
 
     runner = llm.llm_engine.runner
     if runner.tp.size != 1:
         raise ValueError("teacher forcing runs on one device")
     cfg, page_size = runner.config, runner.page_size
-    backend = AttentionBackend("xla")
+    backend = runner.backend
     run = jax.jit(forward, static_argnums=(1, 2), static_argnames=("dtype",))
     results = []
     for tokens, start in zip(sequences, starts):
         length = -(-len(tokens) // PAD_TO) * PAD_TO
         pages = length // page_size
-        shape = backend.pool_shape(pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = [(jnp.zeros(shape, runner.dtype), jnp.zeros(shape, runner.dtype)) for _ in range(cfg.num_layers)]
+        shape = backend.pool_shape(pages + 1, page_size, runner.tp.pool_heads(cfg), cfg.head_dim)
+        cache = [tuple(backend.empty_pool(shape, runner.dtype) for _ in "kv") for _ in range(cfg.num_layers)]
         ids = np.zeros(length, np.int32)
         ids[:len(tokens)] = tokens
         meta = AttentionMetadata(positions=jnp.arange(length, dtype=jnp.int32)[None],
