@@ -10,7 +10,7 @@
 #   3. end to end: the engine's decode step in bfloat16 at batch 1-256 against the roofline
 #      (`roofline.py`), on a random-weight stand-in with the default model's shapes built on the machine
 #      (`random_model.py`; the default model's GGUF is larger than what a device call may carry)
-#   3b. int8 weights (W8A16) against bf16: the decode step at batch 1 and 64 (`quant_speed.py`)
+#   3b. int8 weights (W8A16) and fp8 KV pages against bf16: the decode step at batch 1 and 64 (`quant_speed.py`)
 #   4. pytest tests/test_kernels.py with JAXSERVE_KERNEL_INTERPRET=0 (compiled Triton kernels)
 #   5. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
@@ -111,8 +111,8 @@ step "decode roofline, bf16, batch 1-256 (roofline.py)" 200 \
     "$PY" benchmarks/roofline.py --model "$RANDOM_MODEL" --dtype bfloat16 --batch-sizes 1 16 64 128 256 \
     --max-num-seqs 256 --max-model-len 1024 --context 512 --result-file "$OUT_DIR/roofline-gpu.json" \
     --no-plot --disable-tqdm
-step "int8 weights vs bf16 decode, batch 1 and 64 (quant_speed.py)" 80 \
-    "$PY" benchmarks/quant_speed.py --model "$RANDOM_MODEL" --dtype bfloat16 --modes none int8 --batch-sizes 1 64 \
+step "int8 weights and fp8 KV vs bf16 decode, batch 1 and 64 (quant_speed.py)" 110 \
+    "$PY" benchmarks/quant_speed.py --model "$RANDOM_MODEL" --dtype bfloat16 --modes float int8 kv-fp8 --batch-sizes 1 64 \
     --max-num-seqs 64 --max-model-len 1024 --context 512 --rounds 2 --result-file "$OUT_DIR/quant-speed-gpu.json" \
     --disable-tqdm
 

@@ -1,8 +1,11 @@
-"""Decode speed of weight quantization modes against float, in one process: the engine's jitted decode step
+"""Decode speed of quantization modes (weights or KV pages) against float, in one process: the engine's jitted decode step
 (`roofline.time_decode_step`) at each batch size, the modes' engines timed in turn, round after round, so a noisy
 shared machine slows them alike; medians over the rounds and each mode's speed-up over the first mode.
 
-    python benchmarks/quant_speed.py --modes none int8 --batch-sizes 1 64 --context 256 --rounds 5
+    python benchmarks/quant_speed.py --modes float int8 kv-fp8 --batch-sizes 1 64 --context 256 --rounds 5
+
+Modes are named as in `quality.py` (built in: float, int8, int8-float-embedding, kv-int8, kv-fp8, or
+NAME:key=value,...).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
 from benchmarks import common
+from benchmarks.quality import build_engine, parse_mode
 from benchmarks.roofline import time_decode_step
 
 NAME = "quant_speed"
@@ -24,8 +28,8 @@ NAME = "quant_speed"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["none", "int8"],
-                        help="weight quantization of each engine: none (float) or int8; the first is the baseline")
+    parser.add_argument("--modes", nargs="+", default=["float", "int8"],
+                        help="engine of each mode, as quality.py names them; the first is the baseline")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=256, help="tokens each sequence attends over")
     parser.add_argument("--rounds", type=int, default=5, help="rounds over all modes (median reported)")
@@ -40,13 +44,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     common.quiet_logs()
     common.seed_everything(args.seed)
-    from jaxserve import LLM
-
     options = common.engine_options(args)
+    options.pop("quantization", None)  # each mode says its own
     options["max_num_seqs"] = max(args.max_num_seqs, max(args.batch_sizes))
     options["max_model_len"] = max(args.max_model_len, args.context)
-    engines = {mode: LLM(**{**options, "quantization": None if mode == "none" else mode}, warmup=False)
-               for mode in args.modes}
+    engines = {mode: build_engine(options, parse_mode(mode)[1]) for mode in args.modes}
     samples: dict[tuple[str, int], list[float]] = {(m, b): [] for m in args.modes for b in args.batch_sizes}
     for _ in range(args.rounds):
         for batch in args.batch_sizes:
