@@ -318,6 +318,16 @@ def load_tokenizer(model: str | None):
     return load_model(None).tokenizer
 
 
+def start(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[list[str], argparse.Namespace]:
+    """A benchmark's start: `(argv, parsed args)` from `argv` (default: the command line), logs quieted and
+    every random source seeded with `--seed`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    quiet_logs()
+    seed_everything(args.seed)
+    return argv, args
+
+
 def quiet_logs() -> None:
     """Engine INFO logs (load and warm-up times) stay; library chatter goes."""
     import logging

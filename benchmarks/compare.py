@@ -114,10 +114,7 @@ def run_hf(args: argparse.Namespace, records: list) -> tuple[dict[str, Any], lis
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    common.quiet_logs()
-    common.seed_everything(args.seed)
+    argv, args = common.start(build_parser(), argv)
     jax_summary, jax_outputs, records = run_jaxserve(args)
     payload: dict[str, Any] = {"model": common.model_label(args.model), "dtype": args.dtype,
                                "workload": {**datasets.describe(args), **datasets.length_stats(records)},

@@ -136,10 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    common.quiet_logs()
-    common.seed_everything(args.seed)
+    argv, args = common.start(build_parser(), argv)
     from jaxserve import SamplingParams
 
     modes = [parse_mode(spec) for spec in args.modes]

@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 from benchmarks.quality import build_engine, parse_mode
-from benchmarks.roofline import time_decode_step
+from benchmarks.roofline import decode_options, time_decode_step
 
 NAME = "quant_speed"
 
@@ -40,14 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    common.quiet_logs()
-    common.seed_everything(args.seed)
-    options = common.engine_options(args)
+    argv, args = common.start(build_parser(), argv)
+    options = decode_options(args)
     options.pop("quantization", None)  # each mode says its own
-    options["max_num_seqs"] = max(args.max_num_seqs, max(args.batch_sizes))
-    options["max_model_len"] = max(args.max_model_len, args.context)
     engines = {mode: build_engine(options, parse_mode(mode)[1]) for mode in args.modes}
     samples: dict[tuple[str, int], list[float]] = {(m, b): [] for m in args.modes for b in args.batch_sizes}
     for _ in range(args.rounds):

@@ -243,18 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def decode_options(args) -> dict[str, Any]:
+    """Engine options for timing decode steps: enough slots for the largest batch and room for the context."""
+    options = common.engine_options(args)
+    options["max_num_seqs"] = max(args.max_num_seqs, max(args.batch_sizes))
+    options["max_model_len"] = max(args.max_model_len, args.context)
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    common.quiet_logs()
-    common.seed_everything(args.seed)
+    argv, args = common.start(build_parser(), argv)
     from tqdm.auto import tqdm
 
     from jaxserve import LLM
 
-    options = common.engine_options(args)
-    options["max_num_seqs"] = max(args.max_num_seqs, max(args.batch_sizes))
-    options["max_model_len"] = max(args.max_model_len, args.context)
+    options = decode_options(args)
     llm = LLM(**options, warmup=False)  # only the measured shapes compile (in the timing warm-up)
     ceilings = measure_ceilings(args.dtype, args.bandwidth_bytes, args.matmul_size,
                                 args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None,

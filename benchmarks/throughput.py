@@ -260,10 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    common.quiet_logs()
-    common.seed_everything(args.seed)
+    argv, args = common.start(build_parser(), argv)
     load_before = common.load_average()
     llm, startup_s = start_engine(common.engine_options(args))
     config = llm.llm_engine.config
