@@ -44,7 +44,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.steps import ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
 from jaxserve.layers.attention import AttentionBackend
-from jaxserve.layers.quant_dense import quantize_params
+from jaxserve.layers.quant_dense import cast_floats, serving_weights
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.models import fuse_layer
 
@@ -119,10 +119,10 @@ class ModelRunner:
         config, tp, mesh = self.config, self.tp, self.mesh
 
         def to_serving(kind: str, group: dict) -> dict:
-            group = jax.tree.map(lambda x: x.astype(self.dtype), group)
+            group = cast_floats(group, self.dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
             group = fuse_layer(group, config, tp) if kind == "layer" else group
             # int8 weights: per output channel, which commutes with fusing's column permutation
-            return quantize_params(group) if self.engine_config.quantization == "int8" else group
+            return serving_weights(group, self.engine_config.quantization)
 
         converters: dict[str, object] = {}  # one compiled conversion serves every layer
         serving = {}

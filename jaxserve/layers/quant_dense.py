@@ -72,6 +72,17 @@ def quantize_params(tree: dict, quantize_embedding: bool | None = None) -> dict:
             for name, value in tree.items()}
 
 
+def cast_floats(tree: dict, dtype) -> dict:
+    """`tree` with its floating leaves in `dtype`; integer leaves (quantized weights) as they are."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def serving_weights(group: dict, quantization: str | None) -> dict:
+    """A fused serving-layout group in the engine's `quantization` mode: int8 quantizes it here; the float
+    modes (None) keep it."""
+    return quantize_params(group) if quantization == "int8" else group
+
+
 def is_quantized(params: dict) -> bool:
     """Whether a parameter tree holds any int8 weight."""
     return any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params))
