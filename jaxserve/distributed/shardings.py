@@ -8,6 +8,8 @@ columns together; see `models.llama.fuse_params`). Megatron-style:
   (XLA's SPMD partitioner inserts the all-reduce after them);
 * the embedding and the LM head split on the vocabulary (replicated when it does not divide evenly);
 * int8 weights' per-output-channel scales split like their kernel's output features;
+* AWQ int4 layers' per-group `zeros` and `scales` ([in / group, out]) split exactly like their kernel: on the
+  output features, or on the input features (whole groups per device, checked by `loading/awq.py`);
 * norms replicated; the page pool (and a quantized pool's per-token scales) split on its heads axis;
   everything the host sends or reads (token ids, page tables, logits, sampled tokens, penalty state) replicated.
 """
@@ -36,15 +38,15 @@ PARAM_TABLE: tuple[tuple[str, P | str], ...] = (
     (r"embed/scale", "vocab_vector"),  # int8 weights (layers/quant_dense.py): one scale per output channel,
     (r"lm_head/kernel", "vocab_columns"),  # split with the kernel's output features, replicated where the
     (r"lm_head/scale", "vocab_vector"),  # kernel is split on its input features
-    (r"attn/(qkv|q)_proj/kernel", SPLIT_OUTPUT),
+    (r"attn/(qkv|q)_proj/(kernel|zeros|scales)$", SPLIT_OUTPUT),
     (r"attn/(qkv|q)_proj/(bias|scale)", SPLIT_VECTOR),
-    (r"attn/[kv]_proj/kernel", "kv_kernel"),
+    (r"attn/[kv]_proj/(kernel|zeros|scales)$", "kv_kernel"),
     (r"attn/[kv]_proj/(bias|scale)", "kv_vector"),
-    (r"attn/o_proj/kernel", SPLIT_INPUT),
+    (r"attn/o_proj/(kernel|zeros|scales)$", SPLIT_INPUT),
     (r"attn/o_proj/scale", REPLICATED),
-    (r"mlp/(gate_up|gate|up)_proj/kernel", SPLIT_OUTPUT),
+    (r"mlp/(gate_up|gate|up)_proj/(kernel|zeros|scales)$", SPLIT_OUTPUT),
     (r"mlp/(gate_up|gate|up)_proj/scale", SPLIT_VECTOR),
-    (r"mlp/down_proj/kernel", SPLIT_INPUT),
+    (r"mlp/down_proj/(kernel|zeros|scales)$", SPLIT_INPUT),
     (r"mlp/down_proj/scale", REPLICATED),
     (r"(norm|_norm)/scale", REPLICATED),
 )

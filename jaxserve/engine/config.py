@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
-QUANTIZATIONS = (None, "int8")  # the values implemented so far (issue 13 adds "awq")
+QUANTIZATIONS = (None, "int8", "awq")  # awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # int8: per-token scales; fp8: e4m3 with per-token scales
 
 
@@ -38,6 +38,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
     quantization: str | None = None  # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq"
+    # (an AutoAWQ checkpoint's 4-bit weights; set from the checkpoint's config.json when left None)
     kv_cache_dtype: str = "auto"  # KV pages: "auto" (the serving dtype), "int8" (per-token scales) or "fp8" (e4m3)
     attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret"; default pallas on GPU, xla on CPU
     seed: int = 0
@@ -68,6 +69,10 @@ class EngineConfig:
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+        # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
+        from jaxserve.loading.awq import check_quantization
+
+        self.quantization = check_quantization(self.model, self.quantization, self.tensor_parallel_size)
 
     def resolve(self, model_max_len: int) -> None:
         """Fills the defaults that depend on the model."""

@@ -79,7 +79,7 @@ def cast_floats(tree: dict, dtype) -> dict:
 
 def serving_weights(group: dict, quantization: str | None) -> dict:
     """A fused serving-layout group in the engine's `quantization` mode: int8 quantizes it here; the float
-    modes (None) keep it."""
+    modes (None) and "awq" (whose checkpoint's 4-bit leaves the loader produced, `layers/awq.py`) keep it."""
     return quantize_params(group) if quantization == "int8" else group
 
 
@@ -161,8 +161,9 @@ def int8_matmul_transposed(x: jax.Array, table: jax.Array, scale: jax.Array, out
 
 class Linear(nn.Module):
     """`nn.Dense` (same names, initializers and float arithmetic) that also runs int8 weights: params `kernel`
-    (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional).
-    `in_shards`: devices the input features are split over (row-parallel layers)."""
+    (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional); or AWQ
+    int4 weights: `kernel` uint4 `[in, out]` with `zeros` (uint4) and `scales` (float) `[in / group, out]`
+    (`layers/awq.py`). `in_shards`: devices the input features are split over (row-parallel layers)."""
 
     features: int
     use_bias: bool = False
@@ -171,7 +172,12 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.has_variable("params", "scale"):
+        if self.has_variable("params", "zeros"):
+            from jaxserve.layers.awq import awq_matmul  # (imports this module)
+
+            y = awq_matmul(x.astype(self.dtype), *(self.get_variable("params", name)
+                                                   for name in ("kernel", "zeros", "scales")), self.in_shards)
+        elif self.has_variable("params", "scale"):
             y = int8_matmul(x.astype(self.dtype), self.get_variable("params", "kernel"),
                             self.get_variable("params", "scale"), self.in_shards)
         else:

@@ -27,6 +27,7 @@ from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
+from jaxserve.loading.awq import check_quantization
 from jaxserve.loading.generation_config import (generation_config_file, generation_eos_token_ids,
                                                 read_generation_config, sampling_defaults)
 from jaxserve.loading.store import (CorruptCheckpointError, is_store, read_store_config, restore_store, save_store,
@@ -178,14 +179,17 @@ def model_tokenizer(directory: Path) -> Any:
 
 def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
                tokenizer: str | os.PathLike | None = None, generation_config: str = "auto",
-               mesh: Mesh | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, quantization: str | None = None) -> LoadedModel:
     """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`), placed on `mesh`.
 
     `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file.
     `tokenizer`: a directory whose tokenizer replaces the model's (vLLM's `--tokenizer`).
     `generation_config`: "auto", "vllm" or a directory; see `jaxserve.loading.generation_config`.
     `mesh`: the tensor-parallel device mesh (`distributed.tensor_parallel.make_mesh`); None means one device.
-    ValueError (before any weight is read) if the model's heads cannot be split over the mesh.
+    `quantization`: the engine's weight mode; an AutoAWQ checkpoint loads 4-bit whatever it is (None: as the
+    checkpoint says, like vLLM), and "awq" on any other checkpoint is an error (`loading.awq.check_quantization`).
+    ValueError (before any weight is read) if the model's heads cannot be split over the mesh, or for a
+    quantization the checkpoint does not match.
     """
     dtype = jnp.dtype(dtype)
     mesh = make_mesh(1) if mesh is None else mesh
@@ -193,6 +197,7 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     generation_file = generation_config_file(generation_config, source.directory)
     override_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
     TensorParallel(mesh.size).check(model_config(source))
+    check_quantization(source.weights, quantization, mesh.size)
     config, params = load_weights(source, dtype, mesh)
     generation = read_generation_config(generation_file)
     return LoadedModel(

@@ -144,8 +144,13 @@ def hf_model_config(path: str) -> ModelConfig:
 
 def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
     """`(ModelConfig, params)` from a HF checkpoint directory (config.json + safetensors): jax arrays in `dtype`
-    placed on `mesh` (default: one device) by the sharding table. The head counts are checked before any read."""
+    placed on `mesh` (default: one device) by the sharding table. The head counts are checked before any read.
+    An AutoAWQ checkpoint (config.json's quantization_config) loads with its linears 4-bit (`loading/awq.py`)."""
+    from jaxserve.loading.awq import checkpoint_quantization_config, load_awq_checkpoint
     from jaxserve.loading.placement import checkpoint_shardings
 
     config = hf_model_config(path)
+    quantization = checkpoint_quantization_config(path)
+    if quantization is not None and str(quantization.get("quant_method", "")).lower() == "awq":
+        return config, load_awq_checkpoint(path, config, quantization, dtype, mesh)
     return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh), dtype)

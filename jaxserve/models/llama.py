@@ -193,7 +193,7 @@ def checkpoint_shapes(config: ModelConfig, dtype=jnp.float32) -> dict:
 
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     """One decoder layer's checkpoint-layout params -> serving layout: q/k/v into `qkv_proj` and gate/up into
-    `gate_up_proj`, each device's columns together. Jit it with the serving shardings as `out_shardings` and every
+    `gate_up_proj`, each device's columns together (all their leaves: an AWQ layer's zeros and scales too). Jit it with the serving shardings as `out_shardings` and every
     device builds its own columns from its own shards (k/v replicated when the KV heads are)."""
     cfg, n = config, tp.size
     attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
@@ -212,13 +212,15 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
                  per_device(v, cfg.num_kv_heads, True)]
         return jnp.concatenate(parts, axis=-1).reshape(*q.shape[:-1], -1)
 
-    qkv = {"kernel": fused("kernel")} | ({"bias": fused("bias")} if cfg.qkv_bias else {})
+    # every leaf along the output features: kernel, bias, and an AWQ layer's per-group zeros and scales
+    qkv = {leaf: fused(leaf) for leaf in attn["q_proj"]}
     for name in "qkv":
         del attn[f"{name}_proj"]
-    gate, up = (mlp.pop(name)["kernel"] for name in ("gate_proj", "up_proj"))
-    gate_up = jnp.concatenate([gate.reshape(gate.shape[0], n, -1), up.reshape(up.shape[0], n, -1)], axis=-1)
-    return {**layer, "attn": {"qkv_proj": qkv, **attn},
-            "mlp": {"gate_up_proj": {"kernel": gate_up.reshape(gate.shape[0], -1)}, **mlp}}
+    gate, up = (mlp.pop(name) for name in ("gate_proj", "up_proj"))
+    gate_up = {leaf: jnp.concatenate([gate[leaf].reshape(*gate[leaf].shape[:-1], n, -1),
+                                      up[leaf].reshape(*up[leaf].shape[:-1], n, -1)], axis=-1)
+               .reshape(*gate[leaf].shape[:-1], -1) for leaf in gate}
+    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": {"gate_up_proj": gate_up, **mlp}}
 
 
 def fuse_params(params: dict, config: ModelConfig, tp: TensorParallel = TensorParallel()) -> dict:

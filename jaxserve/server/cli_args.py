@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from jaxserve.distributed.multihost import MultiHost
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import QUANTIZATIONS, EngineConfig
 from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.server.api_server import ServerSettings
 
@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=ENGINE_DEFAULTS["scheduling_policy"],
                         help="'priority': requests' `priority` field orders them (lower first)")
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    engine.add_argument("--quantization", "-q", default=None,
-                        help="weights: int8 (W8A16, quantized at load) or awq (AutoAWQ 4-bit checkpoints)")
+    engine.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
+                        help="weights: int8 (W8A16, quantized at load) or awq (AutoAWQ 4-bit checkpoints, "
+                             "also detected from the checkpoint's config.json when the flag is unset)")
     engine.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"],
                         help="KV pages: auto (the model dtype), int8 or fp8 (e4m3)")
     engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])
