@@ -11,13 +11,17 @@ For every mode, against the first mode (the float reference):
 
 A mode is a name and engine options (`LLM(**options)`); built in: `float` ({}), `int8` ({quantization: int8}),
 `int8-float-embedding` (int8 with the embedding table, and so the tied LM head, kept float), `kv-int8` and
-`kv-fp8` ({kv_cache_dtype: int8 / fp8}). Others come from the command line as `NAME:key=value,key=value`.
+`kv-fp8` ({kv_cache_dtype: int8 / fp8}), and `awq`: the model written once as an AutoAWQ-format checkpoint
+(`loading.awq.write_awq_checkpoint`: RTN int4 in AWQ format, groups of 64 input rows, *no activation-aware
+scaling*, so a lower bound on what a real AutoAWQ checkpoint of the model would score) under the checkpoint root
+and served with quantization="awq". Others come from the command line as `NAME:key=value,key=value`.
 Teacher forcing runs the engine's own model, attention backend and KV page dtype over a fresh pool (the tokens
 are written, quantized if the mode says so, then read back, as in a prefill), so it measures weight and KV
 modes alike; greedy agreement goes through the whole engine.
 
     python benchmarks/quality.py --modes float int8 int8-float-embedding
     python benchmarks/quality.py --modes float kv-int8 kv-fp8 --num-prompts 12
+    python benchmarks/quality.py --modes float awq
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from benchmarks.datasets import DEFAULT_PROMPTS_FILE, chat_messages, load_prompt
 NAME = "quality"
 BUILT_IN = {"float": {}, "int8": {"quantization": "int8"},
             "int8-float-embedding": {"quantization": "int8", "_float_embedding": True},
-            "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"}}
+            "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"},
+            "awq": {"quantization": "awq", "_awq_group_size": 64}}  # 64: SmolLM2-135M's 576 features are 4.5 x 128
 PAD_TO = 64  # teacher-forcing sequences are right-padded to a multiple of this (causal: padding changes nothing)
 
 
@@ -108,11 +113,51 @@ def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[i
     return results
 
 
+def awq_checkpoint(model: str | None, group: int) -> str:
+    """An AutoAWQ-format checkpoint of `model` (the default model, or a HF directory of float safetensors) with RTN
+    int4 groups of `group` (no activation-aware scaling), written once under the checkpoint root."""
+    import glob
+    import json
+    import shutil
+    from pathlib import Path
+
+    from jaxserve.loading import DEFAULT_MODEL, checkpoint_root, default_gguf_path
+    from jaxserve.loading.awq import write_awq_checkpoint
+
+    name = DEFAULT_MODEL if model in (None, DEFAULT_MODEL) else Path(model).name
+    target = checkpoint_root() / f"{name}-awq-rtn-g{group}"
+    if (target / "config.json").exists():
+        return str(target)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if model in (None, DEFAULT_MODEL):
+        from jaxserve.loading.gguf_convert import read_gguf
+
+        hf_config, state, tokenizer = read_gguf(default_gguf_path())
+        write_awq_checkpoint(partial, state, json.loads(hf_config.to_json_string()), group)
+        tokenizer.save_pretrained(str(partial))
+    else:
+        from safetensors.numpy import load_file
+
+        state = {k: v for f in sorted(glob.glob(f"{model}/*.safetensors")) for k, v in load_file(f).items()}
+        write_awq_checkpoint(partial, state, json.loads((Path(model) / "config.json").read_text()), group)
+        for file in Path(model).iterdir():
+            if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json", INDEX):
+                shutil.copy(file, partial / file.name)
+    partial.rename(target)
+    return str(target)
+
+
+INDEX = "model.safetensors.index.json"
+
+
 def build_engine(options: dict[str, Any], mode_options: dict[str, Any]):
     from jaxserve import LLM
     from jaxserve.layers import quant_dense
 
     mode_options = dict(mode_options)
+    if "_awq_group_size" in mode_options:
+        options = {**options, "model": awq_checkpoint(options.get("model"), mode_options.pop("_awq_group_size"))}
     float_embedding = mode_options.pop("_float_embedding", False)
     saved = quant_dense.QUANTIZE_EMBEDDING
     quant_dense.QUANTIZE_EMBEDDING = not float_embedding  # read while the weights are quantized at load
