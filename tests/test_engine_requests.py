@@ -133,7 +133,7 @@ def test_abort_after_one_of_n_completions_finished(engine):
     engine.add_request("one-done", prompt(12), SamplingParams(**vars(params) | {"stop_token_ids": [stop]}))
     output = None
     while output is None or output.outputs[0].finish_reason is None:
-        output = next(o for o in engine.step() if o.request_id == "one-done")
+        output = next((o for o in engine.step() if o.request_id == "one-done"), output)
     before = engine.stats()
     engine.abort_request("one-done")
     final = run(engine)[-1]

@@ -45,6 +45,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority" (lower value first, aged so nothing starves)
     priority_aging_seconds: float = 10.0  # waiting this long counts as one priority level
     decode_batch_buckets: tuple[int, ...] | None = None  # default: 1, 4, 8, 16, 32, 64, 128, 256 up to max_num_seqs
+    async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens (False: one step at a time)
     warmup: bool = True  # compile every shape at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
 

@@ -36,6 +36,7 @@ class PrefillInputs:
     page_tables: np.ndarray  # int32 [rows, pages_per_seq]
     output_index: np.ndarray  # int32 [rows]: output tokens each row's sequence has so far
     is_final: np.ndarray  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
+    next_tokens: np.ndarray  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
 
 
 @dataclasses.dataclass
@@ -44,10 +45,9 @@ class DecodeInputs:
 
     seqs: list[Sequence]
     slots: np.ndarray  # int32 [rows]
-    token_ids: np.ndarray  # int32 [rows]
-    positions: np.ndarray  # int32 [rows]
-    page_tables: np.ndarray  # int32 [rows, pages_per_seq]
-    output_index: np.ndarray  # int32 [rows]
+    positions: np.ndarray  # int32 [rows]: where each row's input token (its slot's latest, on the device) goes
+    pages: np.ndarray  # int32 [rows]: the page holding that position (the device keeps the rest of the table)
+    output_index: np.ndarray  # int32 [rows]: the output index of the token each row samples
     active: np.ndarray  # bool [rows]
 
 
@@ -72,7 +72,8 @@ def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) 
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
     inputs = PrefillInputs(chunks, np.zeros(rows, np.int32), np.zeros((rows, tokens), np.int32),
                            np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                           np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool))
+                           np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool),
+                           np.zeros(rows, np.int32))
     for row, chunk in enumerate(chunks):
         seq = chunk.seq
         inputs.slots[row] = seq.slot
@@ -82,22 +83,27 @@ def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) 
         inputs.page_tables[row, :len(seq.page_table)] = seq.page_table
         inputs.output_index[row] = seq.num_output_tokens
         inputs.is_final[row] = chunk.is_final
+        if not chunk.is_final:
+            inputs.next_tokens[row] = seq.token_ids[chunk.start + chunk.num_tokens]
     return inputs
 
 
 def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
+    """O(rows) host work: the device holds every slot's page table and latest token."""
     rows = bucket_for(len(seqs), config.decode_batch_buckets)
-    inputs = DecodeInputs(seqs, np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                          np.zeros((rows, config.pages_per_seq), np.int32), np.zeros(rows, np.int32),
-                          np.zeros(rows, bool))
-    for row, seq in enumerate(seqs):
-        inputs.slots[row] = seq.slot
-        inputs.token_ids[row] = seq.token_ids[-1]
-        inputs.positions[row] = len(seq) - 1
-        inputs.page_tables[row, :len(seq.page_table)] = seq.page_table
-        inputs.output_index[row] = seq.num_output_tokens
-    inputs.active[:len(seqs)] = True
-    return inputs
+    page_size = config.page_size
+    slots, positions, pages, output_index = [], [], [], []
+    for seq in seqs:
+        position = seq.num_tokens - 1
+        slots.append(seq.slot)
+        positions.append(position)
+        pages.append(seq.page_table[position // page_size])
+        output_index.append(seq.num_output_tokens + seq.num_pending)
+    pad = [0] * (rows - len(seqs))
+    active = np.zeros(rows, bool)
+    active[:len(seqs)] = True
+    return DecodeInputs(seqs, np.array(slots + pad, np.int32), np.array(positions + pad, np.int32),
+                        np.array(pages + pad, np.int32), np.array(output_index + pad, np.int32), active)
 
 
 def is_plain_greedy(batch: SamplingBatch, rows: int) -> bool:

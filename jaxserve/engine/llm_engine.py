@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.model_runner import ModelRunner, SampledToken
+from jaxserve.engine.model_runner import InFlightStep, ModelRunner, SampledToken
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -57,6 +57,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(model_config, self.model.params, self.config, self.eos_token_ids, self.mesh)
         self.model.params = None  # the runner holds the device copy
+        self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         if self.runner.num_pages - 1 < self.config.pages_per_seq:
             raise ValueError(f"num_kv_pages={self.runner.num_pages} cannot hold one sequence of max_model_len="
                              f"{self.config.max_model_len} ({self.config.pages_per_seq} pages + 1 scratch page)")
@@ -76,6 +77,7 @@ class LLMEngine:
         self._first_token_latencies: list[float] = []
         self._inter_token_latencies: list[float] = []
         self._iteration = IterationStats()
+        self._in_flight: InFlightStep | None = None  # async scheduling: the dispatched step not yet read
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
         if self.config.warmup:
             seconds = self.runner.warmup()
@@ -179,16 +181,25 @@ class LLMEngine:
     # -- the loop (one thread) ---------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or not self._commands.empty()
+        return bool(self.requests) or not self._commands.empty() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns an output for each request that changed (finished ones are then forgotten)."""
+        """Runs one iteration; returns an output for each request that changed (finished ones are then forgotten).
+
+        Synchronous: schedule, dispatch, wait for the plan's tokens, post-process them. Async scheduling
+        (the default) dispatches the plan first and then post-processes the previous step's tokens, so the
+        device computes step t+1 while the host reads step t (a sequence that stopped at t computes one
+        extra token, which is discarded)."""
+        self.phases.start()
         self._first_token_latencies, self._inter_token_latencies = [], []
         touched = self._apply_commands()
         plan = self.scheduler.schedule()
-        if not plan.is_empty:
-            self._run(plan)
-            touched |= {seq.request_id for seq in plan.decodes} | {c.seq.request_id for c in plan.prefills}
+        self.phases.lap("schedule")
+        launched = self._dispatch(plan) if not plan.is_empty else None
+        if self.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            touched |= self._collect(launched)
         outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
@@ -201,24 +212,40 @@ class LLMEngine:
                 outputs.append(output)
         self._stats = self._snapshot()
         self._iteration = IterationStats(tuple(self._first_token_latencies), tuple(self._inter_token_latencies))
+        self.phases.lap("postprocess")
         return outputs
 
-    def _run(self, plan: SchedulerOutput) -> None:
+    def _dispatch(self, plan: SchedulerOutput) -> InFlightStep:
         now = time.monotonic()
         for seq in plan.admitted:
             request = self.requests[seq.request_id]
             request.first_scheduled_time = request.first_scheduled_time or now
-        sampled = self.runner.execute(plan)
+        step = self.runner.dispatch(plan)
         self._steps += 1
         for chunk in plan.prefills:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            chunk.seq.num_pending += chunk.is_final
             self.page_manager.commit_full_pages(chunk.seq)
         for seq in plan.decodes:
             seq.num_computed_tokens += 1
-            self.page_manager.commit_full_pages(seq)
+            seq.num_pending += 1
+        return step
+
+    def _collect(self, step: InFlightStep) -> set[str]:
+        """Reads a dispatched step's tokens and appends them; a sequence that finished meanwhile drops its token."""
+        sampled = self.runner.collect(step)
         now = time.monotonic()
+        touched = set()
         for sample in sampled:
+            seq = sample.seq
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue
             self._append_token(sample, now)
+            if seq.page_table:
+                self.page_manager.commit_full_pages(seq)
+            touched.add(seq.request_id)
+        return touched
 
     def _append_token(self, sample: SampledToken, now: float) -> None:
         """Appends a sampled token and applies vLLM's stop rules: none is checked before min_tokens outputs."""

@@ -3,10 +3,13 @@ and turning a scheduler plan into their inputs.
 
 The narrow interface the host loop uses (after JetStream's engine_api):
 
-* `execute(plan)`: runs one scheduler plan — resets the penalty state of newly admitted slots, runs its
-  prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its decode batch (one per
-  batch bucket), and returns the token sampled for every sequence that produced one, with one
-  device->host transfer for the whole step.
+* `dispatch(plan)`: launches one scheduler plan without waiting for it — resets the penalty state of newly
+  admitted slots, runs its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its decode
+  batch (one per batch bucket) — and returns an `InFlightStep` whose sampled tokens are still on the device.
+  Decode rows read their input token from the device's `SlotState`, so the next plan may be dispatched
+  before this one's tokens reach the host (async scheduling).
+* `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one, with one
+  device->host transfer for the whole step. `execute(plan)` is both at once.
 
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
@@ -42,7 +45,8 @@ from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
-from jaxserve.engine.steps import ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
+from jaxserve.engine.stats import StepPhases
+from jaxserve.engine.steps import SlotState, ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.quant_dense import cast_floats, serving_weights
 from jaxserve.layers.sampler import PenaltyState, SampleResult
@@ -62,6 +66,14 @@ class SampledToken:
     token: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None  # the top-k (k = params.logprobs) plus the sampled token
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched plan: each call's inputs with its sampled tokens, still on the device."""
+
+    prefills: list[tuple[PrefillInputs, SampleResult]]
+    decode: tuple[DecodeInputs, SampleResult] | None
 
 
 class ModelRunner:
@@ -86,6 +98,7 @@ class ModelRunner:
                                       output_counts=jnp.zeros((slots, vocab), jnp.int32, device=replicated),
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool, device=replicated))
         self.slot_params = SlotSamplingParams(slots)
+        self.slot_state = SlotState.empty(slots, engine_config.pages_per_seq, replicated)
         self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
         pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
                                              config.head_dim)
@@ -94,13 +107,14 @@ class ModelRunner:
                          for _ in range(config.num_layers)]
         pool = self.backend.pool_shardings()
         params_in, kv_in = param_shardings(self.params, config, self.tp, self.mesh), [(pool, pool)] * config.num_layers
-        forward_shardings = dict(in_shardings=(params_in, kv_in) + (replicated,) * 4,
-                                 out_shardings=(replicated, replicated, kv_in), donate_argnums=(1,))
+        forward_shardings = dict(in_shardings=(params_in, kv_in, replicated) + (replicated,) * 4,
+                                 out_shardings=(replicated, replicated, kv_in, replicated), donate_argnums=(1, 2))
+        prefill_shardings = dict(forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 3)
         static = (config, self.tp, self.backend, self.dtype, self.page_size)
-        self._prefill = jax.jit(functools.partial(prefill_step, *static), **forward_shardings)
+        self._prefill = jax.jit(functools.partial(prefill_step, *static), **prefill_shardings)
         self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
         on_every_device = dict(in_shardings=replicated, out_shardings=replicated, donate_argnums=(0,))
-        self._sample = jax.jit(sample_step, **on_every_device)
+        self._sample = jax.jit(sample_step, in_shardings=replicated, out_shardings=replicated, donate_argnums=(0, 1))
         self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), **on_every_device)
         self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
         self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
@@ -108,6 +122,7 @@ class ModelRunner:
         self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
         # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
         self.on_call: Callable[[str, tuple], None] | None = None
+        self.phases = StepPhases()  # the engine's: execute() charges its prepare, dispatch and wait
         logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
                     "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
                     self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
@@ -185,20 +200,35 @@ class ModelRunner:
     # -- the step interface ------------------------------------------------------------------------------------
 
     def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
-        """Runs one plan on the device; the sampled token of every sequence whose chunk or decode produced one."""
+        """Runs one plan on the device and waits for it; the sampled token of every sequence that produced one."""
+        return self.collect(self.dispatch(plan))
+
+    def dispatch(self, plan: SchedulerOutput) -> "InFlightStep":
+        """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
+        phases = self.phases
         for seq in plan.admitted:
             self._admit(seq)
         calls = [prefill_inputs(tokens, chunks, self.engine_config.pages_per_seq)
                  for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
-        results = [self.prefill(inputs) for inputs in calls]
         decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes else None
-        decode_result = self.decode(decode) if decode is not None else None
-        results, decode_result = jax.device_get((results, decode_result))  # one transfer for the whole step
+        phases.lap("prepare")
+        prefills = [(inputs, self.prefill(inputs)) for inputs in calls]
+        step = InFlightStep(prefills, (decode, self.decode(decode)) if decode is not None else None)
+        phases.lap("dispatch")
+        return step
+
+    def collect(self, step: "InFlightStep") -> list[SampledToken]:
+        """Waits for a dispatched plan's tokens (one transfer for the whole step)."""
+        calls = step.prefills + ([step.decode] if step.decode is not None else [])
+        results = jax.device_get([result for _, result in calls])
+        self.phases.lap("wait")
         sampled = []
-        for inputs, result in zip(calls, results):
-            sampled += [_sampled(chunk.seq, result, row) for row, chunk in enumerate(inputs.chunks) if chunk.is_final]
-        if decode is not None:
-            sampled += [_sampled(seq, decode_result, row) for row, seq in enumerate(decode.seqs)]
+        for (inputs, _), result in zip(calls, results):
+            if isinstance(inputs, PrefillInputs):
+                sampled += [_sampled(chunk.seq, result, row) for row, chunk in enumerate(inputs.chunks)
+                            if chunk.is_final]
+            else:
+                sampled += [_sampled(seq, result, row) for row, seq in enumerate(inputs.seqs)]
         return sampled
 
     def _admit(self, seq: Sequence) -> None:
@@ -219,15 +249,18 @@ class ModelRunner:
 
     def prefill(self, inputs: PrefillInputs) -> SampleResult:
         """One prefill call (K/V written to the pool); the sampled token of each row, still on the device."""
-        logits, greedy, self.kv_cache = self._call("prefill", self._prefill, (self.params, self.kv_cache), (
-            inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables))
+        logits, greedy, self.kv_cache, self.slot_state = self._call(
+            "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state),
+            (inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables, inputs.slots, inputs.is_final,
+             inputs.next_tokens))
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
                                    len(inputs.chunks))
 
     def decode(self, inputs: DecodeInputs) -> SampleResult:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
-        logits, greedy, self.kv_cache = self._call("decode", self._decode, (self.params, self.kv_cache), (
-            inputs.token_ids, inputs.positions, inputs.page_tables, inputs.active))
+        logits, greedy, self.kv_cache, self.slot_state = self._call(
+            "decode", self._decode, (self.params, self.kv_cache, self.slot_state),
+            (inputs.slots, inputs.positions, inputs.pages, inputs.active))
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs))
 
     def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int) -> SampleResult:
@@ -235,8 +268,8 @@ class ModelRunner:
         sampling = self.slot_params.batch(slots, output_index)
         if is_plain_greedy(sampling, rows):  # penalty statistics are read only by rows that are never plain
             return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
-        result, self.penalties = self._call("sample", self._sample, (self.penalties,),
-                                            (logits, slots, sampling, counted))
+        result, self.penalties, self.slot_state = self._call(
+            "sample", self._sample, (self.penalties, self.slot_state), (logits, slots, sampling, counted))
         return result
 
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
@@ -257,15 +290,15 @@ class ModelRunner:
         return power_of_two_buckets(16, max(16, self.engine_config.max_model_len))
 
     def example_inputs(self):
-        """`(kind, inputs)` for every shape the engine can run; they write only to the scratch page."""
+        """`(kind, inputs)` for every shape the engine can run; they write only to the scratch page, and no slot."""
         ec = self.engine_config
         for rows, tokens in ec.prefill_shapes:
             zeros = np.zeros(rows, np.int32)
-            yield "prefill", (
-                np.zeros((rows, tokens), np.int32), zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32))
+            yield "prefill", (np.zeros((rows, tokens), np.int32), zeros, zeros,
+                              np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
-            yield "decode", (zeros, zeros, np.zeros((rows, ec.pages_per_seq), np.int32), np.zeros(rows, bool))
+            yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
         neutral = SlotSamplingParams(max(ec.decode_batch_buckets + tuple(r for r, _ in ec.prefill_shapes)))
         for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
             zeros = np.zeros(rows, np.int32)
@@ -276,7 +309,11 @@ class ModelRunner:
         yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
 
     def _state(self, kind: str) -> tuple:
-        return (self.penalties,) if kind in ("reset", "ban", "sample") else (self.params, self.kv_cache)
+        if kind in ("reset", "ban"):
+            return (self.penalties,)
+        if kind == "sample":
+            return self.penalties, self.slot_state
+        return self.params, self.kv_cache, self.slot_state
 
     def replay(self, kind: str, inputs: tuple) -> None:
         """Runs one call as `_call` would and keeps only its new state: how a multi-host follower runs the
@@ -285,9 +322,9 @@ class ModelRunner:
         if kind in ("reset", "ban"):
             self.penalties = outputs
         elif kind == "sample":
-            self.penalties = outputs[1]
+            _, self.penalties, self.slot_state = outputs
         else:
-            self.kv_cache = outputs[-1]
+            _, _, self.kv_cache, self.slot_state = outputs
 
     def warmup(self) -> float:
         """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is
@@ -303,7 +340,7 @@ class ModelRunner:
             self._compiled = {key: future.result() for key, future in compiling.items()}
         for kind, inputs in self.example_inputs():
             self.replay(kind, inputs)
-        jax.block_until_ready((self.kv_cache, self.penalties))
+        jax.block_until_ready((self.kv_cache, self.penalties, self.slot_state))
         return time.perf_counter() - started
 
 

@@ -129,7 +129,7 @@ class PageManager:
         """Registers the pages `seq` has completely computed since the last call in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.page_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size  # token ids known to the host
         for index in range(len(seq.page_keys), num_full):
             tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
             key = self.hash_fn(seq.page_keys[-1] if seq.page_keys else b"", tokens)

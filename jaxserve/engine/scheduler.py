@@ -82,9 +82,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [])
         for seq in sorted(self.running, key=lambda s: s.admission_order):
-            if seq.status != SequenceStatus.RUNNING or seq.is_prefilling:
+            if seq.status != SequenceStatus.RUNNING or seq.is_prefilling or self._at_limit(seq):
                 continue
-            if self._make_room(seq, len(seq), out):
+            if self._make_room(seq, seq.num_tokens, out):
                 out.decodes.append(seq)
 
         for seq in sorted(self.running, key=lambda s: s.admission_order):
@@ -99,6 +99,8 @@ class Scheduler:
 
         while self.waiting and self.free_slots and budget >= self.config.prefill_buckets[0]:
             seq = self._next_waiting()
+            if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
+                break
             self.page_manager.admit(seq, self.page_manager.match_prefix(seq))
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
             if not self.page_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
@@ -113,6 +115,13 @@ class Scheduler:
             out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= padded
         return out
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        """True when the device has sampled every token the sequence may have (max_tokens or max_model_len):
+        under async scheduling it only waits for the host to read them."""
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens)
+                or seq.num_tokens >= self.config.max_model_len)
 
     def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
         """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""

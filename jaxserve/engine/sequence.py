@@ -21,7 +21,9 @@ class Sequence:
     """Token ids (prompt + output), how many of them have KV in the cache, and the pages holding it.
 
     `num_computed_tokens` tokens have K/V in `page_table`; the next step feeds the rest (a prefill
-    chunk) or, once only the last sampled token is left, one decode token.
+    chunk) or, once only the last sampled token is left, one decode token. Under async scheduling the
+    device may be `num_pending` tokens ahead of `token_ids`: sampled by dispatched steps whose results the
+    host has not read yet. The device's view of the sequence is then `num_tokens` long.
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
@@ -36,6 +38,7 @@ class Sequence:
         self.priority = priority
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0  # tokens sampled on the device that token_ids does not hold yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.page_table: list[int] = []
         self.page_keys: list[bytes] = []  # prefix-cache keys of this sequence's full pages, in order
@@ -54,6 +57,11 @@ class Sequence:
         return f"Sequence({self.request_id}#{self.index}, {self.status.value}, {len(self)} tokens)"
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the device's view of the sequence has: the host's plus the pending ones."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -64,7 +72,7 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """True while more than the last sampled token still lacks K/V (a prompt, or a recompute)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens + self.num_pending == 0
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,7 @@ the engine, whatever output kind a request asked for, so streamed and whole answ
 from __future__ import annotations
 
 import dataclasses
+import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,3 +39,27 @@ class IterationStats:
 
     time_to_first_tokens: tuple[float, ...] = ()  # arrival to first token, for requests whose first token came
     inter_token_latencies: tuple[float, ...] = ()  # since the request's previous token, for the others
+
+
+class StepPhases:
+    """Seconds the stepping thread spent in each phase of its steps, summed since start-up: where host time goes
+    (benchmarks/host_overhead.py, gpu_check.sh). `lap(phase)` charges the time since the previous lap to `phase`."""
+
+    PHASES = ("schedule", "prepare", "dispatch", "wait", "postprocess")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._mark = time.perf_counter()
+
+    def start(self) -> None:
+        self.steps += 1
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._mark
+        self._mark = now
+
+    def snapshot(self) -> dict[str, float]:
+        return {"steps": self.steps, **self.seconds}

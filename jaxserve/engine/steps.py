@@ -1,13 +1,20 @@
 """The engine's device steps as pure functions (state and inputs in, new state out), jitted by `ModelRunner`.
 
+* `SlotState`: what the device keeps per decode slot between steps: the slot's latest sampled token and its
+  page table. A decode step reads its input tokens from it, so step t+1 can run before the host has seen
+  step t's tokens (async scheduling), and its page tables, so the host sends only each row's current page.
 * `prefill_step` / `decode_step`: the model's forward over chunks or one token per row, writing K/V into
-  the (donated) page pool; they return the logits, their argmax, and the new pool.
-* `sample_step`: the full sampler on a forward's logits, counting each sampled token for the penalties.
+  the (donated) page pool and the rows' argmax and page tables into the slot state; they return the
+  logits, their argmax, the new pool and the new slot state.
+* `sample_step`: the full sampler on a forward's logits, counting each sampled token for the penalties and
+  writing it into the slot state (over the forward's argmax).
 * `reset_penalties_step` / `ban_step`: a newly admitted slot's penalty statistics and min_tokens bans.
 """
 
 from __future__ import annotations
 
+import flax
+import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.attention import AttentionMetadata
@@ -15,8 +22,27 @@ from jaxserve.layers.sampler import PenaltyState, SamplingBatch, argmax, sample
 from jaxserve.models import forward
 
 
-def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, token_ids, starts, num_tokens, page_tables):
-    """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`."""
+@flax.struct.dataclass
+class SlotState:
+    tokens: jax.Array  # int32 [slots]: the latest token sampled for the slot's sequence
+    page_tables: jax.Array  # int32 [slots, pages_per_seq]
+
+    @classmethod
+    def empty(cls, slots: int, pages_per_seq: int, sharding) -> "SlotState":
+        return cls(tokens=jnp.zeros((slots,), jnp.int32, device=sharding),
+                   page_tables=jnp.zeros((slots, pages_per_seq), jnp.int32, device=sharding))
+
+
+def _rows_to_slots(slot_state: SlotState, slots, keep):
+    """`slots` where `keep`, else an index past the slot arrays (dropped by scatters with mode="drop")."""
+    return jnp.where(keep, slots, slot_state.tokens.shape[0])
+
+
+def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, token_ids, starts,
+                 num_tokens, page_tables, slots, is_final, next_tokens):
+    """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`. Each
+    row's page table becomes its slot's, and so does the token its sequence feeds next: a final chunk's argmax,
+    else the token after the chunk (`next_tokens`; a recompute may leave its last known token to a decode)."""
     rows, chunk = token_ids.shape
     positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     valid = jnp.arange(chunk)[None, :] < num_tokens[:, None]
@@ -27,27 +53,42 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, token_
                              context_lens=jnp.where(num_tokens > 0, starts + num_tokens, 0), query_lens=num_tokens)
     logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
                                logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp)
-    return logits, argmax(logits), kv_cache
+    greedy = argmax(logits)
+    live = _rows_to_slots(slot_state, slots, num_tokens > 0)
+    slot_state = SlotState(
+        tokens=slot_state.tokens.at[live].set(jnp.where(is_final, greedy, next_tokens), mode="drop"),
+        page_tables=slot_state.page_tables.at[live].set(page_tables, mode="drop"))
+    return logits, greedy, kv_cache, slot_state
 
 
-def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, token_ids, positions, page_tables, active):
-    rows = token_ids.shape[0]
-    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
-    page = jnp.take_along_axis(page_tables, page_index[:, None], axis=1)[:, 0]
-    slot_mapping = jnp.where(active, page * page_size + positions % page_size, 0)
-    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping[:, None], page_tables=page_tables,
+def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, slots, positions,
+                pages, active):
+    """One token per row: row i feeds its slot's latest token at `positions[i]`; `pages[i]` is the page holding
+    that position, written into the slot's page table first. The argmax becomes each active slot's token."""
+    rows = slots.shape[0]
+    page_index = jnp.minimum(positions // page_size, slot_state.page_tables.shape[1] - 1)
+    live = _rows_to_slots(slot_state, slots, active)
+    page_tables = slot_state.page_tables.at[live, page_index].set(pages, mode="drop")
+    row_tables = page_tables[slots]
+    token_ids = slot_state.tokens[slots]
+    slot_mapping = jnp.where(active, pages * page_size + positions % page_size, 0)
+    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping[:, None], page_tables=row_tables,
                              context_lens=jnp.where(active, positions + 1, 0),
                              query_lens=jnp.ones((rows,), jnp.int32))
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp)
-    return logits, argmax(logits), kv_cache
+    greedy = argmax(logits)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables)
+    return logits, greedy, kv_cache, slot_state
 
 
-def sample_step(penalties: PenaltyState, logits, slots, sampling: SamplingBatch, counted):
-    """The full sampler on a forward's logits; rows with `counted` add their token to the slot's output counts."""
+def sample_step(penalties: PenaltyState, slot_state: SlotState, logits, slots, sampling: SamplingBatch, counted):
+    """The full sampler on a forward's logits; rows with `counted` add their token to the slot's output counts
+    and make it the slot's latest token."""
     result = sample(logits, sampling, penalties, slots)
     counts = penalties.output_counts.at[slots, result.tokens].add(counted.astype(jnp.int32))
-    return result, penalties.replace(output_counts=counts)
+    tokens = slot_state.tokens.at[_rows_to_slots(slot_state, slots, counted)].set(result.tokens, mode="drop")
+    return result, penalties.replace(output_counts=counts), slot_state.replace(tokens=tokens)
 
 
 def reset_penalties_step(vocab_size, penalties: PenaltyState, slot, token_ids, num_prompt_tokens, num_tokens):

@@ -1,0 +1,94 @@
+"""Host overhead of the engine loop: a tiny random-weight model (device work is then small) served offline, with the
+stepping thread's time split into its phases.
+
+For each batch size B: an engine with `max_num_seqs=B` generates `max(num_requests, B)` requests of
+`--output-len` tokens (EOS ignored) from random `--input-len`-token prompts through `LLM.generate`. Reported:
+output tokens/s over the generate call, wall time per step, and the host seconds per step in each phase the
+engine records (`LLMEngine.phases`: schedule, prepare, dispatch, wait, postprocess). "wait" is time the
+host blocks on the device; the other phases are host work. Engine start-up is not timed.
+
+    python benchmarks/host_overhead.py --batch-sizes 1 8 64 256
+    python benchmarks/host_overhead.py --batch-sizes 64 --no-async-scheduling   # the synchronous loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common
+
+NAME = "host_overhead"
+TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+def build_tiny_model(path: str, vocab_size: int) -> str:
+    from benchmarks import random_model
+
+    return random_model.build(path, seed=0, vocab_size=vocab_size, **TINY_SHAPES)
+
+
+def run_batch(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    from jaxserve import LLM, SamplingParams
+
+    options = dict(max_num_seqs=batch, max_model_len=args.input_len + args.output_len + 16,
+                   enable_prefix_caching=False, compilation_cache_dir=None)
+    if args.no_async_scheduling:
+        options["async_scheduling"] = False
+    llm = LLM(model, **options)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, args.vocab_size, args.input_len).tolist()}
+               for _ in range(max(args.num_requests, batch))]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, seed=0)
+    engine = llm.llm_engine
+    before = engine.phases.snapshot()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    after = engine.phases.snapshot()
+    steps = after["steps"] - before["steps"]
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    per_step = {phase: (after[phase] - before[phase]) / steps * 1e3 for phase in engine.phases.PHASES}
+    host = sum(v for phase, v in per_step.items() if phase != "wait")
+    return dict(batch=batch, requests=len(prompts), output_tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
+                steps=steps, step_ms=wall / steps * 1e3, host_ms=host, phases_ms=per_step)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--num-requests", type=int, default=64, help="at least the batch size is run")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-async-scheduling", action="store_true", help="the synchronous loop")
+    parser.add_argument("--model", help="a checkpoint to use instead of the tiny random one")
+    parser.add_argument("--seed", type=int, default=common.DEFAULT_SEED)
+    parser.add_argument("--result-file", help="result JSON path (default benchmarks/results/host_overhead.json)")
+    argv, args = common.start(parser, argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model or build_tiny_model(scratch, args.vocab_size)
+        runs = [run_batch(model, batch, args) for batch in args.batch_sizes]
+    headers = ["batch", "tok/s", "step ms", "host ms"] + [f"{p} ms" for p in runs[0]["phases_ms"]]
+    rows = [[r["batch"], f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.3f}", f"{r['host_ms']:.3f}"]
+            + [f"{v:.3f}" for v in r["phases_ms"].values()] for r in runs]
+    print(common.format_table(headers, rows))
+    payload = dict(args=vars(args), runs=runs)
+    path = common.write_result(NAME, payload, args.result_file, argv)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
