@@ -193,7 +193,11 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     active = np.arange(rows) < batch
     for slot in slots:  # greedy rows: the step takes the forward's argmax, as a plain greedy batch does
         runner.slot_params.set(int(slot), SamplingParams(temperature=0), seed=0)
-    inputs = DecodeInputs([None] * batch, slots, tokens, positions, page_tables, np.zeros(rows, np.int32), active)
+    state = runner.slot_state  # the device keeps each slot's page table and input token
+    runner.slot_state = state.replace(tokens=state.tokens.at[slots].set(tokens),
+                                      page_tables=state.page_tables.at[slots].set(page_tables))
+    pages = page_tables[np.arange(rows), (context - 1) // config.page_size]
+    inputs = DecodeInputs([None] * batch, slots, positions, pages, np.zeros(rows, np.int32), active)
     timing = time_fn(lambda: runner.decode(inputs), warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.page_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,

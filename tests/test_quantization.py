@@ -86,7 +86,7 @@ def float_weight_buffers(hlo: str, params: dict) -> list[str]:
 def decode_hlo(llm: LLM, rows: int) -> str:
     runner = llm.llm_engine.runner
     inputs = next(inputs for kind, inputs in runner.example_inputs() if kind == "decode" and len(inputs[0]) == rows)
-    return runner._decode.lower(runner.params, runner.kv_cache, *inputs).compile().as_text()
+    return runner._decode.lower(*runner._state("decode"), *inputs).compile().as_text()
 
 
 def test_decode_step_never_materializes_a_float_weight(odd_dims_dir, monkeypatch):

@@ -17,7 +17,9 @@ def test_vllm_engine_flags_reach_the_engine_config():
     config, _ = parse("--model", "/models/x", "--gpu-memory-utilization", "0.5", "--block-size", "32",
                       "--no-enable-prefix-caching", "--scheduling-policy", "priority", "--tokenizer", "/tok",
                       "--generation-config", "vllm", "--seed", "7", "--max-num-seqs", "3", "--max-model-len", "256",
-                      "--max-num-batched-tokens", "64", "--num-kv-pages", "40", "--dtype", "bfloat16")
+                      "--max-num-batched-tokens", "64", "--num-kv-pages", "40", "--dtype", "bfloat16",
+                      "--no-async-scheduling")
+    assert config.async_scheduling is False
     assert (config.model, config.gpu_memory_utilization, config.page_size, config.enable_prefix_caching,
             config.scheduling_policy, config.tokenizer, config.generation_config, config.seed) == (
         "/models/x", 0.5, 32, False, "priority", "/tok", "vllm", 7)
@@ -31,7 +33,8 @@ def test_engine_flag_defaults_are_the_engine_config_defaults():
     config, _ = parse()
     default = EngineConfig()
     for field in ("model", "tokenizer", "generation_config", "gpu_memory_utilization", "page_size",
-                  "enable_prefix_caching", "scheduling_policy", "seed", "max_num_seqs", "max_num_batched_tokens"):
+                  "enable_prefix_caching", "scheduling_policy", "seed", "max_num_seqs", "max_num_batched_tokens",
+                  "async_scheduling"):
         assert getattr(config, field) == getattr(default, field), field
     assert parse("--enable-prefix-caching")[0].enable_prefix_caching is True
 

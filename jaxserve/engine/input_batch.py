@@ -14,7 +14,6 @@ import numpy as np
 from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
 from jaxserve.engine.scheduler import PrefillChunk
 from jaxserve.engine.sequence import Sequence
-from jaxserve.layers.sampler import SamplingBatch
 
 
 def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
@@ -104,12 +103,3 @@ def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
     active[:len(seqs)] = True
     return DecodeInputs(seqs, np.array(slots + pad, np.int32), np.array(positions + pad, np.int32),
                         np.array(pages + pad, np.int32), np.array(output_index + pad, np.int32), active)
-
-
-def is_plain_greedy(batch: SamplingBatch, rows: int) -> bool:
-    """True when the first `rows` rows are greedy with no penalties, pending min_tokens or logprobs: the
-    forward's argmax is then every row's token and the sampler need not run."""
-    live = slice(0, rows)
-    return not (np.any(batch.temperature[live] > 0) or np.any(batch.repetition_penalty[live] != 1)
-                or np.any(batch.presence_penalty[live] != 0) or np.any(batch.frequency_penalty[live] != 0)
-                or np.any(batch.output_index[live] < batch.min_tokens[live]) or np.any(batch.wants_logprobs[live]))

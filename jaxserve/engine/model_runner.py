@@ -40,7 +40,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED, param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
-from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, is_plain_greedy,
+from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs,
                                          prefill_groups, prefill_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
@@ -119,7 +119,9 @@ class ModelRunner:
         self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
         self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
                         "reset": self._reset_penalties, "ban": self._ban}
-        self._compiled: dict[tuple, object] = {}  # (kind, input shapes) -> executable compiled at start-up
+        self._follower_logits = None  # a multi-host follower's latest forward logits (see `replay`)
+        self._warm = False  # after warm-up, a jitted step's cache growing means a compile while serving
+        self._cache_sizes: dict[str, int] = {}
         # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
         self.on_call: Callable[[str, tuple], None] | None = None
         self.phases = StepPhases()  # the engine's: execute() charges its prepare, dispatch and wait
@@ -265,22 +267,24 @@ class ModelRunner:
 
     def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int) -> SampleResult:
         """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token."""
-        sampling = self.slot_params.batch(slots, output_index)
-        if is_plain_greedy(sampling, rows):  # penalty statistics are read only by rows that are never plain
+        if self.slot_params.is_plain_greedy(slots, output_index, rows):
             return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
+        sampling = self.slot_params.batch(slots, output_index)
         result, self.penalties, self.slot_state = self._call(
             "sample", self._sample, (self.penalties, self.slot_state), (logits, slots, sampling, counted))
         return result
 
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
-        """Runs the executable compiled at start-up for these shapes, or (warm-up off) the lazily compiling jit."""
-        if self.on_call is not None:
-            self.on_call(kind, inputs)
-        executable = self._compiled.get((kind, _shape_key(inputs)))
-        if executable is None and self._compiled:
-            logger.warning("compiling a %s step for shapes %s while serving: warm-up missed it", kind,
-                           _shape_key(inputs))
-        return (executable or jitted)(*state, *inputs)
+        """Runs a jitted step through jax's C++ dispatch path, which after warm-up finds every shape compiled (a
+        miss is logged: it would compile while serving)."""
+        if self.on_call is not None:  # the sampler's logits are not sent: followers hold their own (`replay`)
+            self.on_call(kind, (None, *inputs[1:]) if kind == "sample" else inputs)
+        outputs = jitted(*state, *inputs)
+        if self._warm and jitted._cache_size() != self._cache_sizes[kind]:
+            self._cache_sizes[kind] = jitted._cache_size()
+            logger.warning("compiled a %s step for shapes %s while serving: warm-up missed it", kind,
+                           [(leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(inputs)])
+        return outputs
 
     # -- start-up ----------------------------------------------------------------------------------------------
 
@@ -300,10 +304,11 @@ class ModelRunner:
             zeros = np.zeros(rows, np.int32)
             yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
         neutral = SlotSamplingParams(max(ec.decode_batch_buckets + tuple(r for r, _ in ec.prefill_shapes)))
+        replicated = NamedSharding(self.mesh, REPLICATED)
         for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
             zeros = np.zeros(rows, np.int32)
-            yield "sample", (np.zeros((rows, self.config.vocab_size), np.float32), zeros,
-                             neutral.batch(zeros, zeros), np.zeros(rows, bool))
+            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=replicated)  # as a forward's
+            yield "sample", (logits, zeros, neutral.batch(zeros, zeros), np.zeros(rows, bool))
         for length in self.reset_buckets:
             yield "reset", (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
         yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
@@ -317,30 +322,36 @@ class ModelRunner:
 
     def replay(self, kind: str, inputs: tuple) -> None:
         """Runs one call as `_call` would and keeps only its new state: how a multi-host follower runs the
-        leader's calls, and how warm-up runs its examples."""
+        leader's calls, and how warm-up runs its examples. A follower's sampler call comes without logits: it
+        samples the logits of its own latest forward, the leader's call before it."""
+        if kind == "sample" and inputs[0] is None:
+            inputs = (self._follower_logits, *inputs[1:])
         outputs = self._call(kind, self._jitted[kind], self._state(kind), inputs)
         if kind in ("reset", "ban"):
             self.penalties = outputs
         elif kind == "sample":
             _, self.penalties, self.slot_state = outputs
         else:
-            _, _, self.kv_cache, self.slot_state = outputs
+            self._follower_logits, _, self.kv_cache, self.slot_state = outputs
 
     def warmup(self) -> float:
         """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is
-        lowered), then runs each once, since an executable's first run is slower than later ones and
-        would otherwise land on a request."""
+        lowered), then runs each once through the jitted functions, which reuse those executables, since an
+        executable's first run is slower than later ones and would otherwise land on a request."""
         started = time.perf_counter()
         compiling = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
             for kind, inputs in self.example_inputs():
-                key = (kind, _shape_key(inputs))
+                key = (kind, tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(inputs)))
                 if key not in compiling:
                     compiling[key] = pool.submit(self._jitted[kind].lower(*self._state(kind), *inputs).compile)
-            self._compiled = {key: future.result() for key, future in compiling.items()}
+            for future in compiling.values():
+                future.result()
         for kind, inputs in self.example_inputs():
             self.replay(kind, inputs)
         jax.block_until_ready((self.kv_cache, self.penalties, self.slot_state))
+        self._cache_sizes = {kind: jitted._cache_size() for kind, jitted in self._jitted.items()}
+        self._warm = True
         return time.perf_counter() - started
 
 
@@ -364,8 +375,3 @@ def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:
     logprob = float(result.logprobs[row])
     top[token] = logprob
     return SampledToken(seq, token, logprob, top)
-
-
-def _shape_key(args) -> tuple:
-    """The shapes and dtypes of a step's inputs past the state arguments: which executable serves them."""
-    return tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(args))

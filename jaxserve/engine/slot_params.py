@@ -22,6 +22,7 @@ class SlotSamplingParams:
         self.seed = np.zeros(slots, np.uint32)
         self.min_tokens = np.zeros(slots, np.int32)
         self.wants_logprobs = np.zeros(slots, bool)
+        self.plain = np.ones(slots, bool)  # greedy, no penalties, no logprobs: the forward's argmax is its token
 
     def set(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = params.temperature
@@ -34,6 +35,7 @@ class SlotSamplingParams:
         self.seed[slot] = seed
         self.min_tokens[slot] = params.min_tokens
         self.wants_logprobs[slot] = params.logprobs is not None
+        self.plain[slot] = params.temperature == 0 and not params.uses_penalties and params.logprobs is None
 
     def batch(self, slots: np.ndarray, output_index: np.ndarray) -> SamplingBatch:
         return SamplingBatch(
@@ -42,3 +44,9 @@ class SlotSamplingParams:
             presence_penalty=self.presence_penalty[slots], frequency_penalty=self.frequency_penalty[slots],
             seed=self.seed[slots], output_index=output_index, min_tokens=self.min_tokens[slots],
             wants_logprobs=self.wants_logprobs[slots])
+
+    def is_plain_greedy(self, slots: np.ndarray, output_index: np.ndarray, rows: int) -> bool:
+        """True when the first `rows` rows are plain greedy slots past their min_tokens: the forward's argmax is
+        every row's token and the sampler need not run (penalty statistics are read only by other rows)."""
+        slots, output_index = slots[:rows], output_index[:rows]
+        return bool(self.plain[slots].all()) and not (output_index < self.min_tokens[slots]).any()

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV pages of shared prompt "
                                                                                 "prefixes")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=ENGINE_DEFAULTS["async_scheduling"],
+                        help="dispatch each engine step before reading the previous one's tokens "
+                             "(--no-async-scheduling: one step at a time, for debugging)")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
                         default=ENGINE_DEFAULTS["scheduling_policy"],
                         help="'priority': requests' `priority` field orders them (lower first)")
@@ -111,7 +115,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
-                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        async_scheduling=args.async_scheduling)
 
 
 def multihost(args: argparse.Namespace) -> MultiHost:
