@@ -11,10 +11,13 @@
 #      (`roofline.py`), on a random-weight stand-in with the default model's shapes built on the machine
 #      (`random_model.py`; the default model's GGUF is larger than what a device call may carry)
 #   3b. int8 weights (W8A16) and fp8 KV pages against bf16: the decode step at batch 1 and 64 (`quant_speed.py`)
+#   3c. host overhead: a tiny model's offline run with the host's time per step phase and the device's busy
+#      fraction (`host_overhead.py`)
 #   4. pytest tests/test_kernels.py with JAXSERVE_KERNEL_INTERPRET=0 (compiled Triton kernels)
 #   5. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
-# gpu_check.log, summary.txt, roofline-gpu.json, quant-speed-gpu.json, test_kernels.xml, kernels-*.json.
+# gpu_check.log, summary.txt, roofline-gpu.json, quant-speed-gpu.json, host-overhead-gpu.json, test_kernels.xml,
+# kernels-*.json.
 #
 # Usage: bash benchmarks/gpu_check.sh        (env: OUT, PY, BUDGET_S)
 set -u -o pipefail
@@ -115,6 +118,9 @@ step "int8 weights and fp8 KV vs bf16 decode, batch 1 and 64 (quant_speed.py)" 1
     "$PY" benchmarks/quant_speed.py --model "$RANDOM_MODEL" --dtype bfloat16 --modes float int8 kv-fp8 --batch-sizes 1 64 \
     --max-num-seqs 64 --max-model-len 1024 --context 512 --rounds 2 --result-file "$OUT_DIR/quant-speed-gpu.json" \
     --disable-tqdm
+
+step "host overhead: tiny model, async scheduling, batch 1 and 64 (host_overhead.py)" 90 \
+    "$PY" benchmarks/host_overhead.py --batch-sizes 1 64 --result-file "$OUT_DIR/host-overhead-gpu.json"
 
 if "$PY" -c "import pytest" 2>/dev/null; then
     step "pytest tests/test_kernels.py (compiled)" 170 \

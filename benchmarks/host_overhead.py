@@ -4,8 +4,11 @@ stepping thread's time split into its phases.
 For each batch size B: an engine with `max_num_seqs=B` generates `max(num_requests, B)` requests of
 `--output-len` tokens (EOS ignored) from random `--input-len`-token prompts through `LLM.generate`. Reported:
 output tokens/s over the generate call, wall time per step, and the host seconds per step in each phase the
-engine records (`LLMEngine.phases`: schedule, prepare, dispatch, wait, postprocess). "wait" is time the
-host blocks on the device; the other phases are host work. Engine start-up is not timed.
+engine records (`LLMEngine.phases`: schedule, prepare, dispatch, wait, postprocess), and how busy that keeps
+the device: the decode step timed alone, back to back (`roofline.time_decode_step`, at the run's mean context),
+over the mean wall time per step (prefill steps included, so this is a lower bound). "wait" is time the host
+blocks reading a step's tokens; with async scheduling a launch may also block in "dispatch" until the
+device takes the step (XLA:CPU). Engine start-up is not timed.
 
     python benchmarks/host_overhead.py --batch-sizes 1 8 64 256
     python benchmarks/host_overhead.py --batch-sizes 64 --no-async-scheduling   # the synchronous loop
@@ -25,7 +28,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common
+from benchmarks import common, roofline
 
 NAME = "host_overhead"
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -60,8 +63,11 @@ def run_batch(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     per_step = {phase: (after[phase] - before[phase]) / steps * 1e3 for phase in engine.phases.PHASES}
     host = sum(v for phase, v in per_step.items() if phase != "wait")
+    # the device alone: the same decode step timed back to back, at the run's mean context
+    device = roofline.time_decode_step(llm, batch, args.input_len + args.output_len // 2)["step_s"] * 1e3
     return dict(batch=batch, requests=len(prompts), output_tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
-                steps=steps, step_ms=wall / steps * 1e3, host_ms=host, phases_ms=per_step)
+                steps=steps, step_ms=wall / steps * 1e3, host_ms=host, phases_ms=per_step, device_step_ms=device,
+                device_busy=device / (wall / steps * 1e3))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -80,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or build_tiny_model(scratch, args.vocab_size)
         runs = [run_batch(model, batch, args) for batch in args.batch_sizes]
-    headers = ["batch", "tok/s", "step ms", "host ms"] + [f"{p} ms" for p in runs[0]["phases_ms"]]
-    rows = [[r["batch"], f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.3f}", f"{r['host_ms']:.3f}"]
+    headers = ["batch", "tok/s", "step ms", "device ms", "busy", "host ms"] + [f"{p} ms" for p in runs[0]["phases_ms"]]
+    rows = [[r["batch"], f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.3f}", f"{r['device_step_ms']:.3f}",
+             f"{r['device_busy']:.0%}", f"{r['host_ms']:.3f}"]
             + [f"{v:.3f}" for v in r["phases_ms"].values()] for r in runs]
     print(common.format_table(headers, rows))
     payload = dict(args=vars(args), runs=runs)

@@ -24,7 +24,7 @@ from benchmarks.metrics import RequestResult
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
-           "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py"]
+           "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py"]
 
 
 # -- metric math ---------------------------------------------------------------------------------------------
@@ -290,6 +290,20 @@ def test_throughput_smoke(tiny_llama_dir, tmp_path):
         assert split["longest_prefill_step_s"] > 0
     assert result_file.with_suffix(".png").exists()
     assert payload["startup_s"] > 0
+
+
+def test_host_overhead_smoke(tiny_llama_dir, tmp_path):
+    from benchmarks import host_overhead
+
+    payload = host_overhead.main(["--model", tiny_llama_dir, "--batch-sizes", "1", "4", "--num-requests", "4",
+                                  "--input-len", "8", "--output-len", "6", "--vocab-size", "500",
+                                  "--result-file", str(tmp_path / "host.json")])
+    one, four = payload["runs"]
+    assert (one["batch"], four["batch"]) == (1, 4)
+    assert one["output_tokens"] == four["output_tokens"] == 4 * 6
+    for run in payload["runs"]:
+        assert set(run["phases_ms"]) == {"schedule", "prepare", "dispatch", "wait", "postprocess"}
+        assert run["steps"] > 0 and run["device_step_ms"] > 0 and all(v >= 0 for v in run["phases_ms"].values())
 
 
 def test_roofline_smoke(tiny_llama_dir, tmp_path):

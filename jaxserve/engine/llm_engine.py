@@ -3,8 +3,10 @@
 `add_request` and `abort_request` may be called from any thread: they validate at once (raising
 `ValueError` for bad input, including a request id already in use) and queue a command that the
 stepping thread applies at the start of its next `step()`. `step()` reads as: take commands,
-schedule, run the plan on the device, post-process (append tokens, detokenize, check stop
-conditions, retire finished sequences), and return a snapshot output for every request that changed.
+schedule, dispatch the plan to the device, post-process the tokens of the step before it (append
+tokens, detokenize, check stop conditions, retire finished sequences) while the device runs this one,
+and return a snapshot output for every request that changed. With `async_scheduling=False` a step
+post-processes its own tokens instead.
 """
 
 from __future__ import annotations

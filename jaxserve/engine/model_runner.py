@@ -226,11 +226,13 @@ class ModelRunner:
         self.phases.lap("wait")
         sampled = []
         for (inputs, _), result in zip(calls, results):
+            tokens = result.tokens.tolist()
             if isinstance(inputs, PrefillInputs):
-                sampled += [_sampled(chunk.seq, result, row) for row, chunk in enumerate(inputs.chunks)
-                            if chunk.is_final]
+                rows = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final]
             else:
-                sampled += [_sampled(seq, result, row) for row, seq in enumerate(inputs.seqs)]
+                rows = list(enumerate(inputs.seqs))
+            sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else _sampled(seq, result, row)
+                        for row, seq in rows]
         return sampled
 
     def _admit(self, seq: Sequence) -> None:
@@ -367,9 +369,8 @@ def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fract
 
 
 def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:
+    """A row's token with the logprobs its sequence asked for."""
     token = int(result.tokens[row])
-    if seq.params.logprobs is None:
-        return SampledToken(seq, token)
     k = seq.params.logprobs
     top = {int(i): float(v) for i, v in zip(result.top_ids[row][:k], result.top_logprobs[row][:k])}
     logprob = float(result.logprobs[row])

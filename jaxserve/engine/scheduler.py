@@ -81,13 +81,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [])
-        for seq in sorted(self.running, key=lambda s: s.admission_order):
+        for seq in list(self.running):  # admission order: sequences join at the end and only ever leave
             if seq.status != SequenceStatus.RUNNING or seq.is_prefilling or self._at_limit(seq):
                 continue
             if self._make_room(seq, seq.num_tokens, out):
                 out.decodes.append(seq)
 
-        for seq in sorted(self.running, key=lambda s: s.admission_order):
+        for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not seq.is_prefilling:
                 continue
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
