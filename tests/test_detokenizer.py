@@ -96,3 +96,26 @@ def test_sentencepiece_keeps_the_first_generated_space(sentencepiece_tokenizer):
     for token in tok.encode("the capital", add_special_tokens=False):
         detok.add_token(token)
     assert detok.text == " the capital"
+
+
+def test_long_text_slices_and_late_stop_strings(tokenizer):
+    """The text lives in pieces (so a token costs O(its piece), not O(the text)): every slice of it, a stop string
+    found far into it, and the cut there are what one string would give."""
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta ", "gamma", " ", "δέλτα", "🚀", "END", "x"]
+    text = "".join(rng.choice(words, 400)) + " fin STOPPER tail"
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOPPER", "never"], skip_special_tokens=True)
+    found = None
+    for token in tokenizer.encode(text):
+        found = detok.add_token(token)
+        if found:
+            break
+    expected = text[:text.index("STOPPER")]
+    assert found == "STOPPER" and detok.text == expected and len(detok) == len(expected)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[], skip_special_tokens=True)
+    for token in tokenizer.encode(text):
+        detok.add_token(token)
+    assert detok.text == text
+    for start, end in rng.integers(0, len(text) + 1, (200, 2)):
+        assert detok.text_from(int(start), int(end)) == text[start:end]
+    assert detok.visible_text(finished=False, start=len(text) - 5) == text[-5:]

@@ -12,18 +12,33 @@ before `min_tokens` outputs, as in vLLM): the text is always a prefix of the dec
 
 from __future__ import annotations
 
+import bisect
+
 from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
+    """The text is kept as the list of pieces the tokens produced (with their end offsets), so a token costs
+    O(its piece + the longest stop string), never O(the text so far)."""
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool,
                  include_stop_str: bool = False):
         self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
         self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.include_stop_str = include_stop_str
-        self.text = ""
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._pieces: list[str] = []
+        self._ends: list[int] = []  # the text's length after each piece
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._holdback = max(self._longest_stop, 1) - 1
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (O(its length): for outputs, not per token)."""
+        return "".join(self._pieces)
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Appends one token's text. With `check_stop`, returns the first stop string that the new text
@@ -33,25 +48,40 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
-        old_length = len(self.text)
-        self.text += piece
-        if not check_stop:
+        old_length = len(self)
+        self._pieces.append(piece)
+        self._ends.append(old_length + len(piece))
+        if not check_stop or not self.stop:
             return None
+        start = max(0, old_length - self._longest_stop + 1)  # a stop string the new piece completes starts here
+        tail = self.text_from(start)
         found = [(at, stop) for stop in self.stop
-                 if (at := self.text.find(stop, max(0, old_length - len(stop) + 1))) != -1]
+                 if (at := tail.find(stop, max(0, old_length - len(stop) + 1 - start))) != -1]
         if not found:
             return None
         at, stop = min(found)
-        self.text = self.text[:at + len(stop)] if self.include_stop_str else self.text[:at]
+        cut = start + at + (len(stop) if self.include_stop_str else 0)
+        text = self.text[:cut]  # once, when the sequence stops
+        self._pieces, self._ends = [text], [len(text)]
         return stop
+
+    def text_from(self, start: int, end: int | None = None) -> str:
+        """Characters [start, end) of the text, joined from the pieces that hold them."""
+        end = len(self) if end is None else end
+        if start >= end:
+            return ""
+        first = bisect.bisect_right(self._ends, start)
+        piece_start = self._ends[first - 1] if first else 0
+        joined = "".join(self._pieces[first:bisect.bisect_left(self._ends, end) + 1])
+        return joined[start - piece_start:end - piece_start]
 
     def visible_length(self, finished: bool) -> int:
         """How much of the text is safe to show now: all of it once finished, else all but a possible
         stop-string start."""
         if finished or not self._holdback:
-            return len(self.text)
-        return max(0, len(self.text) - self._holdback)
+            return len(self)
+        return max(0, len(self) - self._holdback)
 
     def visible_text(self, finished: bool, start: int = 0) -> str:
         """The text safe to show now, from character `start` on (a delta copies only what it returns)."""
-        return self.text[start:self.visible_length(finished)]
+        return self.text_from(start, self.visible_length(finished))
