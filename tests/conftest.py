@@ -96,3 +96,15 @@ def tiny_llama_dir(tiny_model_dirs) -> str:
 def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab_size, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(count)]
+
+
+def decode_hlo(llm, rows: int) -> str:
+    """The compiled text of `llm`'s decode step for a batch bucket of `rows`."""
+    runner = llm.llm_engine.runner
+    inputs = next(inputs for kind, inputs in runner.example_inputs() if kind == "decode" and len(inputs[0]) == rows)
+    return runner._decode.lower(*runner._state("decode"), *inputs).compile().as_text()
+
+
+def shard_shapes(array) -> set[tuple[int, ...]]:
+    """The shapes of an array's shards on this process's devices."""
+    return {shard.data.shape for shard in array.addressable_shards}

@@ -29,7 +29,7 @@ from jaxserve.loading import load_model
 from jaxserve.loading.awq import (AWQ_ORDER, pack_awq, quantize_rtn_int4, unpack_awq,
                                   write_awq_checkpoint)
 from jaxserve.models import fuse_params
-from tests.conftest import save_tiny_model
+from tests.conftest import decode_hlo, save_tiny_model, shard_shapes
 from tests.test_model import full_forward_logits
 
 GROUP = 16  # divides 96 and 160, and their halves (two devices split o_proj's and down_proj's input features)
@@ -112,10 +112,6 @@ def test_logits_match_the_dequantized_reference(tmp_path, family):
         assert np.abs(full_forward_logits(floats, awq.config, prompt) - theirs).max() / scale > 1e-3
 
 
-def shard_shapes(array: jax.Array) -> set[tuple[int, ...]]:
-    return {shard.data.shape for shard in array.addressable_shards}
-
-
 def test_greedy_tokens_match_the_reference_on_one_device_and_two(llama):
     _, awq_dir, reference_dir = llama
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -147,12 +143,6 @@ def float_weight_buffers(hlo: str, params: dict) -> list[str]:
         if any(np.prod(shape) == rows * cols and cols in shape for rows, cols in kernels):
             found.append(f"{dtype}[{dims}]")
     return found
-
-
-def decode_hlo(llm: LLM, rows: int) -> str:
-    runner = llm.llm_engine.runner
-    inputs = next(inputs for kind, inputs in runner.example_inputs() if kind == "decode" and len(inputs[0]) == rows)
-    return runner._decode.lower(*runner._state("decode"), *inputs).compile().as_text()
 
 
 def test_decode_step_never_materializes_a_float_weight(llama, monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
 from jaxserve.layers.attention import AttentionBackend, QuantizedPages, quantize_kv
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, shard_shapes
 from tests.test_attention import BACKENDS, DECODE_ROWS, PREFILL_ROWS, make_step, reference
 
 KV_DTYPES = ("int8", "fp8")
@@ -151,10 +151,6 @@ def test_pallas_kernels_read_quantized_pages_as_the_xla_path_does(tiny_llama_dir
     assert k_pool.scales.shape == k_pool.values.shape[:3] and k_pool.scales.dtype == jnp.float32
     assert token_ids(pallas.generate(prompts, params, use_tqdm=False)) == token_ids(
         xla.generate(prompts, params, use_tqdm=False))
-
-
-def shard_shapes(array: jax.Array) -> set[tuple[int, ...]]:
-    return {shard.data.shape for shard in array.addressable_shards}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)

@@ -16,7 +16,7 @@ from jaxserve.layers import quant_dense
 from jaxserve.layers.quant_dense import is_quantized, quantize_params
 from jaxserve.loading import load_model
 from jaxserve.models import fuse_params
-from tests.conftest import save_tiny_model
+from tests.conftest import decode_hlo, save_tiny_model, shard_shapes
 from tests.test_model import full_forward_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -83,12 +83,6 @@ def float_weight_buffers(hlo: str, params: dict) -> list[str]:
     return found
 
 
-def decode_hlo(llm: LLM, rows: int) -> str:
-    runner = llm.llm_engine.runner
-    inputs = next(inputs for kind, inputs in runner.example_inputs() if kind == "decode" and len(inputs[0]) == rows)
-    return runner._decode.lower(*runner._state("decode"), *inputs).compile().as_text()
-
-
 def test_decode_step_never_materializes_a_float_weight(odd_dims_dir, monkeypatch):
     # blocks of a real model's size (1 MiB of float) would hold a tiny model's whole weights
     monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (16 * 1024, 16 * 1024))
@@ -101,10 +95,6 @@ def test_decode_step_never_materializes_a_float_weight(odd_dims_dir, monkeypatch
     monkeypatch.setattr(quant_dense, "blocked_matmuls", lambda: False)
     unblocked = LLM(model=odd_dims_dir, quantization="int8", **SMALL)
     assert len(float_weight_buffers(decode_hlo(unblocked, 1), params)) >= 5
-
-
-def shard_shapes(array: jax.Array) -> set[tuple[int, ...]]:
-    return {shard.data.shape for shard in array.addressable_shards}
 
 
 def test_int8_on_two_devices_matches_one_and_splits_the_scales(odd_dims_dir):

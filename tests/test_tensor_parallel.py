@@ -3,12 +3,10 @@ and every device really holds only its share of the weights and the KV pool."""
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, shard_shapes
 
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):", "Once upon a time, a fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -29,10 +27,6 @@ def one_device():
 @pytest.fixture(scope="module")
 def three_devices():
     return LLM(tensor_parallel_size=3, **SMALL)
-
-
-def shard_shapes(array: jax.Array) -> set[tuple[int, ...]]:
-    return {shard.data.shape for shard in array.addressable_shards}
 
 
 def test_default_model_on_three_devices_matches_one_greedy_and_seeded(one_device, three_devices):
