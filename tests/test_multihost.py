@@ -40,6 +40,9 @@ ModelRunner.execute = never_execute
 """
 
 
+SAMPLED = dict(temperature=0.8, seed=7, presence_penalty=0.5)
+
+
 @pytest.fixture(scope="module")
 def three_head_model(tmp_path_factory) -> str:
     """A tiny random-weight Llama with 6 query and 3 KV heads, so three hosts hold one KV head each."""
@@ -54,7 +57,9 @@ def one_device_texts(three_head_model) -> list[str]:
     llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
-    return [output.outputs[0].text for output in outputs]
+    sampled = llm.generate(PROMPTS[0], SamplingParams(**SAMPLED, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    return [output.outputs[0].text for output in outputs] + [sampled[0].outputs[0].text]
 
 
 class Cluster:
@@ -116,15 +121,17 @@ def start_cluster(three_head_model, tmp_path):
         cluster.kill()
 
 
-def complete(cluster: Cluster, prompt: str) -> httpx.Response:
+def complete(cluster: Cluster, prompt: str, **options) -> httpx.Response:
     body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
+            "ignore_eos": True, **options}
     return httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
 
 
 def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, one_device_texts):
+    """Greedy and seeded sampling with penalties (the followers run the sampler on their own logits)."""
     cluster = start_cluster()
     texts = [complete(cluster, prompt).json()["choices"][0]["text"] for prompt in PROMPTS]
+    texts.append(complete(cluster, PROMPTS[0], **SAMPLED).json()["choices"][0]["text"])
     assert texts == one_device_texts
     cluster.processes[0].send_signal(signal.SIGTERM)
     assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]

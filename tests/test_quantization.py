@@ -116,6 +116,19 @@ def test_int8_on_two_devices_matches_one_and_splits_the_scales(odd_dims_dir):
     assert shard_shapes(params["lm_head"]["scale"]) == {(256,)}
 
 
+def test_int8_tied_lm_head_on_two_devices_matches_one(tiny_model_dirs):
+    """Qwen2's LM head is its int8 embedding table: split on the vocabulary with its per-row scales."""
+    one = LLM(model=tiny_model_dirs["qwen2"], quantization="int8", **SMALL)
+    two = LLM(model=tiny_model_dirs["qwen2"], quantization="int8", tensor_parallel_size=2, **SMALL)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == tokens
+    params = two.llm_engine.runner.params
+    assert "lm_head" not in params and params["embed"]["embedding"].dtype == jnp.int8
+    assert shard_shapes(params["embed"]["embedding"]) == {(256, 64)} and shard_shapes(params["embed"]["scale"]) == {
+        (256,)}
+
+
 def test_an_unknown_quantization_is_a_value_error():
     with pytest.raises(ValueError, match="quantization must be one of .*'int8'.*got 'int4'"):
         EngineConfig(quantization="int4")

@@ -115,10 +115,12 @@ class ModelRunner:
         self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
         on_every_device = dict(in_shardings=replicated, out_shardings=replicated, donate_argnums=(0,))
         self._sample = jax.jit(sample_step, in_shardings=replicated, out_shardings=replicated, donate_argnums=(0, 1))
+        self._send_table = jax.jit(lambda table: table, out_shardings=replicated)  # host columns -> device copy
         self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), **on_every_device)
         self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
+        self.sampling_table = self._send_table(self.slot_params.table())  # every slot's sampling parameters
         self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
-                        "reset": self._reset_penalties, "ban": self._ban}
+                        "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table}
         self._follower_logits = None  # a multi-host follower's latest forward logits (see `replay`)
         self._warm = False  # after warm-up, a jitted step's cache growing means a compile while serving
         self._cache_sizes: dict[str, int] = {}
@@ -271,9 +273,11 @@ class ModelRunner:
         """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token."""
         if self.slot_params.is_plain_greedy(slots, output_index, rows):
             return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
-        sampling = self.slot_params.batch(slots, output_index)
+        if self.slot_params.changed:  # admissions since the last sampler call: one copy of every slot's columns
+            self.sampling_table = self._call("table", self._send_table, (), (self.slot_params.table(),))
         result, self.penalties, self.slot_state = self._call(
-            "sample", self._sample, (self.penalties, self.slot_state), (logits, slots, sampling, counted))
+            "sample", self._sample, (self.penalties, self.slot_state, self.sampling_table),
+            (logits, slots, output_index, counted))
         return result
 
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
@@ -305,12 +309,12 @@ class ModelRunner:
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
             yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
-        neutral = SlotSamplingParams(max(ec.decode_batch_buckets + tuple(r for r, _ in ec.prefill_shapes)))
+        yield "table", (SlotSamplingParams(ec.max_num_seqs).table(),)
         replicated = NamedSharding(self.mesh, REPLICATED)
         for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
             zeros = np.zeros(rows, np.int32)
             logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=replicated)  # as a forward's
-            yield "sample", (logits, zeros, neutral.batch(zeros, zeros), np.zeros(rows, bool))
+            yield "sample", (logits, zeros, zeros, np.zeros(rows, bool))
         for length in self.reset_buckets:
             yield "reset", (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
         yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
@@ -319,7 +323,9 @@ class ModelRunner:
         if kind in ("reset", "ban"):
             return (self.penalties,)
         if kind == "sample":
-            return self.penalties, self.slot_state
+            return self.penalties, self.slot_state, self.sampling_table
+        if kind == "table":
+            return ()
         return self.params, self.kv_cache, self.slot_state
 
     def replay(self, kind: str, inputs: tuple) -> None:
@@ -331,6 +337,8 @@ class ModelRunner:
         outputs = self._call(kind, self._jitted[kind], self._state(kind), inputs)
         if kind in ("reset", "ban"):
             self.penalties = outputs
+        elif kind == "table":
+            self.sampling_table = outputs
         elif kind == "sample":
             _, self.penalties, self.slot_state = outputs
         else:

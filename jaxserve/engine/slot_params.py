@@ -1,4 +1,8 @@
-"""`SlotSamplingParams`: every decode slot's sampling parameters as numpy columns, for O(batch) step inputs."""
+"""`SlotSamplingParams`: every decode slot's sampling parameters as numpy columns, written at admission.
+
+The runner keeps a device copy of the columns (`table()`), sent again only after an admission changed them
+(`changed`), so a sampler call sends just its rows' slots and output indices.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class SlotSamplingParams:
         self.min_tokens = np.zeros(slots, np.int32)
         self.wants_logprobs = np.zeros(slots, bool)
         self.plain = np.ones(slots, bool)  # greedy, no penalties, no logprobs: the forward's argmax is its token
+        self.changed = True  # since the device copy was last sent
 
     def set(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = params.temperature
@@ -36,6 +41,12 @@ class SlotSamplingParams:
         self.min_tokens[slot] = params.min_tokens
         self.wants_logprobs[slot] = params.logprobs is not None
         self.plain[slot] = params.temperature == 0 and not params.uses_penalties and params.logprobs is None
+        self.changed = True
+
+    def table(self) -> SamplingBatch:
+        """Every slot's parameters (`[slots]` columns; output_index is per row and filled in by the sampler)."""
+        self.changed = False
+        return self.batch(np.arange(len(self.temperature)), np.zeros(len(self.temperature), np.int32))
 
     def batch(self, slots: np.ndarray, output_index: np.ndarray) -> SamplingBatch:
         return SamplingBatch(

@@ -6,8 +6,9 @@
 * `prefill_step` / `decode_step`: the model's forward over chunks or one token per row, writing K/V into
   the (donated) page pool and the rows' argmax and page tables into the slot state; they return the
   logits, their argmax, the new pool and the new slot state.
-* `sample_step`: the full sampler on a forward's logits, counting each sampled token for the penalties and
-  writing it into the slot state (over the forward's argmax).
+* `sample_step`: the full sampler on a forward's logits, with each slot's sampling parameters from a device
+  table, counting each sampled token for the penalties and writing it into the slot state (over the
+  forward's argmax).
 * `reset_penalties_step` / `ban_step`: a newly admitted slot's penalty statistics and min_tokens bans.
 """
 
@@ -82,9 +83,11 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     return logits, greedy, kv_cache, slot_state
 
 
-def sample_step(penalties: PenaltyState, slot_state: SlotState, logits, slots, sampling: SamplingBatch, counted):
-    """The full sampler on a forward's logits; rows with `counted` add their token to the slot's output counts
-    and make it the slot's latest token."""
+def sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingBatch, logits, slots, output_index,
+                counted):
+    """The full sampler on a forward's logits, each row with its slot's parameters from `table` (`[slots]`
+    columns); rows with `counted` add their token to the slot's output counts and make it the slot's latest."""
+    sampling = jax.tree.map(lambda column: column[slots], table).replace(output_index=output_index)
     result = sample(logits, sampling, penalties, slots)
     counts = penalties.output_counts.at[slots, result.tokens].add(counted.astype(jnp.int32))
     tokens = slot_state.tokens.at[_rows_to_slots(slot_state, slots, counted)].set(result.tokens, mode="drop")
