@@ -33,10 +33,10 @@ LEADER_NEVER_STEPS = """
 import threading
 from jaxserve.engine.model_runner import ModelRunner
 
-def never_execute(self, plan):
+def never_dispatch(self, plan):
     threading.Event().wait(600)
 
-ModelRunner.execute = never_execute
+ModelRunner.dispatch = never_dispatch
 """
 
 

@@ -44,12 +44,12 @@ def counting_add_request(self, *args, **kwargs):
         two_added.set()
     return request_id
 
-def failing_execute(self, plan):
+def failing_dispatch(self, plan):
     two_added.wait(300)
     raise RuntimeError("injected device fault")
 
 LLMEngine.add_request = counting_add_request
-ModelRunner.execute = failing_execute
+ModelRunner.dispatch = failing_dispatch
 """
 
 # Patches the server process so that the engine steps only once the server began draining (after SIGTERM).
@@ -59,17 +59,17 @@ from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.server.async_engine import AsyncEngine
 
 draining = threading.Event()
-execute, drain = ModelRunner.execute, AsyncEngine.drain
+dispatch, drain = ModelRunner.dispatch, AsyncEngine.drain
 
-def gated_execute(self, plan):
+def gated_dispatch(self, plan):
     draining.wait(300)
-    return execute(self, plan)
+    return dispatch(self, plan)
 
 def noting_drain(self, timeout):
     drain(self, timeout)
     draining.set()
 
-ModelRunner.execute = gated_execute
+ModelRunner.dispatch = gated_dispatch
 AsyncEngine.drain = noting_drain
 """
 

@@ -9,7 +9,7 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   Decode rows read their input token from the device's `SlotState`, so the next plan may be dispatched
   before this one's tokens reach the host (async scheduling).
 * `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one, with one
-  device->host transfer for the whole step. `execute(plan)` is both at once.
+  device->host transfer for the whole step.
 
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
@@ -126,7 +126,7 @@ class ModelRunner:
         self._cache_sizes: dict[str, int] = {}
         # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
         self.on_call: Callable[[str, tuple], None] | None = None
-        self.phases = StepPhases()  # the engine's: execute() charges its prepare, dispatch and wait
+        self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
                     "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
                     self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
@@ -202,10 +202,6 @@ class ModelRunner:
         return 4 * (ec.max_num_batched_tokens * width + 4 * rows * cfg.vocab_size)
 
     # -- the step interface ------------------------------------------------------------------------------------
-
-    def execute(self, plan: SchedulerOutput) -> list[SampledToken]:
-        """Runs one plan on the device and waits for it; the sampled token of every sequence that produced one."""
-        return self.collect(self.dispatch(plan))
 
     def dispatch(self, plan: SchedulerOutput) -> "InFlightStep":
         """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
