@@ -70,10 +70,10 @@ class SampledToken:
 
 @dataclasses.dataclass
 class InFlightStep:
-    """A dispatched plan: each call's inputs with its sampled tokens, still on the device."""
+    """A dispatched plan: for each call, the (row, sequence) pairs whose sample is an output token, and the
+    call's sampled tokens, still on the device."""
 
-    prefills: list[tuple[PrefillInputs, SampleResult]]
-    decode: tuple[DecodeInputs, SampleResult] | None
+    calls: list[tuple[list[tuple[int, Sequence]], SampleResult]]
 
 
 class ModelRunner:
@@ -203,7 +203,7 @@ class ModelRunner:
 
     # -- the step interface ------------------------------------------------------------------------------------
 
-    def dispatch(self, plan: SchedulerOutput) -> "InFlightStep":
+    def dispatch(self, plan: SchedulerOutput) -> InFlightStep:
         """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
         phases = self.phases
         for seq in plan.admitted:
@@ -212,23 +212,20 @@ class ModelRunner:
                  for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
         decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes else None
         phases.lap("prepare")
-        prefills = [(inputs, self.prefill(inputs)) for inputs in calls]
-        step = InFlightStep(prefills, (decode, self.decode(decode)) if decode is not None else None)
+        step = InFlightStep([([(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final],
+                               self.prefill(inputs)) for inputs in calls])
+        if decode is not None:
+            step.calls.append((list(enumerate(decode.seqs)), self.decode(decode)))
         phases.lap("dispatch")
         return step
 
-    def collect(self, step: "InFlightStep") -> list[SampledToken]:
+    def collect(self, step: InFlightStep) -> list[SampledToken]:
         """Waits for a dispatched plan's tokens (one transfer for the whole step)."""
-        calls = step.prefills + ([step.decode] if step.decode is not None else [])
-        results = jax.device_get([result for _, result in calls])
+        results = jax.device_get([result for _, result in step.calls])
         self.phases.lap("wait")
         sampled = []
-        for (inputs, _), result in zip(calls, results):
+        for (rows, _), result in zip(step.calls, results):
             tokens = result.tokens.tolist()
-            if isinstance(inputs, PrefillInputs):
-                rows = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final]
-            else:
-                rows = list(enumerate(inputs.seqs))
             sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else _sampled(seq, result, row)
                         for row, seq in rows]
         return sampled
@@ -285,7 +282,7 @@ class ModelRunner:
         if self._warm and jitted._cache_size() != self._cache_sizes[kind]:
             self._cache_sizes[kind] = jitted._cache_size()
             logger.warning("compiled a %s step for shapes %s while serving: warm-up missed it", kind,
-                           [(leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(inputs)])
+                           _shape_key(inputs))
         return outputs
 
     # -- start-up ----------------------------------------------------------------------------------------------
@@ -348,7 +345,7 @@ class ModelRunner:
         compiling = {}
         with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
             for kind, inputs in self.example_inputs():
-                key = (kind, tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(inputs)))
+                key = (kind, _shape_key(inputs))
                 if key not in compiling:
                     compiling[key] = pool.submit(self._jitted[kind].lower(*self._state(kind), *inputs).compile)
             for future in compiling.values():
@@ -380,3 +377,8 @@ def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:
     logprob = float(result.logprobs[row])
     top[token] = logprob
     return SampledToken(seq, token, logprob, top)
+
+
+def _shape_key(args) -> tuple:
+    """The shapes and dtypes of a step's inputs past the state arguments: which executable serves them."""
+    return tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(args))
