@@ -5,6 +5,8 @@ The model calls `backend.write_kv` and `backend.attend` and never knows which im
 * `xla`: a loop over each row's pages in use with an online softmax, in plain jax.numpy (default on CPU).
 * `pallas`: our Pallas kernels from `pallas_kernels` (default on GPU).
 * `pallas-interpret`: the same kernels in Pallas' interpreter, for tests on CPU.
+* `pallas-tpu`: our Mosaic TPU kernels from `pallas_kernels.tpu` (default on TPU; glue in `attention_tpu`).
+* `pallas-tpu-interpret`: the same kernels in Pallas' TPU interpreter, for tests on CPU.
 
 All backends share one layout per layer's page pool: `[kv_heads, num_pages, page_size, head_dim]`.
 With a quantized KV cache (`kv_cache_dtype` "int8" or "fp8") each pool is a `QuantizedPages` pytree instead:
@@ -33,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.distributed.shardings import KV_POOL, KV_SCALES, REPLICATED
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS
 
-ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret")
+ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret", "pallas-tpu", "pallas-tpu-interpret")
 HEADS = P(None, None, MODEL_AXIS, None)  # q, k, v and the output: [B, T, heads, head_dim]
 
 
@@ -137,6 +139,11 @@ class AttentionBackend:
         """Scatters `k, v: [B, T, kv_heads, head_dim]` into their slots. Padding tokens target the scratch page."""
         pool = self.pool_specs()
         write = functools.partial(_write_kv, kv_cache_dtype=self.kv_cache_dtype)
+        if self.name.startswith("pallas-tpu"):
+            from jaxserve.layers import attention_tpu  # lazily: it imports this module
+
+            write = functools.partial(attention_tpu.tpu_write_kv, kv_cache_dtype=self.kv_cache_dtype,
+                                      interpret=attention_tpu.interpret_params(self.name))
         write = self._per_device(write, (pool, pool, HEADS, HEADS, REPLICATED), (pool, pool))
         return write(k_pool, v_pool, k, v, slot_mapping)
 
@@ -145,6 +152,12 @@ class AttentionBackend:
         """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`)."""
         if self.name == "xla":
             attend = functools.partial(_xla_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window)
+        elif self.name.startswith("pallas-tpu"):
+            from jaxserve.layers import attention_tpu
+
+            attend = functools.partial(attention_tpu.tpu_paged_attention, sm_scale=sm_scale,
+                                       sliding_window=sliding_window,
+                                       interpret=attention_tpu.interpret_params(self.name))
         else:
             attend = functools.partial(_pallas_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
                                        interpret=self.name == "pallas-interpret")

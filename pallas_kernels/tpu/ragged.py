@@ -1,0 +1,212 @@
+"""Mosaic TPU ragged paged attention: decode rows and prefill/extend chunks of one batch in one kernel call.
+
+Queries come in the engine's layout, `q: [B, T, q_heads, head_dim]` with row `b`'s real tokens at
+`q[b, :query_lens[b]]` (a decode row has 1, a prefill chunk up to `T`). Each grid cell
+`(row, kv_head, query_block)` takes `query_block` tokens of one row together with the KV head's whole query
+group as the rows of its matmuls (`query_block * group` of them), and cells past a row's query length only
+write zeros. A cell walks the row's page table (a scalar-prefetch argument) a block of pages at a time,
+copying each page's `[page_size, head_dim]` tile HBM -> VMEM with `make_async_copy` into one of two
+buffers, so block `j + 1` is in flight while block `j` is computed (online softmax in float32). It reads
+only the blocks its causal (and sliding-window) range needs. Int8/fp8 pages come with float32 per-token
+scales, copied alongside their page and applied to the scores and probabilities.
+
+Each copy lands in a slice of the VMEM buffer; no DMA'd ref is reshaped or bitcast, so the same code runs in
+Pallas' TPU interpret mode (`interpret=pltpu.InterpretParams()`) on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._planning import cdiv, default_sm_scale, sanitize_page_indices, validate_paged_kv
+
+TARGET_BLOCK_TOKENS = 128  # keys per KV block (one 128-row tile of K and of V per block)
+TARGET_QUERY_ROWS = 128  # matmul rows (query tokens x query heads of a group) per grid cell
+
+
+def query_block_tokens(num_tokens: int, group: int) -> int:
+    """Query tokens per grid cell: all `num_tokens` if their group's rows fit `TARGET_QUERY_ROWS`, else halved
+    while they exceed it and stay even (the engine's token buckets are powers of two)."""
+    tokens = num_tokens
+    while tokens * group > TARGET_QUERY_ROWS and tokens % 2 == 0:
+        tokens //= 2
+    return tokens
+
+
+def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm_scale, sliding_window,
+            group, query_tokens, page_size, pages_per_block, pages_per_row, quantized):
+    if quantized:
+        k_scales_hbm, v_scales_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
+    else:
+        o_ref, k_buf, v_buf, sems = rest
+    row, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    context, query_len = context_lens[row], query_lens[row]
+    first_token = q_block * query_tokens
+    block_tokens = pages_per_block * page_size
+
+    def copies(block, slot):
+        """The DMAs of KV block `block` into buffer `slot` (rebuilt identically to wait on them)."""
+        out = []
+        for p in range(pages_per_block):
+            page = page_table[row * pages_per_row + block * pages_per_block + p]
+            tile = pl.ds(p * page_size, page_size)
+            out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, tile], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, tile], sems.at[1, slot]))
+            if quantized:
+                one = pl.ds(page, 1)  # [1, page_size]: the scales lie along the lanes, as the keys do in scores
+                out.append(pltpu.make_async_copy(k_scales_hbm.at[head, one], ks_buf.at[slot, :, tile],
+                                                 sems.at[2, slot]))
+                out.append(pltpu.make_async_copy(v_scales_hbm.at[head, one], vs_buf.at[slot, :, tile],
+                                                 sems.at[3, slot]))
+        return out
+
+    @pl.when((first_token < query_len) & (context > 0))
+    def _attend():
+        rows = query_tokens * group
+        token = first_token + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
+        q_pos = context - query_len + token  # [rows, 1]
+        real = token < query_len
+        last_token = jnp.minimum(first_token + query_tokens, query_len) - 1
+        kv_end = context - query_len + last_token + 1  # keys [kv_start, kv_end) are visible to some row
+        kv_start = 0
+        if sliding_window is not None:
+            kv_start = jnp.maximum(context - query_len + first_token - sliding_window + 1, 0)
+        first_block, end_block = kv_start // block_tokens, cdiv(kv_end, block_tokens)
+        q = q_ref[...]
+
+        for c in copies(first_block, 0):
+            c.start()
+
+        def body(block, carry):
+            running_max, denominator, accumulator = carry
+            slot = (block - first_block) % 2
+
+            @pl.when(block + 1 < end_block)
+            def _prefetch():
+                for c in copies(block + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(block, slot):
+                c.wait()
+            key_pos = block * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+            in_context = key_pos < context
+            keys, values = k_buf[slot], v_buf[slot]
+            if quantized:  # int8 and fp8 convert exactly; the scales apply to scores and probabilities
+                keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+            # slots past the context (pages the row does not own, the scratch page) may hold NaN or inf:
+            # a zero probability times NaN is still NaN, so their values are zeroed, not just their scores masked
+            value_pos = block * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+            values = jnp.where(value_pos < context, values, 0)
+            scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            scores = scores * sm_scale
+            if quantized:
+                scores = scores * ks_buf[slot]
+            visible = (key_pos <= q_pos) & in_context & real
+            if sliding_window is not None:
+                visible &= key_pos > q_pos - sliding_window
+            scores = jnp.where(visible, scores, -jnp.inf)
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))
+            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with nothing visible yet
+            probs = jnp.exp(scores - safe_max)
+            rescale = jnp.exp(running_max - safe_max)
+            denominator = denominator * rescale + jnp.sum(probs, axis=1, keepdims=True)
+            if quantized:
+                probs = probs * jnp.where(in_context, vs_buf[slot], 0.0)
+            accumulator = accumulator * rescale + jax.lax.dot(
+                probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+            return new_max, denominator, accumulator
+
+        init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                jnp.zeros((rows, q_ref.shape[-1]), jnp.float32))
+        _, denominator, accumulator = jax.lax.fori_loop(first_block, end_block, body, init)
+        out = accumulator / jnp.maximum(denominator, 1e-30)
+        o_ref[...] = jnp.where(real, out, 0.0).astype(o_ref.dtype)
+
+    @pl.when((first_token >= query_len) | (context <= 0))
+    def _padding():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "pages_per_block", "query_tokens",
+                                             "interpret"))
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, context_lens: jax.Array,
+                           query_lens: jax.Array, page_tables: jax.Array, *, k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None, sm_scale: float | None = None,
+                           sliding_window: int | None = None, pages_per_block: int | None = None,
+                           query_tokens: int | None = None, interpret: pltpu.InterpretParams | None = None
+                           ) -> jax.Array:
+    """Causal attention of each row's new tokens over its paged K/V (already holding those tokens).
+
+    Args:
+      q: [B, T, q_heads, head_dim]; row `b`'s tokens `q[b, :query_lens[b]]` sit at positions
+        `context_lens[b] - query_lens[b] + i`; the rest is padding (its output is 0, its contents, even NaN,
+        affect nothing). Query head `i` reads KV head `i // (q_heads // kv_heads)`.
+      k_pages, v_pages: [kv_heads, num_pages, page_size, head_dim] in q's dtype, or int8 / float8_e4m3fn with
+        `k_scales`, `v_scales`: float32 [kv_heads, num_pages, page_size] (k = k_pages * k_scales).
+      context_lens: int32 [B], keys per row after this step (0: an inactive row, all zeros).
+      query_lens: int32 [B], real query tokens per row (<= T and <= context_lens).
+      page_tables: int32 [B, pages_per_row]; entries past a row's `ceil(context / page_size)` are not read.
+      sm_scale: logit scale, default 1 / sqrt(head_dim).
+      sliding_window: if set, query at position p sees keys at positions > p - sliding_window only.
+      pages_per_block: pages per KV block (default: `TARGET_BLOCK_TOKENS` keys, at most the table's width).
+      query_tokens: query tokens per grid cell, dividing T (default `query_block_tokens`).
+      interpret: `pltpu.InterpretParams()` to run in Pallas' TPU interpreter (any backend), None on a TPU.
+
+    Returns:
+      [B, T, q_heads, head_dim] in q's dtype.
+    """
+    batch, num_tokens, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size = validate_paged_kv(q_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
+    quantized = k_scales is not None
+    group = q_heads // kv_heads
+    query_tokens = query_tokens or query_block_tokens(num_tokens, group)
+    if num_tokens % query_tokens:
+        raise ValueError(f"query_tokens ({query_tokens}) must divide the query length T ({num_tokens})")
+    width = page_tables.shape[1]
+    pages_per_block = pages_per_block or max(1, min(TARGET_BLOCK_TOKENS // page_size, width))
+    width = cdiv(width, pages_per_block) * pages_per_block
+    context_lens = context_lens.astype(jnp.int32)
+    query_lens = jnp.clip(query_lens.astype(jnp.int32), 0, jnp.minimum(context_lens, num_tokens))
+    table = sanitize_page_indices(jnp.clip(page_tables, 0, num_pages - 1), context_lens, page_size, width)
+    scale = default_sm_scale(head_dim) if sm_scale is None else sm_scale
+
+    # [B, kv_heads, T * group, D]: a KV head's query group, token-major, as the rows of one matmul
+    q_rows = q.reshape(batch, num_tokens, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, kv_heads, num_tokens * group, head_dim)
+    rows = query_tokens * group
+    block_tokens = pages_per_block * page_size
+
+    def q_index(b, h, i, context_lens, query_lens, table):  # cells past a row's tokens keep the last block
+        last = jnp.maximum(query_lens[b] - 1, 0) // query_tokens
+        return b, h, jnp.minimum(i, last), 0
+
+    row_spec = pl.BlockSpec((None, None, rows, head_dim), q_index)
+    out_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, i, *_: (b, h, i, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs = [row_spec, hbm, hbm]
+    operands = [q_rows, k_pages, v_pages]
+    scratch = [pltpu.VMEM((2, block_tokens, head_dim), k_pages.dtype),
+               pltpu.VMEM((2, block_tokens, head_dim), v_pages.dtype)]
+    if quantized:
+        in_specs += [hbm, hbm]
+        operands += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+        scratch += [pltpu.VMEM((2, 1, block_tokens), jnp.float32)] * 2
+    scratch.append(pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)))
+    kernel = functools.partial(
+        _kernel, sm_scale=scale, sliding_window=sliding_window, group=group, query_tokens=query_tokens,
+        page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(batch, kv_heads, num_tokens // query_tokens),
+                                               in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        interpret=interpret if interpret is not None else False,
+    )(context_lens, query_lens, table.reshape(-1), *operands)
+    out = out.reshape(batch, kv_heads, num_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, num_tokens, q_heads, head_dim)
