@@ -1,26 +1,85 @@
-"""A random-weight Hugging Face checkpoint with the default model's shapes, for timing where its GGUF is absent.
+"""Random-weight stand-ins of published models, for timing where their weights are absent.
 
-The GPU check runs on a machine that is lent files up to 64 MiB, and the default model's GGUF is 98 MB, so
-`gpu_check.sh` builds this stand-in there (torch and transformers are installed on it) and times the
-engine on it. Only speed can be measured on it, never output quality. `DEFAULT_MODEL_SHAPES` is what
+`write_config(path, "llama-3.1-8b")` writes a directory holding only the config.json of a named shape (the
+published config's numbers); the engine serves it with `load_format="dummy"` (`jaxserve/loading/dummy.py`), which
+draws the weights in the serving dtype on the devices with the engine's own shardings, so an 8B model's 16 GB
+never travel and no file but the config is needed. The directory has no tokenizer (the shapes' vocabularies are
+not the default model's): prompts are token ids, and outputs are token ids with empty text. Only speed can be
+measured on such a model, never output quality.
+
+`build` (torch and transformers) instead writes a real HF checkpoint with HF's random initialization, for code
+that must read weight files (the load path, the transformers baseline). `DEFAULT_MODEL_SHAPES` is what
 SmolLM2-135M-Instruct's GGUF describes; a test checks the two agree.
 
-    python benchmarks/random_model.py /tmp/smollm2-random
+    python benchmarks/random_model.py /tmp/llama-8b --shape llama-3.1-8b
+    python -c "from jaxserve import LLM; LLM('/tmp/llama-8b', load_format='dummy')"
+    python benchmarks/random_model.py /tmp/smollm2-random --checkpoint       # HF weights (torch)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 DEFAULT_MODEL_SHAPES: dict[str, Any] = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
     tie_word_embeddings=True)
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+# the config.json fields of published models (their Hugging Face configs), as architectures jaxserve serves
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], **DEFAULT_MODEL_SHAPES),
+    "llama-3.2-1b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(factor=32.0, **LLAMA3_ROPE), tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_id=128001),
+    "llama-3.1-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(factor=8.0, **LLAMA3_ROPE), tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        sliding_window=None, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-8b": dict(  # q/k norms
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        attention_bias=False, sliding_window=None, use_sliding_window=False, bos_token_id=151643,
+        eos_token_id=151645),
+}
+
+
+def shape_config(shape: str, **overrides: Any) -> dict[str, Any]:
+    """The config.json content of the named shape with `overrides` (e.g. `num_hidden_layers=2`)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    unknown = set(overrides) - {*SHAPES[shape], "num_hidden_layers", "vocab_size", "max_position_embeddings"}
+    if unknown:
+        raise ValueError(f"cannot override {sorted(unknown)} of shape {shape!r}")
+    return {**SHAPES[shape], "hidden_act": "silu", "torch_dtype": "bfloat16", **overrides}
+
+
+def write_config(path: str | Path, shape: str, **overrides: Any) -> str:
+    """Writes directory `path` holding only the named shape's config.json; serve it with `load_format="dummy"`."""
+    config = shape_config(shape, **overrides)
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(directory)
 
 
 def build(path: str, seed: int = 0, **overrides: Any) -> str:
-    """Writes a `LlamaForCausalLM` with HF's random initialization (and `overrides` of the shapes) to `path`."""
+    """Writes a `LlamaForCausalLM` with HF's random initialization (and `overrides` of the default model's
+    shapes) to `path`: weight files, for code that reads them."""
     import torch
     import transformers
 
@@ -32,11 +91,22 @@ def build(path: str, seed: int = 0, **overrides: Any) -> str:
 
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", help="directory to write the checkpoint to")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("path", help="directory to write to")
+    parser.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES), help="the published model's shape")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer (or more) decoder layers than published")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="write HF weights with torch (default model's shapes only) instead of a config alone")
+    parser.add_argument("--seed", type=int, default=0, help="--checkpoint's seed")
     args = parser.parse_args(argv)
-    path = build(args.path, args.seed)
-    print(f"random-weight checkpoint with the default model's shapes: {path}")
+    layers = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    if args.checkpoint:
+        if args.shape != "smollm2-135m":
+            parser.error("--checkpoint writes the default model's shapes only")
+        path = build(args.path, args.seed, **layers)
+        print(f"random-weight checkpoint with the default model's shapes: {path}")
+        return path
+    path = write_config(args.path, args.shape, **layers)
+    print(f"{args.shape} config (no weights, no tokenizer): {path}; serve it with load_format='dummy'")
     return path
 
 

@@ -496,3 +496,54 @@ def test_loading_memory_builds_a_checkpoint_transformers_reads_and_measures_it(t
     assert result["model_bytes"] == result["placed_bytes"] == 2 * result["parameters"]
     assert result["parameters"] == sum(p.numel() for p in model.parameters())
     assert result["peak_rss"] >= result["rss_after"] > 0 and result["peak_rss"] >= result["baseline_rss"]
+
+
+def test_gpu_8b_dry_run(tmp_path):
+    """The GPU stage's script (`gpu_8b.py`) end to end on CPU at reduced scale: 2 layers of Llama-3.1-8B's shapes
+    (vocabulary cut to 4096, float32: CPU bfloat16 matmuls are ~10x slower), random weights drawn on the device
+    (`load_format="dummy"`, config.json alone), every part measured, and the int8 + fp8 variant engine."""
+    from benchmarks import gpu_8b, random_model
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.loading import load_model
+
+    result_file = tmp_path / "gpu-8b.json"
+    payload = gpu_8b.main(["--num-layers", "2", "--vocab-size", "4096", "--dtype", "float32", "--batch-sizes", "1",
+                           "2", "--context", "32", "--repeats", "1", "--concurrency", "2", "--waves", "1",
+                           "--input-len", "16", "--output-len", "3", "--ttft-len", "32", "--ttft-repeats", "1",
+                           "--max-num-batched-tokens", "16", "--variant-batch-sizes", "1",
+                           "--variants", "int8-kv-fp8:quantization=int8,kv_cache_dtype=fp8",
+                           "--result-file", str(result_file)])
+    saved = json.loads(result_file.read_text())
+    assert saved["errors"] == {} and saved["skipped"] == [] and saved["benchmark"] == "gpu_8b"
+    parts = saved["parts"]
+    model = saved["model_config"]
+    published = random_model.SHAPES["llama-3.1-8b"]
+    assert (model["num_layers"], model["vocab_size"]) == (2, 4096)
+    assert (model["hidden_size"], model["intermediate_size"], model["num_q_heads"], model["num_kv_heads"],
+            model["head_dim"], model["tie_word_embeddings"]) == (4096, 14336, 32, 8, 128, False)
+    assert dict(model["rope_scaling"])["rope_type"] == "llama3" == published["rope_scaling"]["rope_type"]
+    assert saved["engine"]["load_format"] == "dummy" and saved["engine"]["dtype"] == "float32"
+    assert parts["sanity"]["finite_logprobs"] and len(parts["sanity"]["tokens"]) == 8
+    # the decode step counts the 8B layers' weights: q/k/v/o, gate/up/down per layer, plus the LM head
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    one, two = parts["decode"]["points"]
+    assert (one["batch"], two["batch"]) == (1, 2) and one["params"]["matmul"] == 2 * layer + 4096 * 4096
+    assert all(p["step_s"] > 0 and p["percent_of_roofline"] > 0 for p in (one, two))
+    (run,) = parts["throughput"]
+    assert (run["concurrency"], run["num_requests"], run["output_tokens"], run["prompt_tokens"]) == (2, 2, 6, 32)
+    assert parts["single_stream"]["output_tokens"] == 3 and parts["single_stream"]["decode_tok_s"] > 0
+    assert parts["ttft"]["prompt_len"] == 32 and parts["ttft"]["ttft_s"] > 0
+    variant = parts["variant int8-kv-fp8:quantization=int8,kv_cache_dtype=fp8"]
+    assert (variant["quantization"], variant["kv_cache_dtype"]) == ("int8", "fp8")
+    assert variant["sanity"]["finite_logprobs"]
+    (point,) = variant["points"]
+    assert point["batch"] == 1 and point["step_s"] > 0
+    assert point["speedup"] == pytest.approx(one["step_s"] / point["step_s"])
+    table = result_file.with_suffix(".txt").read_text()
+    assert "decode step, batch 2" in table and "published (not measured here)" in table and "FAILED" not in table
+    assert payload["parts"].keys() == parts.keys()
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig(load_format="safetensors")
+    config_only = random_model.write_config(tmp_path / "config-only", "qwen3-8b", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="safetensors"):  # without load_format="dummy" it needs weight files
+        load_model(config_only)

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.loading.dummy import LOAD_FORMATS
+
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = (None, "int8", "awq")  # awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py)
@@ -28,6 +30,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None  # a tokenizer directory to use instead of the model's
     generation_config: str = "auto"  # "auto": the model's generation_config.json, "vllm": ignore it, or a folder
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights drawn on the devices
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over (Megatron-style)
     max_num_seqs: int = 64  # decode slots
     max_model_len: int | None = None  # default: min(model's max_position_embeddings, 2048)
@@ -66,6 +69,7 @@ class EngineConfig:
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "must be 'fcfs' or 'priority'"),
             ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
+            ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
         ]
         for field, ok, message in checks:
             if not ok:

@@ -6,9 +6,10 @@ before any weight is read), and returns a `LoadedModel` with its params as jax a
 (`models.checkpoint_shapes`), already in the serving dtype and placed by the sharding table: each device
 receives only its shard, read slice by slice from safetensors or restored shard by shard from a store, so the
 host never holds the whole model. With it come the tokenizer (or one from another directory) and
-generation_config.json's EOS ids and sampling defaults. GGUF files are converted once (dequantized in host
-memory, tokenizer rebuilt) into a float32 store under the checkpoint directory; later loads read the store in
-seconds. A corrupt store, or one saved in an older layout, is reported, deleted and rebuilt.
+generation_config.json's EOS ids and sampling defaults. With `load_format="dummy"` the weights are random, drawn on
+the devices from the model's config alone (`loading/dummy.py`), for timing a model whose weights are absent. GGUF
+files are converted once (dequantized in host memory, tokenizer rebuilt) into a float32 store under the checkpoint
+directory; later loads read the store in seconds. A corrupt store, or one saved in an older layout, is reported, deleted and rebuilt.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.loading.awq import check_quantization
+from jaxserve.loading.dummy import check_load_format, dummy_params
 from jaxserve.loading.generation_config import (generation_config_file, generation_eos_token_ids,
                                                 read_generation_config, sampling_defaults)
 from jaxserve.loading.store import (CorruptCheckpointError, is_store, read_store_config, restore_store, save_store,
@@ -147,8 +149,14 @@ def model_config(source: ModelSource) -> ModelConfig:
     return hf_model_config(str(source.weights))
 
 
-def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
-    """`(ModelConfig, params)` of `source`: jax arrays in `dtype` placed on `mesh` (default: one device)."""
+def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None,
+                 load_format: str = "auto") -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params)` of `source`: jax arrays in `dtype` placed on `mesh` (default: one device).
+    `load_format`: "auto" reads the weights, "dummy" draws random ones on the devices from the config alone."""
+    check_load_format(load_format)
+    if load_format == "dummy":
+        config = model_config(source)
+        return config, dummy_params(config, dtype, mesh)
     if source.kind == "gguf":
         return restore_gguf_cached(str(source.weights), source.directory, dtype, mesh)
     if source.kind == "store":
@@ -179,7 +187,7 @@ def model_tokenizer(directory: Path) -> Any:
 
 def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
                tokenizer: str | os.PathLike | None = None, generation_config: str = "auto",
-               mesh: Mesh | None = None, quantization: str | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, quantization: str | None = None, load_format: str = "auto") -> LoadedModel:
     """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`), placed on `mesh`.
 
     `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file.
@@ -188,17 +196,20 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     `mesh`: the tensor-parallel device mesh (`distributed.tensor_parallel.make_mesh`); None means one device.
     `quantization`: the engine's weight mode; an AutoAWQ checkpoint loads 4-bit whatever it is (None: as the
     checkpoint says, like vLLM), and "awq" on any other checkpoint is an error (`loading.awq.check_quantization`).
+    `load_format`: "auto" (the checkpoint's weights) or "dummy" (random weights drawn on the devices; the model
+    needs only its config, e.g. a directory holding just config.json: see `loading/dummy.py`).
     ValueError (before any weight is read) if the model's heads cannot be split over the mesh, or for a
     quantization the checkpoint does not match.
     """
     dtype = jnp.dtype(dtype)
     mesh = make_mesh(1) if mesh is None else mesh
+    check_load_format(load_format)
     source = resolve_model(model)
     generation_file = generation_config_file(generation_config, source.directory)
     override_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
     TensorParallel(mesh.size).check(model_config(source))
     check_quantization(source.weights, quantization, mesh.size)
-    config, params = load_weights(source, dtype, mesh)
+    config, params = load_weights(source, dtype, mesh, load_format)
     generation = read_generation_config(generation_file)
     return LoadedModel(
         name=source.name,

@@ -13,6 +13,7 @@ import os
 from jaxserve.distributed.multihost import MultiHost
 from jaxserve.engine.config import QUANTIZATIONS, EngineConfig
 from jaxserve.loading import DEFAULT_MODEL
+from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.server.api_server import ServerSettings
 
 JINJA_CHARS = "{}\n"  # a --chat-template value with any of these is a template, not a file name (as vLLM)
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--generation-config", default=ENGINE_DEFAULTS["generation_config"],
                         help="sampling defaults for fields a request leaves unset: 'auto' (the model's "
                              "generation_config.json), 'vllm' (none) or a folder holding generation_config.json")
+    engine.add_argument("--load-format", choices=LOAD_FORMATS, default=ENGINE_DEFAULTS["load_format"],
+                        help="'auto': the checkpoint's weights; 'dummy': random weights drawn on the devices (the "
+                             "model needs only its config.json), for timing a model whose weights are absent")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"],
                         help="devices (over all hosts) the weights, heads and KV pages are split over")
     engine.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="decode slots")
@@ -109,6 +113,7 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe; ValueError for out-of-range values."""
     return EngineConfig(model=args.model, tokenizer=args.tokenizer, generation_config=args.generation_config,
+                        load_format=args.load_format,
                         tensor_parallel_size=args.tensor_parallel_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
