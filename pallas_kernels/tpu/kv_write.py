@@ -84,6 +84,6 @@ def write_to_pages(pools: tuple[jax.Array, ...], new: tuple[jax.Array, ...], slo
             out_specs=[hbm] * num_arrays, scratch_shapes=[pltpu.SemaphoreType.DMA((num_arrays,))]),
         out_shape=[jax.ShapeDtypeStruct(pool.shape, pool.dtype) for pool in pools],
         input_output_aliases={1 + i: i for i in range(num_arrays)},  # operand 0 is the scalar-prefetched slots
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),  # cells write disjoint slots
         interpret=interpret if interpret is not None else False,
     )(slots, *pools, *new)
