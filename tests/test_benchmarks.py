@@ -524,6 +524,7 @@ def test_gpu_8b_dry_run(tmp_path):
     assert dict(model["rope_scaling"])["rope_type"] == "llama3" == published["rope_scaling"]["rope_type"]
     assert saved["engine"]["load_format"] == "dummy" and saved["engine"]["dtype"] == "float32"
     assert parts["sanity"]["finite_logprobs"] and len(parts["sanity"]["tokens"]) == 8
+    assert parts["warmup"]["compile_s"] > 0
     # the decode step counts the 8B layers' weights: q/k/v/o, gate/up/down per layer, plus the LM head
     layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
     one, two = parts["decode"]["points"]
