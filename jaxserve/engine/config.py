@@ -43,7 +43,8 @@ class EngineConfig:
     quantization: str | None = None  # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq"
     # (an AutoAWQ checkpoint's 4-bit weights; set from the checkpoint's config.json when left None)
     kv_cache_dtype: str = "auto"  # KV pages: "auto" (the serving dtype), "int8" (per-token scales) or "fp8" (e4m3)
-    attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret"; default pallas on GPU, xla on CPU
+    attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret" | "pallas-tpu" |
+    # "pallas-tpu-interpret"; default pallas on GPU, pallas-tpu on TPU, xla on CPU
     seed: int = 0
     scheduling_policy: str = "fcfs"  # or "priority" (lower value first, aged so nothing starves)
     priority_aging_seconds: float = 10.0  # waiting this long counts as one priority level
@@ -57,7 +58,7 @@ class EngineConfig:
         if self.dtype is None:
             self.dtype = "float32" if platform == "cpu" else "bfloat16"
         if self.attention_backend is None:
-            self.attention_backend = "pallas" if platform == "gpu" else "xla"
+            self.attention_backend = {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
         checks = [
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),

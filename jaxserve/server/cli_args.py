@@ -12,6 +12,7 @@ import os
 
 from jaxserve.distributed.multihost import MultiHost
 from jaxserve.engine.config import QUANTIZATIONS, EngineConfig
+from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.server.api_server import ServerSettings
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"],
                         help="KV pages: auto (the model dtype), int8 or fp8 (e4m3)")
     engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])
-    engine.add_argument("--attention-backend", choices=("xla", "pallas", "pallas-interpret"), default=None)
+    engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                        help="default: pallas on GPU, pallas-tpu on TPU, xla on CPU")
     hosts = parser.add_argument_group("multi-host (sglang-jax's flags; every host runs the same command)")
     hosts.add_argument("--nnodes", type=int, default=1, help="hosts serving the model together")
     hosts.add_argument("--node-rank", type=int, default=0, help="this host's rank; rank 0 serves HTTP")

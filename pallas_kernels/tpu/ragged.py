@@ -202,8 +202,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized)
     out = pl.pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=(batch, kv_heads, num_tokens // query_tokens),
-                                               in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=(batch, kv_heads, num_tokens // query_tokens), in_specs=in_specs,
+            out_specs=out_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         interpret=interpret if interpret is not None else False,
