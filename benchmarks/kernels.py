@@ -2,8 +2,9 @@
 
 Implementations timed per (batch, context) point, all on full-length sequences
 with a scattered page table:
-  pallas-ours   pallas_kernels' Triton decode kernel (interpret mode on CPU only
-                with --interpret; it is a correctness tool there, not a fast path)
+  pallas-ours   pallas_kernels' Triton decode kernel, or with --backend pallas-tpu (the default on a TPU)
+                the Mosaic TPU ragged kernel of pallas_kernels.tpu on decode rows (interpret mode elsewhere
+                only with --interpret; it is a correctness tool there, not a fast path)
   pallas-jax    jax.experimental.pallas.ops.gpu.paged_attention (GPU only, if importable)
   xla-ref       pallas_kernels.paged_attention_reference (gather + masked softmax)
 For each it reports time per call, achieved bandwidth (bytes of K/V that must be
@@ -31,9 +32,11 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 import timing  # noqa: E402
 from pallas_kernels import paged_attention_reference  # noqa: E402
+from pallas_kernels.tpu import ragged as tpu_ragged  # noqa: E402
 from pallas_kernels.triton import decode as triton_decode  # noqa: E402
 
 PRESETS = {
@@ -52,7 +55,7 @@ GRIDS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = jax.default_backend() in ("gpu", "tpu")  # an accelerator: its grid and defaults
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -68,8 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-int8", action="store_true", help="int8 K/V pools with per-token scales")
     p.add_argument("--impls", nargs="+", choices=["pallas-ours", "pallas-jax", "xla-ref"],
                    default=["pallas-ours", "pallas-jax", "xla-ref"])
+    p.add_argument("--backend", choices=["pallas", "pallas-tpu"],
+                   default="pallas-tpu" if jax.default_backend() == "tpu" else "pallas",
+                   help="the kernel pallas-ours times: Triton (GPU) or Mosaic TPU")
     p.add_argument("--interpret", action="store_true",
-                   help="on a non-GPU backend, also time pallas-ours in interpret mode")
+                   help="without the --backend's device, also time pallas-ours in interpret mode")
     p.add_argument("--num-warps", type=int, nargs="+", default=[4],
                    help="pallas-ours: one row per value")
     p.add_argument("--pages-per-compute-block", type=int, nargs="+", default=[0],
@@ -172,7 +178,22 @@ def build_impls(args: argparse.Namespace, batch: int, context: int) -> list[tupl
         reason = f"gathered copies > --xla-max-gib {args.xla_max_gib}" if too_big else ""
         ref = jax.jit(paged_attention_reference)
         impls.append(("xla-ref", lambda x, ref=ref: ref(**x), reason))
-    if "pallas-ours" in args.impls:
+    if "pallas-ours" in args.impls and args.backend == "pallas-tpu":
+        on_tpu = jax.default_backend() == "tpu"
+        reason = "" if (on_tpu or args.interpret) else "no TPU (pass --interpret to time interpret mode)"
+        interpret = None if on_tpu else pltpu.InterpretParams()
+        for ppcb in args.pages_per_compute_block:
+            name = "pallas-ours" + (f"[p{ppcb or 'auto'}]" if len(args.pages_per_compute_block) > 1 else "")
+
+            @jax.jit
+            def tpu_decode(x, ppcb=ppcb):  # decode rows: one query token each, all of the context
+                scales = {key: x[key] for key in ("k_scales", "v_scales") if key in x}
+                out = tpu_ragged.ragged_paged_attention(
+                    x["q"][:, None], x["k_pages"], x["v_pages"], x["lengths"], jnp.ones_like(x["lengths"]),
+                    x["page_indices"], pages_per_block=ppcb or None, interpret=interpret, **scales)
+                return out[:, 0]
+            impls.append((name, tpu_decode, reason))
+    elif "pallas-ours" in args.impls:
         interpret = not on_gpu
         reason = "" if (on_gpu or args.interpret) else "no GPU (pass --interpret to time interpret mode)"
         for warps in args.num_warps:
