@@ -501,10 +501,16 @@ def test_loading_memory_builds_a_checkpoint_transformers_reads_and_measures_it(t
 def test_gpu_8b_dry_run(tmp_path):
     """The GPU stage's script (`gpu_8b.py`) end to end on CPU at reduced scale: 2 layers of Llama-3.1-8B's shapes
     (vocabulary cut to 4096, float32: CPU bfloat16 matmuls are ~10x slower), random weights drawn on the device
-    (`load_format="dummy"`, config.json alone), every part measured, and the int8 + fp8 variant engine."""
+    (`load_format="dummy"`, config.json alone), every part measured, and the int8 + fp8 variant engine; then a
+    dummy load split over 3 devices: the sharding table's placement, the init's scale, and the bad-input errors."""
+    import jax
+    import jax.numpy as jnp
+
     from benchmarks import gpu_8b, random_model
+    from jaxserve.distributed.tensor_parallel import make_mesh
     from jaxserve.engine.config import EngineConfig
     from jaxserve.loading import load_model
+    from jaxserve.loading.placement import checkpoint_shardings
 
     result_file = tmp_path / "gpu-8b.json"
     payload = gpu_8b.main(["--num-layers", "2", "--vocab-size", "4096", "--dtype", "float32", "--batch-sizes", "1",
@@ -545,6 +551,18 @@ def test_gpu_8b_dry_run(tmp_path):
     assert payload["parts"].keys() == parts.keys()
     with pytest.raises(ValueError, match="load_format"):
         EngineConfig(load_format="safetensors")
-    config_only = random_model.write_config(tmp_path / "config-only", "qwen3-8b", num_hidden_layers=1)
+    config_only = random_model.write_config(tmp_path / "config-only", "smollm2-135m", num_hidden_layers=1)
     with pytest.raises(ValueError, match="safetensors"):  # without load_format="dummy" it needs weight files
         load_model(config_only)
+    # split 3 ways, every parameter is drawn with the sharding table's placement, at the init's scale
+    mesh = make_mesh(3)
+    loaded = load_model(config_only, jnp.bfloat16, mesh=mesh, load_format="dummy")
+    expected = checkpoint_shardings(loaded.config, jnp.bfloat16, mesh)
+    for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(loaded.params), jax.tree.leaves(expected)):
+        assert leaf.dtype == jnp.bfloat16 and leaf.sharding == sharding, path
+        values = np.asarray(leaf, np.float32)
+        if path[-1].key == "scale":
+            assert (values == 1).all()
+        else:  # [in, out] kernels: variance 1 / in; the [vocab, hidden] embedding: 1 / hidden
+            fan_in = values.shape[1] if path[-1].key == "embedding" else values.shape[0]
+            assert abs(values.std() * fan_in ** 0.5 - 1) < 0.02 and abs(values.mean()) * fan_in ** 0.5 < 0.02, path
