@@ -150,6 +150,7 @@ def ttft(llm: Any, args: argparse.Namespace, rng: np.random.Generator) -> dict[s
 def variant(model_dir: str, mode: str, args: argparse.Namespace, baseline: dict[int, float]) -> dict[str, Any]:
     from benchmarks.quality import build_engine, parse_mode
 
+    gc.collect()  # the engine before this one is gone, cycles included
     options = engine_options(args, model_dir, args.variant_batch_sizes)
     max_model_len = max(args.context, args.input_len + 8)  # decode steps and the sanity check only
     options.update(max_num_batched_tokens=16, max_model_len=max_model_len,  # 16: one prefill shape to compile
@@ -205,7 +206,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         # no warm-up at start: the decode steps compile only their own shapes and come first; the rest of the
         # shapes compile (side by side) in the "warmup" part, before the parts that need them
-        llm = LLM(**engine_options(args, model_dir, args.batch_sizes, args.concurrency), warmup=False)
+        try:
+            llm = LLM(**engine_options(args, model_dir, args.batch_sizes, args.concurrency), warmup=False)
+        except Exception as err:
+            payload["errors"]["startup"] = f"{type(err).__name__}: {err}"
+            common.write_result(NAME, payload, path, argv)
+            raise
         payload["startup_s"] = time.perf_counter() - started
         payload["engine"] = {k: v for k, v in vars(llm.llm_engine.config).items() if not k.startswith("_")}
         payload["model_config"] = llm.llm_engine.model.config
