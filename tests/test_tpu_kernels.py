@@ -186,8 +186,22 @@ def test_engine_greedy_tokens_match_xla(tiny_model_dirs, family):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 30, seed=17)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     options = dict(max_num_seqs=2, decode_batch_buckets=(2,), max_model_len=64, page_size=8,
-                   max_num_batched_tokens=16, enable_prefix_caching=False)
+                   max_num_batched_tokens=16, enable_prefix_caching=False, warmup=False)
     outputs = {backend: [out.outputs[0].token_ids for out in LLM(
         tiny_model_dirs[family], attention_backend=backend, **options).generate(prompts, params, use_tqdm=False)]
         for backend in ("xla", "pallas-tpu-interpret")}
     assert outputs["pallas-tpu-interpret"] == outputs["xla"]
+
+
+def test_engine_tensor_parallel_int8_kv_matches_xla(tiny_llama_dir):
+    """Two devices (one KV head each, the kernels under shard_map) and an int8 KV cache (the write kernel stores
+    values and scales): the same greedy tokens as the xla backend with the same int8 cache."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 30, seed=18)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(max_num_seqs=2, decode_batch_buckets=(2,), max_model_len=64, page_size=8,
+                   max_num_batched_tokens=16, enable_prefix_caching=False, kv_cache_dtype="int8", warmup=False)
+    xla = LLM(tiny_llama_dir, attention_backend="xla", **options).generate(prompts, params, use_tqdm=False)
+    tpu = LLM(tiny_llama_dir, attention_backend="pallas-tpu-interpret", tensor_parallel_size=2, **options)
+    assert tpu.llm_engine.runner.kv_cache[0][0].values.sharding.spec[0] is not None  # pools split on the heads
+    assert [out.outputs[0].token_ids for out in tpu.generate(prompts, params, use_tqdm=False)] == [
+        out.outputs[0].token_ids for out in xla]
