@@ -11,7 +11,6 @@ kernels in Pallas' TPU interpreter (`pltpu.InterpretParams()`), which works on a
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.layers.attention import QuantizedPages, quantize_kv
@@ -47,6 +46,6 @@ def tpu_paged_attention(q: jax.Array, k_pool, v_pool, meta, *, sm_scale: float, 
     if isinstance(k_pool, QuantizedPages):
         scales = dict(k_scales=k_pool.scales, v_scales=v_pool.scales)
         k_pool, v_pool = k_pool.values, v_pool.values
-    query_lens = jnp.where(meta.context_lens > 0, meta.query_lens, 0)
-    return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, query_lens, meta.page_tables,
+    # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
+    return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
                                   sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, **scales)
