@@ -274,7 +274,8 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64, max
     group.add_argument("--num-kv-pages", type=int, default=None)
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--attention-backend", default=None, help="xla | pallas | pallas-interpret (engine default)")
+    group.add_argument("--attention-backend", default=None,
+                       help="xla | pallas | pallas-interpret | pallas-tpu | pallas-tpu-interpret (engine default)")
     group.add_argument("--quantization", default=None, help="weights: int8 (W8A16, per output channel); default float")
 
 

@@ -21,8 +21,9 @@ import pytest
 
 from jaxserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata
 
-# Every backend this machine runs: "pallas" compiles Triton kernels, so it needs a GPU.
-BACKENDS = tuple(name for name in ATTENTION_BACKENDS if name != "pallas" or jax.default_backend() == "gpu")
+# Every backend this machine runs: "pallas" compiles Triton kernels (a GPU), "pallas-tpu" Mosaic TPU ones (a TPU).
+NEEDS = {"pallas": "gpu", "pallas-tpu": "tpu"}
+BACKENDS = tuple(name for name in ATTENTION_BACKENDS if NEEDS.get(name, jax.default_backend()) == jax.default_backend())
 POISON = {"nan": np.nan, "inf": np.inf, "huge": 3.0e38}
 TOLERANCE = 2e-6  # absolute, outputs are O(1): float32 attention is ~3e-7 off the float64 reference here
 
