@@ -90,8 +90,6 @@ class LLM:
                     results[output.request_id] = output
                     if progress is not None:
                         progress.update(1)
-        while wanted & self.llm_engine.requests.keys():  # a stop string's sequence ends at the engine's next step
-            self.llm_engine.step()
         if progress is not None:
             progress.close()
         return [results[request_id] for request_id in request_ids]

@@ -7,8 +7,7 @@ import asyncio
 import pytest
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.outputs import merge_delta
-from jaxserve.server.output_collector import OutputCollector
+from jaxserve.server.output_collector import OutputCollector, merge_delta
 
 
 def delta(request_id: str, completions: list[CompletionOutput], finished: bool = False,

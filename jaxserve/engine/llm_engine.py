@@ -3,33 +3,29 @@
 `add_request` and `abort_request` may be called from any thread: they validate at once (raising
 `ValueError` for bad input, including a request id already in use) and queue a command that the
 stepping thread applies at the start of its next `step()`. `step()` reads as: take commands,
-schedule, dispatch the plan to the device, take in the tokens of the step before it (append them,
-apply the stop conditions a token id decides, retire finished sequences) while the device runs this
-one, and hand every request that changed to the output processor, whose thread detokenizes, checks
-stop strings and builds the outputs (`engine/output_processor.py`). `step()` returns the outputs
-that are ready (all of them once the engine has nothing left to run), or sends them to
-`output_sink` when one is set. With `async_scheduling=False` a step takes in its own tokens instead.
+schedule, dispatch the plan to the device, post-process the tokens of the step before it (append
+tokens, detokenize, check stop conditions, retire finished sequences) while the device runs this one,
+and return a snapshot output for every request that changed. With `async_scheduling=False` a step
+post-processes its own tokens instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import InFlightStep, ModelRunner, SampledToken
-from jaxserve.engine.output_processor import OutputProcessor, TokenUpdate
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -79,9 +75,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(self.config.seed)
         self._prompt_tokens = self._generation_tokens = self._steps = 0
-        self._release_id = self._id_release()
-        self.output_processor = OutputProcessor(self.tokenizer, self._stop_command(), self._release_id)
-        weakref.finalize(self, self.output_processor.close)  # its thread holds no reference to the engine
+        self._finished: dict[str, int] = {}
         self._stats = self._snapshot()
         self._first_token_latencies: list[float] = []
         self._inter_token_latencies: list[float] = []
@@ -98,19 +92,8 @@ class LLMEngine:
         return self.model.config.vocab_size
 
     def stats(self) -> SchedulerStats:
-        """The snapshot published after the latest step, with finished requests counted as their final outputs
-        go out (safe to read from any thread)."""
-        return dataclasses.replace(self._stats, request_success=self.output_processor.finished_counts())
-
-    @property
-    def output_sink(self) -> Callable[[list[RequestOutput]], None] | None:
-        """Where outputs go as soon as they are built (on the output processor's thread); None: `step()` returns
-        them."""
-        return self.output_processor.sink
-
-    @output_sink.setter
-    def output_sink(self, sink: Callable[[list[RequestOutput]], None] | None) -> None:
-        self.output_processor.sink = sink
+        """The snapshot published after the latest step (safe to read from any thread)."""
+        return self._stats
 
     def iteration_stats(self) -> IterationStats:
         """The token latencies of the latest step (for the stepping thread, right after `step()`)."""
@@ -133,9 +116,13 @@ class LLMEngine:
             self._live_ids.add(request_id)
         arrival_time = arrival_time or time.monotonic()
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
-        seqs = [Sequence(request_id, index, token_ids, params, (base_seed + 0x9E3779B1 * index) % 2**32,
-                         arrival_time, priority) for index in range(params.n)]
-        request = Request(request_id, prompt_text, token_ids, params, seqs, arrival_time)
+        seqs, detoks = [], []
+        for index in range(params.n):
+            seed = (base_seed + 0x9E3779B1 * index) % 2**32
+            seqs.append(Sequence(request_id, index, token_ids, params, seed, arrival_time, priority))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                                                 params.include_stop_str_in_output))
+        request = Request(request_id, prompt_text, token_ids, params, seqs, detoks, arrival_time)
         self._commands.put(("add", request))
         self._new_commands.set()
         return request_id
@@ -197,17 +184,15 @@ class LLMEngine:
     # -- the loop (one thread) ---------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self.requests) or not self._commands.empty() or self._in_flight is not None
-                or self.output_processor.busy)
+        return bool(self.requests) or not self._commands.empty() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns the outputs the output processor has built since the previous call (none
-        with an `output_sink`). Once the engine has nothing left to run, it waits for the processor first.
+        """Runs one iteration; returns an output for each request that changed (finished ones are then forgotten).
 
-        Synchronous: schedule, dispatch, wait for the plan's tokens, take them in. Async scheduling (the
-        default) dispatches the plan first and then takes in the previous step's tokens, so the device
-        computes step t+1 while the host reads step t (a sequence that stopped at t computes one extra
-        token, which is discarded)."""
+        Synchronous: schedule, dispatch, wait for the plan's tokens, post-process them. Async scheduling
+        (the default) dispatches the plan first and then post-processes the previous step's tokens, so the
+        device computes step t+1 while the host reads step t (a sequence that stopped at t computes one
+        extra token, which is discarded)."""
         self.phases.start()
         self._first_token_latencies, self._inter_token_latencies = [], []
         touched = self._apply_commands()
@@ -218,19 +203,18 @@ class LLMEngine:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             touched |= self._collect(launched)
-        updates = []
+        outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            updates.append(TokenUpdate.of(request))
             if request.finished:
                 self._retire(request)
-        self._stats = self._snapshot()  # before the outputs can go out, so a reader of them sees their tokens
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
+        self._stats = self._snapshot()
         self._iteration = IterationStats(tuple(self._first_token_latencies), tuple(self._inter_token_latencies))
-        if updates:
-            self.output_processor.put(updates)
-        outputs = self.output_processor.take(wait=not self.requests and self._in_flight is None)
         self.phases.lap("postprocess")
         return outputs
 
@@ -267,8 +251,7 @@ class LLMEngine:
         return touched
 
     def _append_token(self, sample: SampledToken, now: float) -> None:
-        """Appends a sampled token and applies vLLM's stop rules that a token id decides; none is checked before
-        min_tokens outputs."""
+        """Appends a sampled token and applies vLLM's stop rules: none is checked before min_tokens outputs."""
         seq, token = sample.seq, sample.token
         request = self.requests[seq.request_id]
         if request.first_token_time is None:
@@ -288,7 +271,9 @@ class LLMEngine:
             return self._finish(seq, "stop", None)
         if check_stop and token in params.stop_token_ids:
             return self._finish(seq, "stop", token)
-        # stop strings are the output processor's: a sequence it stops ends with a "stop" command
+        stop_string = request.detokenizers[seq.index].add_token(token, check_stop)
+        if stop_string is not None:
+            return self._finish(seq, "stop", stop_string)
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return self._finish(seq, "length", None)
         if len(seq) >= self.config.max_model_len:
@@ -300,29 +285,13 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _retire(self, request: Request) -> None:
-        """Forgets a request whose sequences are finished; its id is free once its final output is out too."""
+        """Forgets a finished request; its id may be used again."""
+        request.finished_time = time.monotonic()
         del self.requests[request.request_id]
-        self._release_id(request)
-
-    def _id_release(self) -> Callable[[Request], None]:
-        """Frees a request's id when the second of the engine and the output processor is done with it (a closure
-        holding no reference to the engine, for the processor's thread)."""
-        ids_lock, live_ids = self._ids_lock, self._live_ids
-
-        def release(request: Request) -> None:
-            if request.end_side():
-                with ids_lock:
-                    live_ids.discard(request.request_id)
-        return release
-
-    def _stop_command(self) -> Callable[[str, int, str], None]:
-        """How the output processor finishes a sequence whose text reached a stop string (no engine reference)."""
-        commands, new_commands = self._commands, self._new_commands
-
-        def stop(request_id: str, index: int, stop_string: str) -> None:
-            commands.put(("stop", (request_id, index, stop_string)))
-            new_commands.set()
-        return stop
+        with self._ids_lock:
+            self._live_ids.discard(request.request_id)
+        reason = request.finish_reason
+        self._finished[reason] = self._finished.get(reason, 0) + 1
 
     def _apply_commands(self) -> set[str]:
         self._new_commands.clear()
@@ -342,12 +311,6 @@ class LLMEngine:
                     if not seq.is_finished:
                         self._finish(seq, "abort", None)
                 changed.add(payload)
-            elif command == "stop" and payload[0] in self.requests:
-                request_id, index, stop_string = payload
-                seq = self.requests[request_id].seqs[index]
-                if not seq.is_finished:
-                    self._finish(seq, "stop", stop_string)
-                changed.add(request_id)
 
     def _snapshot(self) -> SchedulerStats:
         manager = self.page_manager
@@ -356,7 +319,7 @@ class LLMEngine:
             kv_cache_usage=manager.usage, prefix_cache_queries=manager.num_prefix_queries,
             prefix_cache_hits=manager.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
-            request_success=self.output_processor.finished_counts(), num_steps=self._steps,
+            request_success=tuple(sorted(self._finished.items())), num_steps=self._steps,
             kv_cache_capacity_tokens=self.runner.kv_capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
             kv_cache_storage_dtype=self.runner.kv_storage_dtype)
 

@@ -1,44 +1,79 @@
-"""`Request`: one user request — its prompt, its `n` sequences and its timing — as the stepping thread holds it.
+"""`Request`: one user request — its prompt, its `n` sequences and their detokenizers — and its `RequestOutput`s.
 
-Its outputs are built by the output processor (`engine/output_processor.py`). A request ends on both
-sides: the engine retires it once its sequences are finished, and the processor once its final output
-is out; its id may be used again only after both.
+Outputs are snapshots in the request's `RequestOutputKind`: cumulative, deltas (what is new since the
+previous output, so a streaming client costs O(new tokens) per step), or only the final one.
 """
 
 from __future__ import annotations
 
-import threading
-
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.sequence import Sequence
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class Request:
-    """One user request: a prompt and its `n` sequences, and timing."""
+    """One user request: a prompt and its `n` sequences, the per-sequence detokenizers, and timing."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], arrival_time: float):
+                 seqs: list[Sequence], detokenizers: list[IncrementalDetokenizer], arrival_time: float):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
+        self.detokenizers = detokenizers
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        self.finished_time: float | None = None  # when the final output was built
-        self.output_done = False  # the output processor sent the final output
-        self._sides_left = 2
-        self._lock = threading.Lock()
+        self.finished_time: float | None = None
+        self._sent_tokens = [0] * len(seqs)  # per sequence: tokens (and logprobs) already in a DELTA output
+        self._sent_chars = [0] * len(seqs)  # per sequence: characters of text already in a DELTA output
+        self._sent_finished = [False] * len(seqs)
 
     @property
     def finished(self) -> bool:
-        """All sequences are finished, as the stepping thread sees them."""
         return all(seq.is_finished for seq in self.seqs)
 
-    def end_side(self) -> bool:
-        """Called once by the engine and once by the output processor when each is done; True for the later."""
-        with self._lock:
-            self._sides_left -= 1
-            return self._sides_left == 0
+    @property
+    def finish_reason(self) -> str:
+        """The request's reason for metrics: "abort" if any completion was aborted, else the first completion's."""
+        reasons = [seq.finish_reason for seq in self.seqs]
+        return "abort" if "abort" in reasons else reasons[0]
+
+    def output(self) -> RequestOutput | None:
+        """A snapshot of the request now, in its output kind; None if there is nothing to report."""
+        kind = self.params.output_kind
+        finished = self.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(i, delta) for i in range(len(self.seqs))]
+        if delta:
+            completions = [c for c in completions if c is not None]
+            if not completions:
+                return None
+        metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                                 self.last_token_time, self.finished_time)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, metrics,
+                             num_cached_tokens=max(seq.num_cached_tokens for seq in self.seqs))
+
+    def _completion(self, index: int, delta: bool) -> CompletionOutput | None:
+        seq, detok = self.seqs[index], self.detokenizers[index]
+        visible = detok.visible_length(seq.is_finished)
+        first_token = first_char = 0
+        if delta:  # only what is new is copied, so a streamed request costs O(new tokens) per step
+            first_token, first_char = self._sent_tokens[index], self._sent_chars[index]
+            changed = seq.num_output_tokens > first_token or visible > first_char
+            if not changed and (not seq.is_finished or self._sent_finished[index]):
+                return None
+            self._sent_tokens[index] = seq.num_output_tokens
+            self._sent_chars[index] = visible
+            self._sent_finished[index] = seq.is_finished
+        token_ids = seq.token_ids[seq.num_prompt_tokens + first_token:]
+        logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
+        text = detok.visible_text(seq.is_finished, first_char)
+        return CompletionOutput(index=seq.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)

@@ -2,8 +2,8 @@
 
 The engine is built in that thread too (load + warm-up take a while), so the HTTP server answers
 `/health` with 503 meanwhile. Requests go in with `submit()` (validated at once, from the event loop);
-outputs come back from the engine's output processor through `loop.call_soon_threadsafe` into the
-`Submission` of the HTTP request that asked for them, whose `OutputCollector` holds at most one pending output per engine
+every step's outputs come back through `loop.call_soon_threadsafe` into the `Submission` of the HTTP
+request that asked for them, whose `OutputCollector` holds at most one pending output per engine
 request (streams ask for DELTA outputs, merged while the handler lags; whole answers for FINAL_ONLY).
 Leaving a `Submission` early (client gone, handler cancelled) aborts its unfinished engine requests,
 which frees their slots and pages at the engine's next step.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import functools
 import logging
 import threading
 from typing import TYPE_CHECKING, AsyncIterator, Callable
@@ -267,13 +266,10 @@ class AsyncEngine:
             self.num_inflight_seqs -= record.num_seqs
         return record
 
-    def _observe(self, iteration: IterationStats) -> None:
-        """Runs on the event loop: records one step's token latencies."""
+    def _dispatch(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
+        """Runs on the event loop: records one step's token latencies and routes its outputs to their submissions."""
         if self.metrics is not None:
             self.metrics.observe_iteration(iteration)
-
-    def _route(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the event loop: routes outputs (from the engine's output processor) to their submissions."""
         for output in outputs:
             request_id = output.request_id
             record = self._requests.get(request_id)
@@ -303,7 +299,6 @@ class AsyncEngine:
             self.state = EngineState.LOAD_FAILED
             self._call_in_loop(self._report_fatal, error)
             return
-        llm_engine.output_sink = functools.partial(self._call_in_loop, self._route)
         self.llm_engine = llm_engine
         if self._stop.is_set() or self.state != EngineState.LOADING:
             return  # shut down while loading
@@ -314,10 +309,10 @@ class AsyncEngine:
             while not self._stop.is_set():
                 if not llm_engine.wait_for_requests(IDLE_POLL_SECONDS):
                     continue
-                llm_engine.step()  # its outputs go to the sink
+                outputs = llm_engine.step()
                 iteration = llm_engine.iteration_stats()
-                if iteration.time_to_first_tokens or iteration.inter_token_latencies:
-                    self._call_in_loop(self._observe, iteration)
+                if outputs or iteration.time_to_first_tokens or iteration.inter_token_latencies:
+                    self._call_in_loop(self._dispatch, outputs, iteration)
         except BaseException as error:  # noqa: BLE001 - fail in-flight requests instead of hanging them
             logger.exception("the engine loop died; failing in-flight requests, the server exits")
             self.error = error

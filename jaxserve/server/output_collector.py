@@ -11,8 +11,26 @@ is lost. Runs on the event loop only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
-from jaxserve.outputs import RequestOutput, merge_delta
+from jaxserve.outputs import CompletionOutput, RequestOutput
+
+
+def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One DELTA output carrying what `older` and then `newer` carry (neither is modified)."""
+    completions = {completion.index: completion for completion in older.outputs}
+    for completion in newer.outputs:
+        previous = completions.get(completion.index)
+        completions[completion.index] = completion if previous is None else _merge_completion(previous, completion)
+    return dataclasses.replace(newer, outputs=[completions[index] for index in sorted(completions)])
+
+
+def _merge_completion(previous: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
+    logprobs = None
+    if previous.logprobs is not None or new.logprobs is not None:
+        logprobs = (previous.logprobs or []) + (new.logprobs or [])
+    return dataclasses.replace(new, text=previous.text + new.text, token_ids=previous.token_ids + new.token_ids,
+                               logprobs=logprobs)
 
 
 class OutputCollector:
