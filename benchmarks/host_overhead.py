@@ -12,6 +12,9 @@ device takes the step (XLA:CPU). Engine start-up is not timed.
 
     python benchmarks/host_overhead.py --batch-sizes 1 8 64 256
     python benchmarks/host_overhead.py --batch-sizes 64 --no-async-scheduling   # the synchronous loop
+    python benchmarks/host_overhead.py --tokenizer checkpoints/SmolLM2-135M-Instruct --vocab-size 8192 --stop zqzq
+        # with detokenization (and a stop string that never matches): the default model's tokenizer, whose
+        # first 8,192 ids are its most frequent tokens (the store `make demo` converts holds it)
 """
 
 from __future__ import annotations
@@ -48,11 +51,14 @@ def run_batch(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any
                    enable_prefix_caching=False, compilation_cache_dir=None)
     if args.no_async_scheduling:
         options["async_scheduling"] = False
+    if args.tokenizer:
+        options["tokenizer"] = args.tokenizer
     llm = LLM(model, **options)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, args.vocab_size, args.input_len).tolist()}
                for _ in range(max(args.num_requests, batch))]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, seed=0)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, seed=0,
+                            stop=args.stop)
     engine = llm.llm_engine
     before = engine.phases.snapshot()
     started = time.perf_counter()
@@ -80,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-async-scheduling", action="store_true", help="the synchronous loop")
     parser.add_argument("--model", help="a checkpoint to use instead of the tiny random one")
+    parser.add_argument("--tokenizer", help="a tokenizer directory: outputs are then detokenized (without one, the "
+                        "tiny model has none and outputs are token ids only)")
+    parser.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries")
     parser.add_argument("--seed", type=int, default=common.DEFAULT_SEED)
     parser.add_argument("--result-file", help="result JSON path (default benchmarks/results/host_overhead.json)")
     argv, args = common.start(parser, argv)
