@@ -274,9 +274,7 @@ class LLMEngine:
         stop_string = request.detokenizers[seq.index].add_token(token, check_stop)
         if stop_string is not None:
             return self._finish(seq, "stop", stop_string)
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return self._finish(seq, "length", None)
-        if len(seq) >= self.config.max_model_len:
+        if seq.at_length_limit(self.config.max_model_len):
             return self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:

@@ -82,7 +82,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [])
         for seq in list(self.running):  # admission order: sequences join at the end and only ever leave
-            if seq.status != SequenceStatus.RUNNING or seq.is_prefilling or self._at_limit(seq):
+            # a sequence whose every token is sampled only waits for the host to read them (async scheduling)
+            if (seq.status != SequenceStatus.RUNNING or seq.is_prefilling
+                    or seq.at_length_limit(self.config.max_model_len, with_pending=True)):
                 continue
             if self._make_room(seq, seq.num_tokens, out):
                 out.decodes.append(seq)
@@ -115,13 +117,6 @@ class Scheduler:
             out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= padded
         return out
-
-    def _at_limit(self, seq: Sequence) -> bool:
-        """True when the device has sampled every token the sequence may have (max_tokens or max_model_len):
-        under async scheduling it only waits for the host to read them."""
-        max_tokens = seq.params.max_tokens
-        return ((max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens)
-                or seq.num_tokens >= self.config.max_model_len)
 
     def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
         """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""

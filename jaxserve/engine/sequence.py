@@ -74,6 +74,14 @@ class Sequence:
         """True while more than the last sampled token still lacks K/V (a prompt, or a recompute)."""
         return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens + self.num_pending == 0
 
+    def at_length_limit(self, max_model_len: int, with_pending: bool = False) -> bool:
+        """True once the sequence has every token it may have (max_tokens, or max_model_len in all). With
+        `with_pending`, tokens sampled on the device that the host has not read yet count too."""
+        extra = self.num_pending if with_pending else 0
+        max_tokens = self.params.max_tokens
+        return ((max_tokens is not None and self.num_output_tokens + extra >= max_tokens)
+                or len(self.token_ids) + extra >= max_model_len)
+
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
