@@ -1,0 +1,260 @@
+"""Paged-attention decode kernel (one new query token per sequence) on Mosaic GPU (Hopper).
+
+Grid ``(batch, kv_head, split)``, one warpgroup per CTA.  A KV head's query group is
+padded to a 64-row tile (wgmma's M; decode is bandwidth-bound, so idle rows cost little)
+and TMA'd to SMEM once.  The program walks its split's share of the page table in tiles
+of ``pages_per_block`` pages (a multiple of 64 tokens): one TMA per page of K and of V,
+with the page id read from the sanitized page table in GMEM, then ``S = Q K^T`` by wgmma
+(K transposed by a ref transform), an online softmax in float32 in the wgmma register
+layout, the tile's invalid V rows zeroed in SMEM (a poisoned slot must not reach
+``P V`` as ``0 * NaN``), P stored to SMEM as the K/V dtype, and ``P V`` by wgmma.
+Each split writes a normalized partial output and its log-sum-exp, merged in XLA with
+``_planning.merge_split_results`` (as the Triton decode kernel), so the batch-invariance
+argument of ``pallas_kernels.paged_attention`` holds here too.
+
+``interpret=True`` runs the kernel in Pallas' GPU interpreter (jax 0.10.2:
+``jax._src.pallas.mosaic_gpu.interpret``) on the CPU.  That interpreter cannot run three
+things this kernel uses, so only there they are replaced: ``plgpu.layout_cast`` and
+``plgpu.broadcasted_iota`` (register layout annotations, which do not change values)
+and the ``Q K^T`` wgmma with a transposed operand (a ``jnp.dot`` of the same SMEM tiles).
+Everything else -- TMAs, barriers, page-table reads, masking, softmax, the ``P V``
+wgmma, the SMEM -> GMEM stores -- is the same code in both modes.  The compiled path is
+checked by lowering it for CUDA on the CPU (``lower(lowering_platforms=("cuda",))``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _planning as planning
+
+ROWS = 64  # wgmma's M: the query group is padded to one 64-row tile
+KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SWIZZLE_BYTES = 128
+
+
+def _smem_transforms(dtype: Any) -> tuple[Any, ...]:
+    cols = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+
+
+def _decode_kernel(
+    lengths_gmem: Any,  # int32[batch]
+    table_gmem: Any,  # int32[batch, table_width], sanitized
+    q_gmem: Any,  # [batch, kv_heads, ROWS, D]
+    k_gmem: Any,  # [kv_heads, num_pages, page_size, D]
+    v_gmem: Any,
+    out_gmem: Any,  # f32[batch, kv_heads, splits, ROWS, D]
+    lse_gmem: Any,  # f32[batch, kv_heads, splits, ROWS]
+    *,
+    plan: planning.DecodePlan,
+    page_size: int,
+    head_dim: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    interpret: bool,
+) -> None:
+    dtype = q_gmem.dtype
+    pages = plan.pages_per_block
+    tile = pages * page_size
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def layout(x: jax.Array, lay: Any) -> jax.Array:
+        return x if interpret else plgpu.layout_cast(x, lay)
+
+    def iota(shape: tuple[int, int], dim: int) -> jax.Array:
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+
+    b = lax.axis_index("batch")
+    h = lax.axis_index("kv_head")
+    split = lax.axis_index("split")
+
+    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+        length = lengths_gmem[b]
+        first_key = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+        split_first = split * plan.blocks_per_split
+        tile_lo = jnp.maximum(split_first, lax.div(first_key, tile))
+        tile_hi = jnp.minimum(split_first + plan.blocks_per_split, lax.div(length + tile - 1, tile))
+
+        plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def step(t: jax.Array, carry: Any) -> Any:
+            acc, m, l = carry
+            for p in range(pages):  # k_bar / v_bar expect `pages` arrivals
+                page = table_gmem[b, t * pages + p]
+                rows = pl.ds(p * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_smem.at[rows], k_bar)
+                plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_smem.at[rows], v_bar)
+            plgpu.barrier_wait(k_bar)
+            if interpret:
+                s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+            else:
+                def qk(acc_ref: Any) -> jax.Array:
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, tile), jnp.float32))
+            key = t * tile + iota((ROWS, tile), 1)
+            s = jnp.where((key < length) & (key >= first_key), s * sm_scale, planning.MASK_VALUE)
+            m_next = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp(m - m_next)
+            probs = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            l = l * alpha + probs.sum(axis=1)
+
+            plgpu.barrier_wait(v_bar)
+            v_key = t * tile + iota((tile, head_dim), 0)
+            v = v_smem[...]
+            v_smem[...] = jnp.where((v_key < length) & (v_key >= first_key), v, jnp.zeros_like(v))
+            p_smem[...] = probs.astype(dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref: Any) -> jax.Array:
+                plgpu.wgmma(acc_ref, p_smem, v_smem)
+                return acc_ref[...]
+
+            update = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + update
+            return acc, m_next, l
+
+        row_layout = wgmma_layout.reduce(1)
+        init = (
+            layout(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout),
+            layout(jnp.full((ROWS,), planning.MASK_VALUE, jnp.float32), row_layout),
+            layout(jnp.zeros((ROWS,), jnp.float32), row_layout),
+        )
+        acc, m, l = lax.fori_loop(tile_lo, tile_hi, step, init)
+        nonempty = l > 0
+        safe_l = jnp.where(nonempty, l, 1.0)
+        o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
+        lse_smem[...] = jnp.where(nonempty, m + jnp.log(safe_l), planning.MASK_VALUE)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[b, h, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[b, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    kv_tr = _smem_transforms(dtype)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((ROWS, head_dim), dtype, transforms=kv_tr),
+        plgpu.SMEM((tile, head_dim), dtype, transforms=kv_tr),
+        plgpu.SMEM((tile, head_dim), dtype, transforms=kv_tr),
+        plgpu.SMEM((ROWS, tile), dtype, transforms=kv_tr),
+        plgpu.SMEM((ROWS, head_dim), jnp.float32),
+        plgpu.SMEM((ROWS,), jnp.float32),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=pages),
+        plgpu.Barrier(num_arrivals=pages),
+    )
+
+
+def _validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+              page_indices: jax.Array, sliding_window: int | None) -> tuple[int, int, int]:
+    batch, num_q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size = planning.validate_paged_kv(
+        num_q_heads, head_dim, k_pages, v_pages, None, None
+    )
+    if jnp.dtype(q.dtype) not in KV_DTYPES or k_pages.dtype != q.dtype:
+        raise ValueError(
+            f"the Mosaic GPU decode kernel takes bfloat16 or float16 q and k/v pages of q's dtype; "
+            f"got q {q.dtype}, pages {k_pages.dtype}"
+        )
+    cols = SWIZZLE_BYTES // q.dtype.itemsize
+    if head_dim % cols:
+        raise ValueError(f"head_dim must be a multiple of {cols} (one 128-byte swizzle row); got {head_dim}")
+    if page_size < 8:
+        raise ValueError(f"page_size must be >= 8 (SMEM tiles of 8 rows); got {page_size}")
+    if num_q_heads // kv_heads > ROWS:
+        raise ValueError(f"at most {ROWS} query heads per KV head; got {num_q_heads // kv_heads}")
+    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
+        raise ValueError(
+            f"lengths must be [batch] and page_indices [batch, pages_per_seq]; got "
+            f"{lengths.shape} and {page_indices.shape} for batch {batch}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
+    return kv_heads, num_pages, page_size
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "pages_per_compute_block", "num_splits", "interpret"),
+)
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    interpret: Any = False,
+) -> jax.Array:
+    """Decode attention; the contract of ``pallas_kernels.paged_attention`` without quantized pages.
+
+    bf16/f16 only, head_dim a multiple of 64, page_size a power of two >= 8.  The KV tile
+    (``pages_per_compute_block * page_size`` tokens) must be a multiple of 64 and at most
+    256; the default is 128 tokens (or one page when pages are larger).  ``interpret``:
+    True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    kv_heads, _, page_size = _validate(q, k_pages, v_pages, lengths, page_indices, sliding_window)
+    pages_per_seq = page_indices.shape[1]
+    if pages_per_compute_block is None:
+        pages_per_compute_block = max(1, 128 // page_size)
+    tile = pages_per_compute_block * page_size
+    if tile % 64 or tile > 256:
+        raise ValueError(
+            f"pages_per_compute_block * page_size must be a multiple of 64 and <= 256; got {tile}"
+        )
+    plan = planning.plan_decode(
+        num_q_heads, kv_heads, page_size, pages_per_seq,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        kv_itemsize=k_pages.dtype.itemsize,
+    )
+    scale = planning.default_sm_scale(head_dim) if sm_scale is None else float(sm_scale)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, pages_per_seq * page_size)
+    table = planning.sanitize_page_indices(page_indices, lengths, page_size, plan.table_width)
+
+    group = plan.group_size
+    q_tiles = q.reshape(batch, kv_heads, group, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+
+    splits = plan.num_splits
+    params = _interpret_params() if interpret is True else (interpret or None)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _decode_kernel, plan=plan, page_size=page_size, head_dim=head_dim, sm_scale=scale,
+            sliding_window=sliding_window, interpret=params is not None,
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32),
+        ),
+        grid=(batch, kv_heads, splits),
+        grid_names=("batch", "kv_head", "split"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=params,
+    )
+    partial_out, partial_lse = kernel(lengths, table, q_tiles, k_pages, v_pages)
+    out = planning.merge_split_results(partial_out[..., :group, :], partial_lse[..., :group])
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _interpret_params() -> Any:
+    """GPU interpret mode with NaN-filled fresh memory, so unwritten output shows up."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # not public in 0.10.2
+
+    return InterpretGPUParams(uninitialized_memory="nan")

@@ -1,0 +1,103 @@
+"""The Mosaic GPU decode kernel (pallas_kernels/mosaic_gpu) without a GPU.
+
+Numerics: Pallas' GPU interpreter (jax 0.10.2, ``InterpretGPUParams``) runs the kernel on the
+CPU against the float64 numpy reference of tests/test_kernels.py, with poisoned pools (NaN or
+huge values in every page and slot a sequence does not own) and NaN-filled fresh memory, so
+an unwritten output or a read of foreign data fails.  The interpreter replaces the ``Q K^T``
+wgmma and the layout annotations (see the kernel's docstring); the compiled path is checked
+by lowering it for CUDA on the CPU, which builds the Mosaic GPU module (layouts, transforms,
+wgmma shapes) and stops short of PTX.  Tiny shapes: the interpreter runs every op through
+host callbacks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpreter
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+from pallas_kernels.mosaic_gpu import paged_attention
+from tests.test_kernels import assert_close, make_paged_kv, numpy_decode_reference
+
+CASES = [
+    # id, group, kv_heads, head_dim, page_size, dtype, pages_per_compute_block, num_splits, window, poison, unowned
+    ("bf16-gqa3-d64-p16-split2", 3, 2, 64, 16, "bfloat16", 4, 2, None, "nan", "poison_pages"),
+    ("f16-mqa8-d128-p8-window", 8, 1, 128, 8, "float16", 8, None, 21, "nan", "out_of_range"),
+    ("bf16-gqa1-d64-p64-huge", 1, 2, 64, 64, "bfloat16", None, None, None, "huge", "poison_pages"),
+]
+
+
+def _inputs(group, kv_heads, head_dim, page_size, dtype, poison="nan", unowned="poison_pages", seed=0):
+    rng = np.random.default_rng([seed, group, head_dim, page_size])
+    pages_per_seq = max(3, 128 // page_size)
+    full = page_size * pages_per_seq
+    lengths = [1, page_size - 1, page_size, page_size + 1, full, 0, 2 * page_size + 3]
+    kv = make_paged_kv(rng, lengths, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                       pages_per_seq=pages_per_seq, poison=poison, unowned=unowned)
+    q = jnp.asarray(rng.standard_normal((len(lengths), group * kv_heads, head_dim)), dtype)
+    return q, kv, lengths
+
+
+@pytest.mark.parametrize(
+    "group,kv_heads,head_dim,page_size,dtype,ppcb,splits,window,poison,unowned",
+    [c[1:] for c in CASES], ids=[c[0] for c in CASES],
+)
+def test_decode_matches_float64_reference(group, kv_heads, head_dim, page_size, dtype, ppcb, splits,
+                                          window, poison, unowned):
+    q, kv, lengths = _inputs(group, kv_heads, head_dim, page_size, dtype, poison, unowned)
+    out = paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        pages_per_compute_block=ppcb, num_splits=splits, sliding_window=window, interpret=True,
+        **kv.device(dtype),
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, sliding_window=window,
+                                      **kv.host(dtype))
+    assert np.isfinite(expected).all()
+    assert_close(out, expected, "bfloat16", "mosaic gpu decode")  # 2e-2 relative, for bf16 and f16
+    assert np.all(np.asarray(out[lengths.index(0)], np.float32) == 0.0), "length 0 must give zeros"
+
+
+def test_no_races_and_batch_invariance():
+    """The race detector finds nothing, and a row's output does not depend on the rest of the batch."""
+    q, kv, lengths = _inputs(2, 1, 64, 16, "bfloat16", seed=1)
+    args = dict(page_indices=jnp.asarray(kv.page_indices), pages_per_compute_block=4, num_splits=2,
+                **kv.device("bfloat16"))
+    full = paged_attention(q, lengths=jnp.asarray(lengths, jnp.int32), interpret=True, **args)
+    row = 4  # the full-length row: both splits hold keys
+    args["page_indices"] = args["page_indices"][row:row + 1]
+    alone = paged_attention(q[row:row + 1], lengths=jnp.asarray(lengths[row:row + 1], jnp.int32),
+                            interpret=InterpretGPUParams(detect_races=True), **args)
+    assert not gpu_interpreter.get_races().races_found
+    np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(full[row], np.float32))
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size", [("bfloat16", 128, 16), ("float16", 64, 64)])
+def test_lowers_for_cuda_without_a_gpu(dtype, head_dim, page_size):
+    q, kv, lengths = _inputs(4, 2, head_dim, page_size, dtype)
+    dev = kv.device(dtype)
+
+    def decode(q, k_pages, v_pages, lengths, page_indices):
+        return paged_attention(q, k_pages, v_pages, lengths, page_indices, num_splits=2)
+
+    lowered = jax.jit(decode).trace(
+        q, dev["k_pages"], dev["v_pages"], jnp.asarray(lengths, jnp.int32), jnp.asarray(kv.page_indices)
+    ).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype="float32"), "bfloat16 or float16"),
+    (dict(head_dim=32), "multiple of 64"),
+    (dict(group=65), "at most 64"),
+    (dict(page_size=4), "page_size must be >= 8"),
+])
+def test_rejects_unsupported_inputs(change, match):
+    shape = dict(group=2, kv_heads=1, head_dim=64, page_size=16, dtype="bfloat16") | change
+    q = jnp.zeros((1, shape["group"] * shape["kv_heads"], shape["head_dim"]), shape["dtype"])
+    pages = jnp.zeros((shape["kv_heads"], 4, shape["page_size"], shape["head_dim"]), shape["dtype"])
+    with pytest.raises(ValueError, match=match):
+        paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32))
