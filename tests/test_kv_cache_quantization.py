@@ -183,11 +183,11 @@ def test_page_budget_counts_the_quantized_page_and_shows_it(tiny_llama_dir, monk
                                                             kv_cache_dtype, storage):
     """The CPU pool budget holds (head_dim * itemsize) / (head_dim + 4 bytes of scale) times the pages, and the
     capacity and dtype show in the stats, the start-up log and /metrics."""
-    from jaxserve.engine import model_runner
+    from jaxserve.engine import kv_budget
     from jaxserve.server.metrics import EngineCollector
 
     budget = 64 * 4096  # 64 float32 pages of the tiny model (2 layers x 2 KV heads x 8 tokens x 16 dims x 4 B, K+V)
-    monkeypatch.setattr(model_runner, "CPU_POOL_BYTES", budget)
+    monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", budget)
     with caplog.at_level(logging.INFO, logger="jaxserve.engine.model_runner"):
         llm = LLM(tiny_llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_model_len=256,
                   page_size=8, max_num_batched_tokens=64, warmup=False)

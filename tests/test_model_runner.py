@@ -1,6 +1,6 @@
 """The model runner's host-side arithmetic: how many KV pages an accelerator's memory holds."""
 
-from jaxserve.engine.model_runner import accelerator_kv_pages
+from jaxserve.engine.kv_budget import accelerator_kv_pages
 
 
 def test_kv_pages_follow_vllms_gpu_memory_utilization():

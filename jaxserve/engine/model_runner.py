@@ -14,8 +14,9 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
 over the mesh. The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) ->
-(logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is plain (greedy, no penalties, no
-pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a second small jitted
+(logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is
+plain (greedy, no penalties, no pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a
+second small jitted
 function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
 state donated. One forward per shape serves both, so start-up compiles each forward once, and every
 shape a step can have is compiled at start-up (`warmup`).
@@ -38,8 +39,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED, param_shardings
+from jaxserve.loading.placement import serving_params
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
+from jaxserve.engine.kv_budget import kv_pages
 from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs,
                                          prefill_groups, prefill_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
@@ -48,13 +51,9 @@ from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.stats import StepPhases
 from jaxserve.engine.steps import SlotState, ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
 from jaxserve.layers.attention import AttentionBackend
-from jaxserve.layers.quant_dense import cast_floats, serving_weights
 from jaxserve.layers.sampler import PenaltyState, SampleResult
-from jaxserve.models import fuse_layer
 
 logger = logging.getLogger(__name__)
-DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
-CPU_POOL_BYTES = 4 * 2**30
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
 
 
@@ -91,7 +90,7 @@ class ModelRunner:
         self.tp.check(config)
         self.backend = AttentionBackend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
         self.page_size = engine_config.page_size
-        self.params = self._serving_params(params)
+        self.params = serving_params(params, config, self.tp, self.mesh, self.dtype, engine_config.quantization)
         replicated = NamedSharding(self.mesh, REPLICATED)
         slots, vocab = engine_config.max_num_seqs, config.vocab_size
         self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab), bool, device=replicated),
@@ -99,7 +98,8 @@ class ModelRunner:
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool, device=replicated))
         self.slot_params = SlotSamplingParams(slots)
         self.slot_state = SlotState.empty(slots, engine_config.pages_per_seq, replicated)
-        self.num_pages = engine_config.num_kv_pages or self._pages_for_memory_budget()
+        self.num_pages = engine_config.num_kv_pages or kv_pages(self.mesh.local_devices[0], config, engine_config,
+                                                                 self.page_bytes, self.device_page_bytes)
         pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
                                              config.head_dim)
         # one (K, V) pair per layer: arrays, or QuantizedPages (values + per-token scales) for an int8/fp8 cache
@@ -133,30 +133,6 @@ class ModelRunner:
                     self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
                     self.backend.name, pool_shape, self.tp.size)
 
-    def _serving_params(self, params: dict) -> dict:
-        """The serving-layout params on the mesh, built group by group (each layer fused on its own devices)."""
-        config, tp, mesh = self.config, self.tp, self.mesh
-
-        def to_serving(kind: str, group: dict) -> dict:
-            group = cast_floats(group, self.dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
-            group = fuse_layer(group, config, tp) if kind == "layer" else group
-            # int8 weights: per output channel, which commutes with fusing's column permutation
-            return serving_weights(group, self.engine_config.quantization)
-
-        converters: dict[str, object] = {}  # one compiled conversion serves every layer
-        serving = {}
-        for name in list(params):
-            group = params.pop(name)
-            group = jax.device_put(group, param_shardings({name: group}, config, tp, mesh)[name])
-            kind = "layer" if name.startswith("layers_") else name
-            if kind not in converters:
-                out = jax.eval_shape(functools.partial(to_serving, kind), group)
-                converters[kind] = jax.jit(functools.partial(to_serving, kind),
-                                           out_shardings=param_shardings({name: out}, config, tp, mesh)[name])
-            serving[name] = converters[kind](group)
-            del group  # freed before the next group is placed
-        return serving
-
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included)."""
@@ -182,24 +158,6 @@ class ModelRunner:
     @property
     def kv_pool_bytes(self) -> int:
         return self.num_pages * self.page_bytes
-
-    def _pages_for_memory_budget(self) -> int:
-        ec = self.engine_config
-        stats = self.mesh.local_devices[0].memory_stats() or {}  # each device holds the same share
-        if "bytes_limit" in stats:
-            fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
-            return accelerator_kv_pages(stats, ec.gpu_memory_utilization, fraction, self._activation_bytes(),
-                                        self.device_page_bytes)
-        enough_for_all_slots = ec.max_num_seqs * ec.pages_per_seq + 1
-        return max(2, min(enough_for_all_slots, CPU_POOL_BYTES // self.page_bytes))
-
-    def _activation_bytes(self) -> int:
-        """A bound on one step's live activations: the widest layer's for the largest prefill, plus logits and
-        the sampler's float32 copies of them for the largest batch."""
-        cfg, ec = self.config, self.engine_config
-        width = cfg.hidden_size * 4 + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
-        rows = max(max(ec.decode_batch_buckets), max(r for r, _ in ec.prefill_shapes))
-        return 4 * (ec.max_num_batched_tokens * width + 4 * rows * cfg.vocab_size)
 
     # -- the step interface ------------------------------------------------------------------------------------
 
@@ -356,17 +314,6 @@ class ModelRunner:
         self._cache_sizes = {kind: jitted._cache_size() for kind, jitted in self._jitted.items()}
         self._warm = True
         return time.perf_counter() - started
-
-
-def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fraction: float,
-                         activation_bytes: int, page_bytes: int) -> int:
-    """KV pages for vLLM's `gpu_memory_utilization`: weights (already in use), KV pages and the largest step's
-    activations together take at most `utilization` of the device's memory. jax's allocator may use
-    `allocator_fraction` of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set; `jaxserve serve`
-    sets it to the utilization), so the device's total is the allocator's limit over that fraction."""
-    limit = memory_stats["bytes_limit"]
-    budget = min(utilization * limit / allocator_fraction, limit) - memory_stats.get("bytes_in_use", 0)
-    return max(2, int(budget - activation_bytes) // page_bytes)
 
 
 def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:

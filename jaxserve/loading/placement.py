@@ -24,3 +24,36 @@ def checkpoint_shardings(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | Non
     tp = TensorParallel(mesh.size)
     tp.check(config)
     return param_shardings(checkpoint_shapes(config, dtype), config, tp, mesh)
+
+
+def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: Mesh, dtype: DTypeLike,
+                   quantization: str | None) -> dict:
+    """The serving-layout params on `mesh` from the checkpoint-layout tree `params` (numpy or jax arrays, placed
+    anywhere; consumed group by group, so the device never holds both copies): floats cast to `dtype`, each
+    layer's projections fused on its own devices, and weights quantized as `quantization` says."""
+    import functools
+
+    import jax
+
+    from jaxserve.layers.quant_dense import cast_floats, serving_weights
+    from jaxserve.models import fuse_layer
+
+    def to_serving(kind: str, group: dict) -> dict:
+        group = cast_floats(group, dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
+        group = fuse_layer(group, config, tp) if kind == "layer" else group
+        # int8 weights: per output channel, which commutes with fusing's column permutation
+        return serving_weights(group, quantization)
+
+    converters: dict[str, object] = {}  # one compiled conversion serves every layer
+    serving = {}
+    for name in list(params):
+        group = params.pop(name)
+        group = jax.device_put(group, param_shardings({name: group}, config, tp, mesh)[name])
+        kind = "layer" if name.startswith("layers_") else name
+        if kind not in converters:
+            out = jax.eval_shape(functools.partial(to_serving, kind), group)
+            converters[kind] = jax.jit(functools.partial(to_serving, kind),
+                                       out_shardings=param_shardings({name: out}, config, tp, mesh)[name])
+        serving[name] = converters[kind](group)
+        del group  # freed before the next group is placed
+    return serving
