@@ -9,7 +9,8 @@ host never holds the whole model. With it come the tokenizer (or one from anothe
 generation_config.json's EOS ids and sampling defaults. With `load_format="dummy"` the weights are random, drawn on
 the devices from the model's config alone (`loading/dummy.py`), for timing a model whose weights are absent. GGUF
 files are converted once (dequantized in host memory, tokenizer rebuilt) into a float32 store under the checkpoint
-directory; later loads read the store in seconds. A corrupt store, or one saved in an older layout, is reported, deleted and rebuilt.
+directory; later loads read the store in seconds. A corrupt store, or one saved in an older layout, is reported,
+deleted and rebuilt.
 """
 
 from __future__ import annotations
