@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _planning as planning
 
 ROWS = 64  # wgmma's M: the query group is padded to one 64-row tile
+STAGES = 2  # SMEM ring of K/V tiles: tile t + 1 is in flight while tile t computes
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
 
@@ -78,7 +79,7 @@ def _decode_kernel(
     h = lax.axis_index("kv_head")
     split = lax.axis_index("split")
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+    def scoped(q_smem, k_ring, v_ring, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
         length = lengths_gmem[b]
         first_key = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
         split_first = split * plan.blocks_per_split
@@ -88,14 +89,28 @@ def _decode_kernel(
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
-        def step(t: jax.Array, carry: Any) -> Any:
-            acc, m, l = carry
-            for p in range(pages):  # k_bar / v_bar expect `pages` arrivals
+        def fetch(t: jax.Array, slot: jax.Array) -> None:
+            for p in range(pages):  # each barrier of k_bar / v_bar expects `pages` arrivals
                 page = table_gmem[b, t * pages + p]
                 rows = pl.ds(p * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_smem.at[rows], k_bar)
-                plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_smem.at[rows], v_bar)
-            plgpu.barrier_wait(k_bar)
+                plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_ring.at[slot, rows], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_ring.at[slot, rows], v_bar.at[slot])
+
+        @pl.when(tile_lo < tile_hi)
+        def _first_fetch() -> None:
+            fetch(tile_lo, 0)
+
+        def step(t: jax.Array, carry: Any) -> Any:
+            acc, m, l = carry
+            slot = lax.rem(t - tile_lo, STAGES)
+
+            # Tile t - 1 used the other slot and its wgmmas are done (their results were read).
+            @pl.when(t + 1 < tile_hi)
+            def _prefetch() -> None:
+                fetch(t + 1, lax.rem(t + 1 - tile_lo, STAGES))
+
+            k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
+            plgpu.barrier_wait(k_bar.at[slot])
             if interpret:
                 s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
             else:
@@ -111,7 +126,7 @@ def _decode_kernel(
             probs = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
             l = l * alpha + probs.sum(axis=1)
 
-            plgpu.barrier_wait(v_bar)
+            plgpu.barrier_wait(v_bar.at[slot])
             v_key = t * tile + iota((tile, head_dim), 0)
             v = v_smem[...]
             v_smem[...] = jnp.where((v_key < length) & (v_key >= first_key), v, jnp.zeros_like(v))
@@ -146,14 +161,14 @@ def _decode_kernel(
     pl.run_scoped(
         scoped,
         plgpu.SMEM((ROWS, head_dim), dtype, transforms=kv_tr),
-        plgpu.SMEM((tile, head_dim), dtype, transforms=kv_tr),
-        plgpu.SMEM((tile, head_dim), dtype, transforms=kv_tr),
+        plgpu.SMEM((STAGES, tile, head_dim), dtype, transforms=kv_tr),
+        plgpu.SMEM((STAGES, tile, head_dim), dtype, transforms=kv_tr),
         plgpu.SMEM((ROWS, tile), dtype, transforms=kv_tr),
         plgpu.SMEM((ROWS, head_dim), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=pages),
-        plgpu.Barrier(num_arrivals=pages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
     )
 
 
