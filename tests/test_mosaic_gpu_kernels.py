@@ -23,31 +23,36 @@ from pallas_kernels.mosaic_gpu import paged_attention
 from tests.test_kernels import assert_close, make_paged_kv, numpy_decode_reference
 
 CASES = [
-    # id, group, kv_heads, head_dim, page_size, dtype, pages_per_compute_block, num_splits, window, poison, unowned
-    ("bf16-gqa3-d64-p16-split2", 3, 2, 64, 16, "bfloat16", 4, 2, None, "nan", "poison_pages"),
-    ("f16-mqa8-d128-p8-window", 8, 1, 128, 8, "float16", 8, None, 70, "nan", "out_of_range"),
-    ("bf16-gqa1-d64-p64-huge", 1, 2, 64, 64, "bfloat16", None, None, None, "huge", "poison_pages"),
+    # id, group, kv_heads, head_dim, page_size, dtype, pages_per_compute_block, num_splits, window, poison,
+    # unowned, quantized pages
+    ("bf16-gqa3-d64-p16-split2", 3, 2, 64, 16, "bfloat16", 4, 2, None, "nan", "poison_pages", None),
+    ("f16-mqa8-d128-p8-window", 8, 1, 128, 8, "float16", 8, None, 70, "nan", "out_of_range", None),
+    ("bf16-gqa1-d64-p64-huge", 1, 2, 64, 64, "bfloat16", None, None, None, "huge", "poison_pages", None),
+    ("int8-bf16-gqa4-d64-p16-split2", 4, 1, 64, 16, "bfloat16", 4, 2, None, "nan", "poison_pages", "int8"),
+    ("fp8-f16-gqa2-d128-p32-window", 2, 2, 128, 32, "float16", 2, None, 100, "nan", "out_of_range", "fp8"),
 ]
 
 
-def _inputs(group, kv_heads, head_dim, page_size, dtype, poison="nan", unowned="poison_pages", seed=0):
+def _inputs(group, kv_heads, head_dim, page_size, dtype, poison="nan", unowned="poison_pages", quant=None,
+            seed=0):
     rng = np.random.default_rng([seed, group, head_dim, page_size])
     pages_per_seq = max(3, 256 // page_size)
     full = page_size * pages_per_seq
     lengths = [1, page_size - 1, page_size, page_size + 1, full, 0, 2 * page_size + 3]
     kv = make_paged_kv(rng, lengths, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
-                       pages_per_seq=pages_per_seq, poison=poison, unowned=unowned)
+                       pages_per_seq=pages_per_seq, poison=poison, unowned=unowned,
+                       int8=quant == "int8", fp8=quant == "fp8")
     q = jnp.asarray(rng.standard_normal((len(lengths), group * kv_heads, head_dim)), dtype)
     return q, kv, lengths
 
 
 @pytest.mark.parametrize(
-    "group,kv_heads,head_dim,page_size,dtype,ppcb,splits,window,poison,unowned",
+    "group,kv_heads,head_dim,page_size,dtype,ppcb,splits,window,poison,unowned,quant",
     [c[1:] for c in CASES], ids=[c[0] for c in CASES],
 )
 def test_decode_matches_float64_reference(group, kv_heads, head_dim, page_size, dtype, ppcb, splits,
-                                          window, poison, unowned):
-    q, kv, lengths = _inputs(group, kv_heads, head_dim, page_size, dtype, poison, unowned)
+                                          window, poison, unowned, quant):
+    q, kv, lengths = _inputs(group, kv_heads, head_dim, page_size, dtype, poison, unowned, quant)
     out = paged_attention(
         q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
         pages_per_compute_block=ppcb, num_splits=splits, sliding_window=window, interpret=True,
@@ -63,7 +68,7 @@ def test_decode_matches_float64_reference(group, kv_heads, head_dim, page_size, 
 
 def test_no_races_and_batch_invariance():
     """The race detector finds nothing, and a row's output does not depend on the rest of the batch."""
-    q, kv, lengths = _inputs(2, 1, 64, 16, "bfloat16", seed=1)
+    q, kv, lengths = _inputs(2, 1, 64, 16, "bfloat16", quant="int8", seed=1)
     args = dict(page_indices=jnp.asarray(kv.page_indices), pages_per_compute_block=4, num_splits=1,
                 **kv.device("bfloat16"))
     full = paged_attention(q, lengths=jnp.asarray(lengths, jnp.int32), interpret=True, **args)
@@ -75,16 +80,19 @@ def test_no_races_and_batch_invariance():
     np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(full[row], np.float32))
 
 
-@pytest.mark.parametrize("dtype,head_dim,page_size", [("bfloat16", 128, 16), ("float16", 64, 64)])
-def test_lowers_for_cuda_without_a_gpu(dtype, head_dim, page_size):
-    q, kv, lengths = _inputs(4, 2, head_dim, page_size, dtype)
+@pytest.mark.parametrize("dtype,head_dim,page_size,quant", [
+    ("bfloat16", 128, 16, None), ("float16", 64, 64, None), ("bfloat16", 64, 16, "int8"),
+    ("bfloat16", 128, 8, "fp8"),
+])
+def test_lowers_for_cuda_without_a_gpu(dtype, head_dim, page_size, quant):
+    q, kv, lengths = _inputs(4, 2, head_dim, page_size, dtype, quant=quant)
     dev = kv.device(dtype)
 
-    def decode(q, k_pages, v_pages, lengths, page_indices):
-        return paged_attention(q, k_pages, v_pages, lengths, page_indices, num_splits=2)
+    def decode(q, lengths, page_indices, dev):
+        return paged_attention(q, lengths=lengths, page_indices=page_indices, num_splits=2, **dev)
 
     lowered = jax.jit(decode).trace(
-        q, dev["k_pages"], dev["v_pages"], jnp.asarray(lengths, jnp.int32), jnp.asarray(kv.page_indices)
+        q, jnp.asarray(lengths, jnp.int32), jnp.asarray(kv.page_indices), dev
     ).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 

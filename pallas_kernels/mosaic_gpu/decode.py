@@ -7,16 +7,23 @@ of ``pages_per_block`` pages (a multiple of 64 tokens): one TMA per page of K an
 with the page id read from the sanitized page table in GMEM, then ``S = Q K^T`` by wgmma
 (K transposed by a ref transform), an online softmax in float32 in the wgmma register
 layout, the tile's invalid V rows zeroed in SMEM (a poisoned slot must not reach
-``P V`` as ``0 * NaN``), P stored to SMEM as the K/V dtype, and ``P V`` by wgmma.
+``P V`` as ``0 * NaN``), P stored to SMEM in q's dtype, and ``P V`` by wgmma.  K/V tiles
+go through a 2-slot SMEM ring: tile ``t + 1``'s TMAs are issued before tile ``t`` computes.
+Quantized pools (int8 / float8_e4m3fn with per-token float32 scales): pages land in the
+ring as they are and are converted exactly to q's dtype in registers, into a separate
+SMEM tile for the wgmma; the K scales scale S's columns and the V scales P's columns (as
+the Triton kernel).  A TMA moves a multiple of 128 bytes, so the scales (4 bytes a token)
+are gathered per row in XLA and copied one tile at a time.
 Each split writes a normalized partial output and its log-sum-exp, merged in XLA with
 ``_planning.merge_split_results`` (as the Triton decode kernel), so the batch-invariance
 argument of ``pallas_kernels.paged_attention`` holds here too.
 
 ``interpret=True`` runs the kernel in Pallas' GPU interpreter (jax 0.10.2:
-``jax._src.pallas.mosaic_gpu.interpret``) on the CPU.  That interpreter cannot run three
-things this kernel uses, so only there they are replaced: ``plgpu.layout_cast`` and
-``plgpu.broadcasted_iota`` (register layout annotations, which do not change values)
-and the ``Q K^T`` wgmma with a transposed operand (a ``jnp.dot`` of the same SMEM tiles).
+``jax._src.pallas.mosaic_gpu.interpret``) on the CPU.  That interpreter cannot run some
+things this kernel uses, so only there they are replaced: ``plgpu.layout_cast``,
+``plgpu.broadcasted_iota`` and ``plgpu.load(..., layout=...)`` (register layouts, which do
+not change values; ``ref[...]`` and ``lax.broadcasted_iota`` instead) and the ``Q K^T``
+wgmma with a transposed operand (a ``jnp.dot`` of the same SMEM tiles).
 Everything else -- TMAs, barriers, page-table reads, masking, softmax, the ``P V``
 wgmma, the SMEM -> GMEM stores -- is the same code in both modes.  The compiled path is
 checked by lowering it for CUDA on the CPU (``lower(lowering_platforms=("cuda",))``).
@@ -41,9 +48,16 @@ KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
 
 
-def _smem_transforms(dtype: Any) -> tuple[Any, ...]:
-    cols = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+def _smem_transforms(dtype: Any, swizzle: int = SWIZZLE_BYTES) -> tuple[Any, ...]:
+    cols = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(swizzle))
+
+
+def _to_compute(x: jax.Array, dtype: Any) -> jax.Array:
+    """int8 / e4m3 / q's dtype -> q's dtype, exactly (e4m3 -> bf16 goes through f32: no direct cvt)."""
+    if x.dtype == jnp.float8_e4m3fn:
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
 
 
 def _decode_kernel(
@@ -52,9 +66,8 @@ def _decode_kernel(
     q_gmem: Any,  # [batch, kv_heads, ROWS, D]
     k_gmem: Any,  # [kv_heads, num_pages, page_size, D]
     v_gmem: Any,
-    out_gmem: Any,  # f32[batch, kv_heads, splits, ROWS, D]
-    lse_gmem: Any,  # f32[batch, kv_heads, splits, ROWS]
-    *,
+    *refs: Any,  # [k_scales, v_scales: f32[kv_heads, batch, tiles, tile]], out, lse
+    quantized: bool,
     plan: planning.DecodePlan,
     page_size: int,
     head_dim: int,
@@ -62,6 +75,10 @@ def _decode_kernel(
     sliding_window: int | None,
     interpret: bool,
 ) -> None:
+    if quantized:
+        ks_gmem, vs_gmem, out_gmem, lse_gmem = refs
+    else:
+        out_gmem, lse_gmem = refs  # f32[batch, kv_heads, splits, ROWS(, D)]
     dtype = q_gmem.dtype
     pages = plan.pages_per_block
     tile = pages * page_size
@@ -75,11 +92,17 @@ def _decode_kernel(
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
 
+    def read(ref: Any) -> jax.Array:  # a quantized tile, from plain SMEM into the wgmma layout
+        return ref[...] if interpret else plgpu.load(ref, (), layout=wgmma_layout)
+
     b = lax.axis_index("batch")
     h = lax.axis_index("kv_head")
     split = lax.axis_index("split")
 
-    def scoped(q_smem, k_ring, v_ring, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+    def scoped(q_smem, k_ring, v_ring, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *quant):
+        # quantized: K/V pages land in k_ring / v_ring as int8 / fp8 and are converted to q's dtype
+        # into k_tile / v_tile; their per-token scales land in ks_ring / vs_ring.
+        k_tile, v_tile, ks_ring, vs_ring = quant if quantized else (None,) * 4
         length = lengths_gmem[b]
         first_key = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
         split_first = split * plan.blocks_per_split
@@ -90,11 +113,14 @@ def _decode_kernel(
         plgpu.barrier_wait(q_bar)
 
         def fetch(t: jax.Array, slot: jax.Array) -> None:
-            for p in range(pages):  # each barrier of k_bar / v_bar expects `pages` arrivals
+            for p in range(pages):  # each barrier of k_bar / v_bar expects one arrival per copy
                 page = table_gmem[b, t * pages + p]
                 rows = pl.ds(p * page_size, page_size)
                 plgpu.copy_gmem_to_smem(k_gmem.at[h, page], k_ring.at[slot, rows], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_gmem.at[h, page], v_ring.at[slot, rows], v_bar.at[slot])
+            if quantized:  # a TMA moves a multiple of 128 bytes: scales go per tile, gathered in XLA
+                plgpu.copy_gmem_to_smem(ks_gmem.at[h, b, t], ks_ring.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(vs_gmem.at[h, b, t], vs_ring.at[slot], v_bar.at[slot])
 
         @pl.when(tile_lo < tile_hi)
         def _first_fetch() -> None:
@@ -111,6 +137,10 @@ def _decode_kernel(
 
             k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
             plgpu.barrier_wait(k_bar.at[slot])
+            if quantized:
+                k_tile[...] = _to_compute(read(k_smem), dtype)
+                plgpu.commit_smem()
+                k_smem = k_tile
             if interpret:
                 s = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
             else:
@@ -120,7 +150,12 @@ def _decode_kernel(
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, tile), jnp.float32))
             key = t * tile + iota((ROWS, tile), 1)
-            s = jnp.where((key < length) & (key >= first_key), s * sm_scale, planning.MASK_VALUE)
+            allowed = (key < length) & (key >= first_key)
+            s = s * sm_scale
+            if quantized:
+                k_scale = layout(ks_ring.at[slot][...], wgmma_layout.reduce(0))
+                s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
+            s = jnp.where(allowed, s, planning.MASK_VALUE)
             m_next = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp(m - m_next)
             probs = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -128,9 +163,16 @@ def _decode_kernel(
 
             plgpu.barrier_wait(v_bar.at[slot])
             v_key = t * tile + iota((tile, head_dim), 0)
-            v = v_smem[...]
+            v = _to_compute(read(v_smem) if quantized else v_smem[...], dtype)
+            if quantized:
+                v_smem = v_tile
+                v_scale = layout(vs_ring.at[slot][...], wgmma_layout.reduce(0))
+                v_scale = jnp.where(allowed, lax.broadcast_in_dim(v_scale, s.shape, [1]), 0.0)
+                probs_v = probs * v_scale
+            else:
+                probs_v = probs
             v_smem[...] = jnp.where((v_key < length) & (v_key >= first_key), v, jnp.zeros_like(v))
-            p_smem[...] = probs.astype(dtype)
+            p_smem[...] = probs_v.astype(dtype)
             plgpu.commit_smem()
 
             def pv(acc_ref: Any) -> jax.Array:
@@ -158,30 +200,43 @@ def _decode_kernel(
         plgpu.wait_smem_to_gmem(0)
 
     kv_tr = _smem_transforms(dtype)
+    kv_dtype = k_gmem.dtype
+    ring_tr = _smem_transforms(kv_dtype, min(SWIZZLE_BYTES, head_dim * kv_dtype.itemsize))
+    arrivals = pages + (1 if quantized else 0)  # a copy per page, and the tile's scales
+    quant = []
+    if quantized:
+        quant = [
+            plgpu.SMEM((tile, head_dim), dtype, transforms=kv_tr),
+            plgpu.SMEM((tile, head_dim), dtype, transforms=kv_tr),
+            plgpu.SMEM((STAGES, tile), jnp.float32),
+            plgpu.SMEM((STAGES, tile), jnp.float32),
+        ]
     pl.run_scoped(
         scoped,
         plgpu.SMEM((ROWS, head_dim), dtype, transforms=kv_tr),
-        plgpu.SMEM((STAGES, tile, head_dim), dtype, transforms=kv_tr),
-        plgpu.SMEM((STAGES, tile, head_dim), dtype, transforms=kv_tr),
+        plgpu.SMEM((STAGES, tile, head_dim), kv_dtype, transforms=ring_tr),
+        plgpu.SMEM((STAGES, tile, head_dim), kv_dtype, transforms=ring_tr),
         plgpu.SMEM((ROWS, tile), dtype, transforms=kv_tr),
         plgpu.SMEM((ROWS, head_dim), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=pages, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=STAGES),
+        *quant,
     )
 
 
-def _validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-              page_indices: jax.Array, sliding_window: int | None) -> tuple[int, int, int]:
+def _validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
+              v_scales: jax.Array | None, lengths: jax.Array, page_indices: jax.Array,
+              sliding_window: int | None) -> tuple[int, int, int]:
     batch, num_q_heads, head_dim = q.shape
     kv_heads, num_pages, page_size = planning.validate_paged_kv(
-        num_q_heads, head_dim, k_pages, v_pages, None, None
+        num_q_heads, head_dim, k_pages, v_pages, k_scales, v_scales
     )
-    if jnp.dtype(q.dtype) not in KV_DTYPES or k_pages.dtype != q.dtype:
+    if jnp.dtype(q.dtype) not in KV_DTYPES or (k_scales is None and k_pages.dtype != q.dtype):
         raise ValueError(
-            f"the Mosaic GPU decode kernel takes bfloat16 or float16 q and k/v pages of q's dtype; "
-            f"got q {q.dtype}, pages {k_pages.dtype}"
+            f"the Mosaic GPU decode kernel takes bfloat16 or float16 q and k/v pages of q's dtype "
+            f"(or int8 / float8_e4m3fn with scales); got q {q.dtype}, pages {k_pages.dtype}"
         )
     cols = SWIZZLE_BYTES // q.dtype.itemsize
     if head_dim % cols:
@@ -215,17 +270,21 @@ def paged_attention(
     sliding_window: int | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     interpret: Any = False,
 ) -> jax.Array:
-    """Decode attention; the contract of ``pallas_kernels.paged_attention`` without quantized pages.
+    """Decode attention; the contract of ``pallas_kernels.paged_attention``.
 
-    bf16/f16 only, head_dim a multiple of 64, page_size a power of two >= 8.  The KV tile
+    q bf16/f16 with pages of its dtype, or int8 / float8_e4m3fn pages with per-token scales; head_dim a multiple of 64, page_size a power of two >= 8.  The KV tile
     (``pages_per_compute_block * page_size`` tokens) must be a multiple of 64 and at most
     256; the default is 128 tokens (or one page when pages are larger).  ``interpret``:
     True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.
     """
     batch, num_q_heads, head_dim = q.shape
-    kv_heads, _, page_size = _validate(q, k_pages, v_pages, lengths, page_indices, sliding_window)
+    kv_heads, _, page_size = _validate(
+        q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, sliding_window
+    )
     pages_per_seq = page_indices.shape[1]
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, 128 // page_size)
@@ -248,11 +307,12 @@ def paged_attention(
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
 
     splits = plan.num_splits
+    quantized = k_scales is not None
     params = _interpret_params() if interpret is True else (interpret or None)
     kernel = plgpu.kernel(
         functools.partial(
             _decode_kernel, plan=plan, page_size=page_size, head_dim=head_dim, sm_scale=scale,
-            sliding_window=sliding_window, interpret=params is not None,
+            sliding_window=sliding_window, interpret=params is not None, quantized=quantized,
         ),
         out_type=(
             jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS, head_dim), jnp.float32),
@@ -263,7 +323,13 @@ def paged_attention(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=params,
     )
-    partial_out, partial_lse = kernel(lengths, table, q_tiles, k_pages, v_pages)
+    inputs = [lengths, table, q_tiles, k_pages, v_pages]
+    if quantized:
+        tiles = plan.table_width // plan.pages_per_block
+        for scales in (k_scales, v_scales):  # [kv_heads, batch, tiles, tile], per row's page table
+            gathered = scales.astype(jnp.float32)[:, table]
+            inputs.append(gathered.reshape(kv_heads, batch, tiles, plan.pages_per_block * page_size))
+    partial_out, partial_lse = kernel(*inputs)
     out = planning.merge_split_results(partial_out[..., :group, :], partial_lse[..., :group])
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
