@@ -276,7 +276,8 @@ def paged_attention(
 ) -> jax.Array:
     """Decode attention; the contract of ``pallas_kernels.paged_attention``.
 
-    q bf16/f16 with pages of its dtype, or int8 / float8_e4m3fn pages with per-token scales; head_dim a multiple of 64, page_size a power of two >= 8.  The KV tile
+    q bf16/f16 with pages of its dtype, or int8 / float8_e4m3fn pages with per-token scales;
+    head_dim a multiple of 64, page_size a power of two >= 8.  The KV tile
     (``pages_per_compute_block * page_size`` tokens) must be a multiple of 64 and at most
     256; the default is 128 tokens (or one page when pages are larger).  ``interpret``:
     True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.
