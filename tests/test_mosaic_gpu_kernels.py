@@ -7,7 +7,9 @@ an unwritten output or a read of foreign data fails.  The interpreter replaces t
 wgmma and the layout annotations (see the kernel's docstring); the compiled path is checked
 by lowering it for CUDA on the CPU, which builds the Mosaic GPU module (layouts, transforms,
 wgmma shapes) and stops short of PTX.  Tiny shapes: the interpreter runs every op through
-host callbacks.
+host callbacks.  On a GPU machine (``jax.default_backend() == "gpu"``, or
+JAXSERVE_KERNEL_INTERPRET=0 as in tests/test_kernels.py) the reference tests run the compiled
+kernel instead (it needs a Hopper GPU); the race test always runs in the interpreter.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from pallas_kernels.mosaic_gpu import paged_attention
-from tests.test_kernels import assert_close, make_paged_kv, numpy_decode_reference
+from tests.test_kernels import INTERPRET, assert_close, make_paged_kv, numpy_decode_reference
 
 CASES = [
     # id, group, kv_heads, head_dim, page_size, dtype, pages_per_compute_block, num_splits, window, poison,
@@ -55,7 +57,7 @@ def test_decode_matches_float64_reference(group, kv_heads, head_dim, page_size, 
     q, kv, lengths = _inputs(group, kv_heads, head_dim, page_size, dtype, poison, unowned, quant)
     out = paged_attention(
         q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
-        pages_per_compute_block=ppcb, num_splits=splits, sliding_window=window, interpret=True,
+        pages_per_compute_block=ppcb, num_splits=splits, sliding_window=window, interpret=INTERPRET,
         **kv.device(dtype),
     )
     assert out.shape == q.shape and out.dtype == q.dtype
