@@ -46,6 +46,7 @@ ROWS = 64  # wgmma's M: the query group is padded to one 64-row tile
 STAGES = 2  # SMEM ring of K/V tiles: tile t + 1 is in flight while tile t computes
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
+SMEM_BYTES = 227 * 1024  # the most SMEM a Hopper CTA can allocate
 
 
 def _smem_transforms(dtype: Any, swizzle: int = SWIZZLE_BYTES) -> tuple[Any, ...]:
@@ -226,6 +227,16 @@ def _decode_kernel(
     )
 
 
+def _smem_bytes(tile: int, head_dim: int, dtype: Any, kv_dtype: Any, quantized: bool) -> int:
+    """SMEM the kernel allocates (the scoped buffers of ``_decode_kernel``), barriers aside."""
+    item, kv_item = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    total = ROWS * head_dim * item + 2 * STAGES * tile * head_dim * kv_item + ROWS * tile * item
+    total += ROWS * head_dim * 4 + ROWS * 4  # the partial output and its log-sum-exp
+    if quantized:
+        total += 2 * tile * head_dim * item + 2 * STAGES * tile * 4
+    return total
+
+
 def _validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
               v_scales: jax.Array | None, lengths: jax.Array, page_indices: jax.Array,
               sliding_window: int | None) -> tuple[int, int, int]:
@@ -287,12 +298,22 @@ def paged_attention(
         q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, sliding_window
     )
     pages_per_seq = page_indices.shape[1]
-    if pages_per_compute_block is None:
+    quantized = k_scales is not None
+    if pages_per_compute_block is None:  # 128 tokens, or 64 where 128 does not fit in SMEM
         pages_per_compute_block = max(1, 128 // page_size)
+        if _smem_bytes(page_size * pages_per_compute_block, head_dim, q.dtype, k_pages.dtype,
+                       quantized) > SMEM_BYTES:
+            pages_per_compute_block = max(1, 64 // page_size)
     tile = pages_per_compute_block * page_size
     if tile % 64 or tile > 256:
         raise ValueError(
             f"pages_per_compute_block * page_size must be a multiple of 64 and <= 256; got {tile}"
+        )
+    needed = _smem_bytes(tile, head_dim, q.dtype, k_pages.dtype, quantized)
+    if needed > SMEM_BYTES:
+        raise ValueError(
+            f"a {tile}-token KV tile at head_dim {head_dim} needs {needed} bytes of SMEM, over "
+            f"Hopper's {SMEM_BYTES}; use a smaller pages_per_compute_block"
         )
     plan = planning.plan_decode(
         num_q_heads, kv_heads, page_size, pages_per_seq,
@@ -308,7 +329,6 @@ def paged_attention(
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
 
     splits = plan.num_splits
-    quantized = k_scales is not None
     params = _interpret_params() if interpret is True else (interpret or None)
     kernel = plgpu.kernel(
         functools.partial(
