@@ -299,11 +299,8 @@ def paged_attention(
     )
     pages_per_seq = page_indices.shape[1]
     quantized = k_scales is not None
-    if pages_per_compute_block is None:  # 128 tokens, or 64 where 128 does not fit in SMEM
+    if pages_per_compute_block is None:
         pages_per_compute_block = max(1, 128 // page_size)
-        if _smem_bytes(page_size * pages_per_compute_block, head_dim, q.dtype, k_pages.dtype,
-                       quantized) > SMEM_BYTES:
-            pages_per_compute_block = max(1, 64 // page_size)
     tile = pages_per_compute_block * page_size
     if tile % 64 or tile > 256:
         raise ValueError(
