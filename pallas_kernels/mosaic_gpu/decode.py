@@ -41,13 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _planning as planning
-
-ROWS = 64  # wgmma's M: the query group is padded to one 64-row tile
-STAGES = 2  # SMEM ring of K/V tiles: tile t + 1 is in flight while tile t computes
-KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SWIZZLE_BYTES = 128
-SMEM_BYTES = 227 * 1024  # the most SMEM a Hopper CTA can allocate
-
+from pallas_kernels.mosaic_gpu._limits import ROWS, STAGES, SWIZZLE_BYTES, check_tile, validate
 
 def _smem_transforms(dtype: Any, swizzle: int = SWIZZLE_BYTES) -> tuple[Any, ...]:
     cols = swizzle // jnp.dtype(dtype).itemsize
@@ -227,45 +221,6 @@ def _decode_kernel(
     )
 
 
-def _smem_bytes(tile: int, head_dim: int, dtype: Any, kv_dtype: Any, quantized: bool) -> int:
-    """SMEM the kernel allocates (the scoped buffers of ``_decode_kernel``), barriers aside."""
-    item, kv_item = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
-    total = ROWS * head_dim * item + 2 * STAGES * tile * head_dim * kv_item + ROWS * tile * item
-    total += ROWS * head_dim * 4 + ROWS * 4  # the partial output and its log-sum-exp
-    if quantized:
-        total += 2 * tile * head_dim * item + 2 * STAGES * tile * 4
-    return total
-
-
-def _validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
-              v_scales: jax.Array | None, lengths: jax.Array, page_indices: jax.Array,
-              sliding_window: int | None) -> tuple[int, int, int]:
-    batch, num_q_heads, head_dim = q.shape
-    kv_heads, num_pages, page_size = planning.validate_paged_kv(
-        num_q_heads, head_dim, k_pages, v_pages, k_scales, v_scales
-    )
-    if jnp.dtype(q.dtype) not in KV_DTYPES or (k_scales is None and k_pages.dtype != q.dtype):
-        raise ValueError(
-            f"the Mosaic GPU decode kernel takes bfloat16 or float16 q and k/v pages of q's dtype "
-            f"(or int8 / float8_e4m3fn with scales); got q {q.dtype}, pages {k_pages.dtype}"
-        )
-    cols = SWIZZLE_BYTES // q.dtype.itemsize
-    if head_dim % cols:
-        raise ValueError(f"head_dim must be a multiple of {cols} (one 128-byte swizzle row); got {head_dim}")
-    if page_size < 8:
-        raise ValueError(f"page_size must be >= 8 (SMEM tiles of 8 rows); got {page_size}")
-    if num_q_heads // kv_heads > ROWS:
-        raise ValueError(f"at most {ROWS} query heads per KV head; got {num_q_heads // kv_heads}")
-    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
-        raise ValueError(
-            f"lengths must be [batch] and page_indices [batch, pages_per_seq]; got "
-            f"{lengths.shape} and {page_indices.shape} for batch {batch}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
-    return kv_heads, num_pages, page_size
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "pages_per_compute_block", "num_splits", "interpret"),
@@ -294,24 +249,14 @@ def paged_attention(
     True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.
     """
     batch, num_q_heads, head_dim = q.shape
-    kv_heads, _, page_size = _validate(
+    kv_heads, _, page_size = validate(
         q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, sliding_window
     )
     pages_per_seq = page_indices.shape[1]
     quantized = k_scales is not None
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, 128 // page_size)
-    tile = pages_per_compute_block * page_size
-    if tile % 64 or tile > 256:
-        raise ValueError(
-            f"pages_per_compute_block * page_size must be a multiple of 64 and <= 256; got {tile}"
-        )
-    needed = _smem_bytes(tile, head_dim, q.dtype, k_pages.dtype, quantized)
-    if needed > SMEM_BYTES:
-        raise ValueError(
-            f"a {tile}-token KV tile at head_dim {head_dim} needs {needed} bytes of SMEM, over "
-            f"Hopper's {SMEM_BYTES}; use a smaller pages_per_compute_block"
-        )
+    check_tile(pages_per_compute_block * page_size, head_dim, q.dtype, k_pages.dtype, quantized)
     plan = planning.plan_decode(
         num_q_heads, kv_heads, page_size, pages_per_seq,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
