@@ -30,6 +30,7 @@ CASES = [
     ("bf16-gqa3-d64-p16-split2", 3, 2, 64, 16, "bfloat16", 4, 2, None, "nan", "poison_pages", None),
     ("f16-mqa8-d128-p8-window", 8, 1, 128, 8, "float16", 8, None, 70, "nan", "out_of_range", None),
     ("bf16-gqa1-d64-p64-huge", 1, 2, 64, 64, "bfloat16", None, None, None, "huge", "poison_pages", None),
+    ("bf16-gqa2-d16-p8-split2", 2, 2, 16, 8, "bfloat16", None, 2, None, "nan", "poison_pages", None),
     ("int8-bf16-gqa4-d64-p16-split2", 4, 1, 64, 16, "bfloat16", 4, 2, None, "nan", "poison_pages", "int8"),
     ("fp8-f16-gqa2-d128-p32-window", 2, 2, 128, 32, "float16", 2, None, 100, "nan", "out_of_range", "fp8"),
 ]
@@ -84,7 +85,7 @@ def test_no_races_and_batch_invariance():
 
 @pytest.mark.parametrize("dtype,head_dim,page_size,quant", [
     ("bfloat16", 128, 16, None), ("float16", 64, 64, None), ("bfloat16", 64, 16, "int8"),
-    ("bfloat16", 128, 8, "fp8"),
+    ("bfloat16", 128, 8, "fp8"), ("float16", 32, 16, None), ("bfloat16", 32, 16, "int8"),
 ])
 def test_lowers_for_cuda_without_a_gpu(dtype, head_dim, page_size, quant):
     q, kv, lengths = _inputs(4, 2, head_dim, page_size, dtype, quant=quant)
@@ -101,14 +102,17 @@ def test_lowers_for_cuda_without_a_gpu(dtype, head_dim, page_size, quant):
 
 @pytest.mark.parametrize("change,match", [
     (dict(dtype="float32"), "bfloat16 or float16"),
-    (dict(head_dim=32), "multiple of 64"),
+    (dict(head_dim=8), "power of two >= 16"),
+    (dict(head_dim=16, quant=True), "head_dim >= 32"),
     (dict(group=65), "at most 64"),
     (dict(page_size=4), "page_size must be >= 8"),
     (dict(head_dim=256), "SMEM"),  # even a 64-token tile overflows Hopper's 227 KiB
 ])
 def test_rejects_unsupported_inputs(change, match):
-    shape = dict(group=2, kv_heads=1, head_dim=64, page_size=16, dtype="bfloat16") | change
+    shape = dict(group=2, kv_heads=1, head_dim=64, page_size=16, dtype="bfloat16", quant=False) | change
     q = jnp.zeros((1, shape["group"] * shape["kv_heads"], shape["head_dim"]), shape["dtype"])
-    pages = jnp.zeros((shape["kv_heads"], 4, shape["page_size"], shape["head_dim"]), shape["dtype"])
+    pool_shape = (shape["kv_heads"], 4, shape["page_size"], shape["head_dim"])
+    pages = jnp.zeros(pool_shape, jnp.int8 if shape["quant"] else shape["dtype"])
+    scales = dict(k_scales=jnp.ones(pool_shape[:3]), v_scales=jnp.ones(pool_shape[:3])) if shape["quant"] else {}
     with pytest.raises(ValueError, match=match):
-        paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32))
+        paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32), **scales)

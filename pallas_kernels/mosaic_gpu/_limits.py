@@ -38,9 +38,14 @@ def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax
             f"the Mosaic GPU decode kernel takes bfloat16 or float16 q and k/v pages of q's dtype "
             f"(or int8 / float8_e4m3fn with scales); got q {q.dtype}, pages {k_pages.dtype}"
         )
-    cols = SWIZZLE_BYTES // q.dtype.itemsize
-    if head_dim % cols:
-        raise ValueError(f"head_dim must be a multiple of {cols} (one 128-byte swizzle row); got {head_dim}")
+    row_bytes = head_dim * q.dtype.itemsize
+    if row_bytes < 32 or (row_bytes < SWIZZLE_BYTES and row_bytes not in (32, 64)) or row_bytes % 32:
+        raise ValueError(
+            f"head_dim must be >= 16 and a row of 32, 64 or a multiple of 128 bytes (the SMEM swizzle); "
+            f"got {head_dim}"
+        )
+    if k_scales is not None and head_dim * k_pages.dtype.itemsize < 32:
+        raise ValueError(f"int8 / fp8 pages need head_dim >= 32 (a 32-byte swizzled row); got {head_dim}")
     if page_size < 8:
         raise ValueError(f"page_size must be >= 8 (SMEM tiles of 8 rows); got {page_size}")
     if num_q_heads // kv_heads > ROWS:

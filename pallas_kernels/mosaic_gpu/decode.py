@@ -194,7 +194,7 @@ def _decode_kernel(
         plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[b, h, split])
         plgpu.wait_smem_to_gmem(0)
 
-    kv_tr = _smem_transforms(dtype)
+    kv_tr = _smem_transforms(dtype, min(SWIZZLE_BYTES, head_dim * jnp.dtype(dtype).itemsize))
     kv_dtype = k_gmem.dtype
     ring_tr = _smem_transforms(kv_dtype, min(SWIZZLE_BYTES, head_dim * kv_dtype.itemsize))
     arrivals = pages + (1 if quantized else 0)  # a copy per page, and the tile's scales
@@ -243,7 +243,7 @@ def paged_attention(
     """Decode attention; the contract of ``pallas_kernels.paged_attention``.
 
     q bf16/f16 with pages of its dtype, or int8 / float8_e4m3fn pages with per-token scales;
-    head_dim a multiple of 64, page_size a power of two >= 8.  The KV tile
+    head_dim 16-128 (32-128 for int8/fp8; 256 exceeds SMEM), page_size a power of two >= 8.  The KV tile
     (``pages_per_compute_block * page_size`` tokens) must be a multiple of 64 and at most
     256; the default is 128 tokens (or one page when pages are larger).  ``interpret``:
     True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.
