@@ -17,7 +17,8 @@
 #      fraction (`host_overhead.py`)
 #   5. the default model's shapes (135M, a random-weight HF checkpoint built with torch): decode step against
 #      the roofline (`roofline.py`)
-#   6. pytest tests/test_kernels.py with JAXSERVE_KERNEL_INTERPRET=0 (compiled Triton kernels)
+#   6. pytest tests/test_kernels.py and tests/test_mosaic_gpu_kernels.py with JAXSERVE_KERNEL_INTERPRET=0
+#      (compiled Triton and Mosaic GPU kernels)
 #   7. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
 # gpu_check.log, summary.txt (with the 8B table), gpu-8b.json, gpu-8b.txt, host-overhead-gpu.json,
@@ -130,8 +131,9 @@ step "default model's shapes: decode roofline, bf16, batch 1-256 (roofline.py)" 
     --no-plot --disable-tqdm
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-    step "pytest tests/test_kernels.py (compiled)" 170 \
-        "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider --junitxml="$OUT_DIR/test_kernels.xml"
+    step "pytest tests/test_kernels.py tests/test_mosaic_gpu_kernels.py (compiled Triton and Mosaic GPU)" 170 \
+        "$PY" -m pytest tests/test_kernels.py tests/test_mosaic_gpu_kernels.py -q -p no:cacheprovider \
+        --junitxml="$OUT_DIR/test_kernels.xml"
 else
     echo "pytest: skipped (not installed; put a pytest wheel in .whl/)" | tee -a "$SUMMARY"
 fi
