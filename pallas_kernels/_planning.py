@@ -93,6 +93,18 @@ def validate_paged_kv(
     return num_kv_heads, num_pages, page_size
 
 
+def validate_decode_request(batch: int, lengths: jax.Array, page_indices: jax.Array,
+                            sliding_window: int | None) -> None:
+    """ValueError unless `lengths` is [batch], `page_indices` [batch, pages_per_seq] and the window >= 1."""
+    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
+        raise ValueError(
+            f"lengths must be [batch] and page_indices [batch, pages_per_seq]; got "
+            f"{lengths.shape} and {page_indices.shape} for batch {batch}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
+
+
 def pages_per_kv_block(
     page_size: int, pages_per_seq: int, requested: int | None, target_tokens: int
 ) -> int:

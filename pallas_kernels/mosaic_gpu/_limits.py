@@ -50,13 +50,7 @@ def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax
         raise ValueError(f"page_size must be >= 8 (SMEM tiles of 8 rows); got {page_size}")
     if num_q_heads // kv_heads > ROWS:
         raise ValueError(f"at most {ROWS} query heads per KV head; got {num_q_heads // kv_heads}")
-    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
-        raise ValueError(
-            f"lengths must be [batch] and page_indices [batch, pages_per_seq]; got "
-            f"{lengths.shape} and {page_indices.shape} for batch {batch}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
+    planning.validate_decode_request(batch, lengths, page_indices, sliding_window)
     return kv_heads, num_pages, page_size
 
 

@@ -128,13 +128,7 @@ def paged_attention(
     num_kv_heads, num_pages, page_size = planning.validate_paged_kv(
         num_q_heads, head_dim, k_pages, v_pages, k_scales, v_scales
     )
-    if lengths.shape != (batch,) or page_indices.ndim != 2 or page_indices.shape[0] != batch:
-        raise ValueError(
-            f"lengths must be [batch] and page_indices [batch, pages_per_seq]; got "
-            f"{lengths.shape} and {page_indices.shape} for batch {batch}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
+    planning.validate_decode_request(batch, lengths, page_indices, sliding_window)
     pages_per_seq = page_indices.shape[1]
     plan = planning.plan_decode(
         num_q_heads,
