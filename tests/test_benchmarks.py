@@ -24,7 +24,8 @@ from benchmarks.metrics import RequestResult
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
-           "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py"]
+           "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py",
+           "gpu_8b.py", "quant_speed.py", "quality.py"]
 
 
 # -- metric math ---------------------------------------------------------------------------------------------
