@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.loading.dummy import LOAD_FORMATS
+from jaxserve.spec_decode.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -50,6 +55,9 @@ class EngineConfig:
     priority_aging_seconds: float = 10.0  # waiting this long counts as one priority level
     decode_batch_buckets: tuple[int, ...] | None = None  # default: 1, 4, 8, 16, 32, 64, 128, 256 up to max_num_seqs
     async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens (False: one step at a time)
+    # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+    # "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": K} (see spec_decode/config.py)
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     warmup: bool = True  # compile every shape at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
 
@@ -75,6 +83,11 @@ class EngineConfig:
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            # as vLLM for n-gram proposals: a step's drafts need the previous step's tokens on the host
+            logger.info("speculative decoding runs its steps synchronously: async scheduling is off")
+            self.async_scheduling = False
         # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
         from jaxserve.loading.awq import check_quantization
 
@@ -94,6 +107,10 @@ class EngineConfig:
         if max(self.decode_batch_buckets) < self.max_num_seqs:
             raise ValueError(f"decode_batch_buckets {self.decode_batch_buckets} must reach max_num_seqs "
                              f"({self.max_num_seqs})")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
 
     @property
     def jax_dtype(self):

@@ -103,3 +103,47 @@ def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
     active[:len(seqs)] = True
     return DecodeInputs(seqs, np.array(slots + pad, np.int32), np.array(positions + pad, np.int32),
                         np.array(pages + pad, np.int32), np.array(output_index + pad, np.int32), active)
+
+
+@dataclasses.dataclass
+class VerifyInputs:
+    """One verify call (speculative decoding): each of `rows` sequences' latest token and up to K drafts."""
+
+    seqs: list[Sequence]
+    slots: np.ndarray  # int32 [rows]
+    positions: np.ndarray  # int32 [rows]: the position of each row's latest token
+    draft_tokens: np.ndarray  # int32 [rows, K]: proposals known to the host (n-gram); zeros for a draft model's
+    num_draft: np.ndarray  # int32 [rows]: drafts each row may have (its lookahead, or its n-gram proposal's length)
+    pages: np.ndarray  # int32 [rows, K + 1]: the page of each position p..p+K (0 past the sequence's pages)
+    last_tokens: np.ndarray  # int32 [rows, 2]: each row's two latest tokens (what a draft model feeds first)
+    output_index: np.ndarray  # int32 [rows]
+    active: np.ndarray  # bool [rows]
+
+
+def verify_inputs(seqs: list[Sequence], drafts: list[list[int]] | None, config: EngineConfig,
+                  k: int) -> VerifyInputs:
+    """O(rows * K) host work. `drafts`: the n-gram proposals (None: a draft model proposes on the device, up to
+    each sequence's lookahead). Needs the sequences' tokens on the host (speculative steps are synchronous)."""
+    rows = bucket_for(len(seqs), config.decode_batch_buckets)
+    page_size = config.page_size
+    inputs = VerifyInputs(seqs, np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, k), np.int32),
+                          np.zeros(rows, np.int32), np.zeros((rows, k + 1), np.int32), np.zeros((rows, 2), np.int32),
+                          np.zeros(rows, np.int32), np.zeros(rows, bool))
+    for row, seq in enumerate(seqs):
+        position = len(seq.token_ids) - 1
+        inputs.slots[row] = seq.slot
+        inputs.positions[row] = position
+        if drafts is None:
+            inputs.num_draft[row] = seq.num_lookahead
+        else:
+            draft = drafts[row][:seq.num_lookahead]
+            inputs.draft_tokens[row, :len(draft)] = draft
+            inputs.num_draft[row] = len(draft)
+        for i in range(k + 1):
+            index = (position + i) // page_size
+            if index < len(seq.page_table):
+                inputs.pages[row, i] = seq.page_table[index]
+        inputs.last_tokens[row] = seq.token_ids[-2:]
+        inputs.output_index[row] = seq.num_output_tokens
+    inputs.active[:len(seqs)] = True
+    return inputs

@@ -31,9 +31,10 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.stats import IterationStats, SchedulerStats
-from jaxserve.loading import LoadedModel, load_model
+from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.draft import draft_model_config
 
 logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
@@ -45,6 +46,7 @@ class LLMEngine:
         _enable_compilation_cache(self.config.compilation_cache_dir)
         started = time.perf_counter()
         self.mesh = make_mesh(self.config.tensor_parallel_size)
+        draft_config = self._check_draft_model(loaded)
         self.model = loaded or load_model(self.config.model, dtype=self.config.jax_dtype,
                                           tokenizer=self.config.tokenizer,
                                           generation_config=self.config.generation_config, mesh=self.mesh,
@@ -58,7 +60,8 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(model_config, self.model.params, self.config, self.eos_token_ids, self.mesh)
+        self.runner = ModelRunner(model_config, self.model.params, self.config, self.eos_token_ids, self.mesh,
+                                  draft_config)
         self.model.params = None  # the runner holds the device copy
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         if self.runner.num_pages - 1 < self.config.pages_per_seq:
@@ -86,6 +89,15 @@ class LLMEngine:
             seconds = self.runner.warmup()
             logger.info("warm-up compiled %d prefill and %d decode shapes (and their samplers) in %.1fs",
                         len(self.config.prefill_shapes), len(self.config.decode_batch_buckets), seconds)
+
+    def _check_draft_model(self, loaded: LoadedModel | None):
+        """A draft model's config, checked against the target's before either is loaded (None: no draft model)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        target = loaded.config if loaded is not None else model_config(resolve_model(self.config.model))
+        self.config.resolve(target.max_position_embeddings)
+        return draft_model_config(spec, target, self.config.max_model_len)
 
     @property
     def vocab_size(self) -> int:
@@ -241,13 +253,21 @@ class LLMEngine:
         touched = set()
         for sample in sampled:
             seq = sample.seq
-            seq.num_pending -= 1
-            if seq.is_finished:
-                continue
+            if sample.accepted_draft:  # a verify step wrote its KV; the sequence's sampled token comes after it
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens += 1
+            else:
+                seq.num_pending -= 1
+                if seq.is_finished:
+                    continue
             self._append_token(sample, now)
             if seq.page_table:
                 self.page_manager.commit_full_pages(seq)
             touched.add(seq.request_id)
+        for sample in sampled:  # the room made for drafts that were rejected (or not proposed) goes back
+            if sample.seq.num_lookahead and not sample.seq.is_finished:
+                self.page_manager.trim(sample.seq)
         return touched
 
     def _append_token(self, sample: SampledToken, now: float) -> None:
@@ -311,7 +331,7 @@ class LLMEngine:
                 changed.add(payload)
 
     def _snapshot(self) -> SchedulerStats:
-        manager = self.page_manager
+        manager, spec = self.page_manager, self.runner.spec_counters
         return SchedulerStats(
             num_running_seqs=self.scheduler.num_running, num_waiting_seqs=self.scheduler.num_waiting,
             kv_cache_usage=manager.usage, prefix_cache_queries=manager.num_prefix_queries,
@@ -319,7 +339,9 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             request_success=tuple(sorted(self._finished.items())), num_steps=self._steps,
             kv_cache_capacity_tokens=self.runner.kv_capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
-            kv_cache_storage_dtype=self.runner.kv_storage_dtype)
+            kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos))
 
 
 def _enable_compilation_cache(directory: str | None) -> None:

@@ -43,15 +43,19 @@ from jaxserve.loading.placement import serving_params
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.kv_budget import kv_pages
-from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs,
-                                         prefill_groups, prefill_inputs)
+from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, VerifyInputs, bucket_for, decode_inputs,
+                                         prefill_groups, prefill_inputs, verify_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.stats import StepPhases
-from jaxserve.engine.steps import SlotState, ban_step, decode_step, prefill_step, reset_penalties_step, sample_step
+from jaxserve.engine.stats import SpecDecodeCounters
+from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_step, reset_penalties_step, sample_step,
+                                   verify_sample_step, verify_step)
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.sampler import PenaltyState, SampleResult
+from jaxserve.spec_decode.draft import DraftModel
+from jaxserve.spec_decode.ngram import NgramIndex
 
 logger = logging.getLogger(__name__)
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
@@ -65,6 +69,8 @@ class SampledToken:
     token: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None  # the top-k (k = params.logprobs) plus the sampled token
+    accepted_draft: bool = False  # a draft a verify step accepted: its KV is in the cache (the step's last
+    # token for the sequence is the one it sampled)
 
 
 @dataclasses.dataclass
@@ -73,6 +79,7 @@ class InFlightStep:
     call's sampled tokens, still on the device."""
 
     calls: list[tuple[list[tuple[int, Sequence]], SampleResult]]
+    num_draft: np.ndarray | None = None  # a verify call's (the last call): each row's drafts
 
 
 class ModelRunner:
@@ -80,7 +87,7 @@ class ModelRunner:
     by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
 
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, draft_config: ModelConfig | None = None):
         self.config = config
         self.engine_config = engine_config
         self.eos_token_ids = eos_token_ids
@@ -98,8 +105,16 @@ class ModelRunner:
                                       min_tokens_ban=jnp.zeros((slots, vocab), bool, device=replicated))
         self.slot_params = SlotSamplingParams(slots)
         self.slot_state = SlotState.empty(slots, engine_config.pages_per_seq, replicated)
+        spec = engine_config.speculative_config
+        self.ngram = spec if spec is not None and spec.method == "ngram" else None
+        self.draft = (DraftModel(spec, draft_config, self.dtype, self.mesh, self.backend,
+                                 self.page_size, slots, engine_config.pages_per_seq)
+                      if spec is not None and spec.method == "draft_model" else None)
+        self.spec_counters = SpecDecodeCounters(engine_config.num_speculative_tokens)
         self.num_pages = engine_config.num_kv_pages or kv_pages(self.mesh.local_devices[0], config, engine_config,
                                                                  self.page_bytes, self.device_page_bytes)
+        if self.draft is not None:
+            self.draft.allocate_pool(self.num_pages)
         pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
                                              config.head_dim)
         # one (K, V) pair per layer: arrays, or QuantizedPages (values + per-token scales) for an int8/fp8 cache
@@ -113,6 +128,10 @@ class ModelRunner:
         static = (config, self.tp, self.backend, self.dtype, self.page_size)
         self._prefill = jax.jit(functools.partial(prefill_step, *static), **prefill_shardings)
         self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
+        self._verify = jax.jit(functools.partial(verify_step, *static), **dict(
+            forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 2))
+        self._verify_sample = jax.jit(verify_sample_step, in_shardings=replicated, out_shardings=replicated,
+                                      donate_argnums=(0, 1))
         on_every_device = dict(in_shardings=replicated, out_shardings=replicated, donate_argnums=(0,))
         self._sample = jax.jit(sample_step, in_shardings=replicated, out_shardings=replicated, donate_argnums=(0, 1))
         self._send_table = jax.jit(lambda table: table, out_shardings=replicated)  # host columns -> device copy
@@ -120,7 +139,11 @@ class ModelRunner:
         self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
         self.sampling_table = self._send_table(self.slot_params.table())  # every slot's sampling parameters
         self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
-                        "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table}
+                        "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table,
+                        "verify": self._verify, "verify_sample": self._verify_sample}
+        if self.draft is not None:
+            self._jitted |= {"draft_prefill": self.draft.prefill_fn, "propose": self.draft.propose_fns[False],
+                             "propose_probs": self.draft.propose_fns[True]}
         self._follower_logits = None  # a multi-host follower's latest forward logits (see `replay`)
         self._warm = False  # after warm-up, a jitted step's cache growing means a compile while serving
         self._cache_sizes: dict[str, int] = {}
@@ -135,10 +158,12 @@ class ModelRunner:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included)."""
+        """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included; a draft
+        model's page too)."""
         cfg = self.config
+        draft = self.draft.page_bytes if self.draft is not None else 0  # the draft's pool has as many pages
         return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
-                * self.backend.token_bytes(cfg.head_dim, self.dtype))
+                * self.backend.token_bytes(cfg.head_dim, self.dtype)) + draft
 
     @property
     def kv_storage_dtype(self) -> str:
@@ -168,12 +193,16 @@ class ModelRunner:
             self._admit(seq)
         calls = [prefill_inputs(tokens, chunks, self.engine_config.pages_per_seq)
                  for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
-        decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes else None
+        verify = self._verify_inputs(plan.decodes) if plan.decodes else None
+        decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes and verify is None else None
         phases.lap("prepare")
         step = InFlightStep([([(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final],
                                self.prefill(inputs)) for inputs in calls])
         if decode is not None:
             step.calls.append((list(enumerate(decode.seqs)), self.decode(decode)))
+        if verify is not None:
+            step.calls.append((list(enumerate(verify.seqs)), self.verify(verify)))
+            step.num_draft = verify.num_draft
         phases.lap("dispatch")
         return step
 
@@ -183,9 +212,27 @@ class ModelRunner:
         self.phases.lap("wait")
         sampled = []
         for (rows, _), result in zip(step.calls, results):
+            if result.num_accepted is not None:
+                sampled += self._verified(rows, result, step.num_draft)
+                continue
             tokens = result.tokens.tolist()
             sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else _sampled(seq, result, row)
                         for row, seq in rows]
+        return sampled
+
+    def _verified(self, rows, result: SampleResult, num_draft: np.ndarray) -> list[SampledToken]:
+        """A verify call's output tokens, row by row: the accepted drafts, then the token sampled after them."""
+        accepted = np.minimum(result.num_accepted, num_draft)
+        self.spec_counters.count(num_draft[:len(rows)], accepted[:len(rows)])
+        tokens = result.tokens.tolist()
+        sampled = []
+        for row, seq in rows:
+            count = int(accepted[row])
+            for i in range(count + 1):
+                sample = (SampledToken(seq, tokens[row][i]) if seq.params.logprobs is None
+                          else _sampled(seq, result, (row, i)))
+                sample.accepted_draft = i < count
+                sampled.append(sample)
         return sampled
 
     def _admit(self, seq: Sequence) -> None:
@@ -205,11 +252,15 @@ class ModelRunner:
             self.penalties = self._call("ban", self._ban, (self.penalties,), (np.int32(seq.slot), chunk))
 
     def prefill(self, inputs: PrefillInputs) -> SampleResult:
-        """One prefill call (K/V written to the pool); the sampled token of each row, still on the device."""
+        """One prefill call (K/V written to the pool, and to a draft model's); the sampled token of each row,
+        still on the device."""
+        arrays = (inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables, inputs.slots,
+                  inputs.is_final, inputs.next_tokens)
+        if self.draft is not None:
+            _, _, self.draft.kv_cache, self.draft.slot_state = self._call(
+                "draft_prefill", self.draft.prefill_fn, self._state("draft_prefill"), arrays)
         logits, greedy, self.kv_cache, self.slot_state = self._call(
-            "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state),
-            (inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables, inputs.slots, inputs.is_final,
-             inputs.next_tokens))
+            "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
                                    len(inputs.chunks))
 
@@ -220,12 +271,55 @@ class ModelRunner:
             (inputs.slots, inputs.positions, inputs.pages, inputs.active))
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs))
 
+    def _verify_inputs(self, seqs: list[Sequence]) -> VerifyInputs | None:
+        """The verify call for this step's decodes, or None when no sequence has drafts (a plain decode then)."""
+        if not any(seq.num_lookahead for seq in seqs):
+            return None
+        drafts = None
+        if self.ngram is not None:
+            drafts = []
+            for seq in seqs:
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(self.ngram.prompt_lookup_min, self.ngram.prompt_lookup_max)
+                drafts.append(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead) if seq.num_lookahead else [])
+            if not any(drafts):
+                return None
+        return verify_inputs(seqs, drafts, self.engine_config, self.engine_config.num_speculative_tokens)
+
+    def verify(self, inputs: VerifyInputs) -> SampleResult:
+        """Proposes (a draft model, on the device) and verifies K drafts per row in one forward of the target; each
+        row's output tokens, still on the device (`SampleResult.num_accepted`)."""
+        rows = len(inputs.seqs)
+        plain = self.slot_params.is_plain_greedy(inputs.slots, inputs.output_index, rows)
+        draft_tokens, draft_probs = inputs.draft_tokens, None
+        if self.draft is not None:
+            kind = "propose" if plain else "propose_probs"
+            self._send_sampling_table()
+            draft_tokens, draft_probs, self.draft.kv_cache = self._call(
+                kind, self._jitted[kind], self._state(kind),
+                (inputs.slots, inputs.positions, inputs.last_tokens, inputs.pages, inputs.num_draft, inputs.active,
+                 inputs.output_index))
+        logits, greedy, self.kv_cache, self.slot_state = self._call(
+            "verify", self._verify, (self.params, self.kv_cache, self.slot_state),
+            (inputs.slots, inputs.positions, draft_tokens, inputs.num_draft, inputs.pages, inputs.active))
+        if plain:
+            return greedy
+        self._send_sampling_table()
+        result, self.penalties, self.slot_state = self._call(
+            "verify_sample", self._verify_sample, self._state("verify_sample"),
+            (logits, draft_tokens, inputs.num_draft, draft_probs, inputs.slots, inputs.output_index, inputs.active))
+        return result
+
+    def _send_sampling_table(self) -> None:
+        """Admissions since the last sampler call changed slots' parameters: one copy of every slot's columns."""
+        if self.slot_params.changed:
+            self.sampling_table = self._call("table", self._send_table, (), (self.slot_params.table(),))
+
     def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int) -> SampleResult:
         """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token."""
         if self.slot_params.is_plain_greedy(slots, output_index, rows):
             return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
-        if self.slot_params.changed:  # admissions since the last sampler call: one copy of every slot's columns
-            self.sampling_table = self._call("table", self._send_table, (), (self.slot_params.table(),))
+        self._send_sampling_table()
         result, self.penalties, self.slot_state = self._call(
             "sample", self._sample, (self.penalties, self.slot_state, self.sampling_table),
             (logits, slots, output_index, counted))
@@ -269,14 +363,45 @@ class ModelRunner:
         for length in self.reset_buckets:
             yield "reset", (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
         yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
+        yield from self._speculative_examples(replicated)
+
+    def _speculative_examples(self, replicated):
+        """The verify, verify-sampler and draft-model shapes of every batch bucket (none without speculation)."""
+        ec, k = self.engine_config, self.engine_config.num_speculative_tokens
+        if not k:
+            return
+        vocab = self.config.vocab_size
+        if self.draft is not None:
+            for rows, tokens in ec.prefill_shapes:
+                zeros = np.zeros(rows, np.int32)
+                yield "draft_prefill", (np.zeros((rows, tokens), np.int32), zeros, zeros,
+                                        np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
+        for rows in ec.decode_batch_buckets:
+            zeros, no = np.zeros(rows, np.int32), np.zeros(rows, bool)
+            drafts = np.zeros((rows, k), np.int32)
+            proposal = (zeros, zeros, np.zeros((rows, 2), np.int32), np.zeros((rows, k + 1), np.int32), zeros, no,
+                        zeros)
+            yield "verify", (zeros, zeros, drafts, zeros, np.zeros((rows, k + 1), np.int32), no)
+            logits = jnp.zeros((rows, k + 1, vocab), jnp.float32, device=replicated)
+            probs = [None]
+            if self.draft is not None:
+                yield "propose", proposal
+                yield "propose_probs", proposal
+                probs = [jnp.zeros((rows, k, vocab), jnp.float32, device=replicated)]
+            for draft_probs in probs:
+                yield "verify_sample", (logits, drafts, zeros, draft_probs, zeros, zeros, no)
 
     def _state(self, kind: str) -> tuple:
         if kind in ("reset", "ban"):
             return (self.penalties,)
-        if kind == "sample":
+        if kind in ("sample", "verify_sample"):
             return self.penalties, self.slot_state, self.sampling_table
         if kind == "table":
             return ()
+        if kind == "draft_prefill":
+            return self.draft.params, self.draft.kv_cache, self.draft.slot_state
+        if kind in ("propose", "propose_probs"):
+            return self.draft.params, self.draft.kv_cache, self.slot_state, self.sampling_table
         return self.params, self.kv_cache, self.slot_state
 
     def replay(self, kind: str, inputs: tuple) -> None:
@@ -290,8 +415,12 @@ class ModelRunner:
             self.penalties = outputs
         elif kind == "table":
             self.sampling_table = outputs
-        elif kind == "sample":
+        elif kind in ("sample", "verify_sample"):
             _, self.penalties, self.slot_state = outputs
+        elif kind == "draft_prefill":
+            _, _, self.draft.kv_cache, self.draft.slot_state = outputs
+        elif kind in ("propose", "propose_probs"):
+            self.draft.kv_cache = outputs[2]
         else:
             self._follower_logits, _, self.kv_cache, self.slot_state = outputs
 
@@ -310,14 +439,16 @@ class ModelRunner:
                 future.result()
         for kind, inputs in self.example_inputs():
             self.replay(kind, inputs)
-        jax.block_until_ready((self.kv_cache, self.penalties, self.slot_state))
+        jax.block_until_ready((self.kv_cache, self.penalties, self.slot_state,
+                               self.draft.kv_cache if self.draft is not None else None))
         self._cache_sizes = {kind: jitted._cache_size() for kind, jitted in self._jitted.items()}
         self._warm = True
         return time.perf_counter() - started
 
 
-def _sampled(seq: Sequence, result: SampleResult, row: int) -> SampledToken:
-    """A row's token with the logprobs its sequence asked for."""
+def _sampled(seq: Sequence, result: SampleResult, row) -> SampledToken:
+    """A row's token with the logprobs its sequence asked for (`row`: an index, or (row, position) of a verify
+    call's result)."""
     token = int(result.tokens[row])
     k = seq.params.logprobs
     top = {int(i): float(v) for i, v in zip(result.top_ids[row][:k], result.top_logprobs[row][:k])}

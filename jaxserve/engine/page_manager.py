@@ -157,15 +157,25 @@ class PageManager:
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references, tail first; pages nobody holds return to the free list."""
         for page in reversed(seq.page_table):
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                self.free_pages[page] = None
-                if page not in self.cached:  # nothing to reuse: hand it out before cached pages
-                    self.free_pages.move_to_end(page, last=False)
+            self._release(page)
         seq.page_table = []
         seq.page_keys = []
         seq.page_serials = []
         seq.num_computed_tokens = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Releases the pages past those holding `seq`'s tokens (the room a speculative step made for drafts that
+        were rejected); a released page holds no cached prefix, so it is the next to be handed out."""
+        keep = -(-len(seq.token_ids) // self.page_size)
+        while len(seq.page_table) > keep:
+            self._release(seq.page_table.pop())
+
+    def _release(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            self.free_pages[page] = None
+            if page not in self.cached:  # nothing to reuse: hand it out before cached pages
+                self.free_pages.move_to_end(page, last=False)
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()

@@ -6,8 +6,8 @@ charged; a prefill chunk is charged its padded size (its length bucket), so a st
 computes much more than the budget whatever mix of chunk lengths it packs (charging real tokens let a
 step of many small buckets cost well over one full chunk; see benchmarks/RESULTS.md), and a decode
 waits at most one budget's worth of prefill. In order:
-1. every running sequence that is decoding gets one token (oldest first); if the pool has no page
-   for it, the most recently admitted running sequence is preempted by recompute (pages freed,
+1. every running sequence that is decoding gets one token (oldest first), and room for its drafts under
+   speculative decoding (K tokens, fewer near its length limits); if the pool has no page for it, the most recently admitted running sequence is preempted by recompute (pages freed,
    requeued at the front) until it fits;
 2. running sequences still prefilling get the next chunk of their tokens;
 3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
@@ -81,12 +81,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [])
+        speculate = self._speculates()
         for seq in list(self.running):  # admission order: sequences join at the end and only ever leave
             # a sequence whose every token is sampled only waits for the host to read them (async scheduling)
             if (seq.status != SequenceStatus.RUNNING or seq.is_prefilling
                     or seq.at_length_limit(self.config.max_model_len, with_pending=True)):
                 continue
-            if self._make_room(seq, seq.num_tokens, out):
+            seq.num_lookahead = self._lookahead(seq) if speculate else 0
+            if self._make_room(seq, seq.num_tokens + seq.num_lookahead, out):
                 out.decodes.append(seq)
 
         for seq in list(self.running):
@@ -117,6 +119,20 @@ class Scheduler:
             out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= padded
         return out
+
+    def _speculates(self) -> bool:
+        """Whether this step's decodes get room for drafts: speculation is on and the batch is below
+        `disable_by_batch_size`."""
+        spec = self.config.speculative_config
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.running) < spec.disable_by_batch_size)
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Drafts `seq` may have: K, fewer near max_model_len or max_tokens (a step yields drafts + 1 tokens)."""
+        room = self.config.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
+        return max(0, min(self.config.num_speculative_tokens, room))
 
     def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
         """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""

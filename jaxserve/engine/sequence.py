@@ -44,6 +44,8 @@ class Sequence:
         self.page_keys: list[bytes] = []  # prefix-cache keys of this sequence's full pages, in order
         self.page_serials: list[int | None] = []  # the cache registration holding each full page's prefix
         self.slot: int | None = None
+        self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
+        self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use
         self.admission_order = -1
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None

@@ -28,6 +28,19 @@ class SchedulerStats:
     kv_cache_capacity_tokens: int = 0  # tokens the KV pool holds for sequences (set at start-up)
     kv_cache_dtype: str = "auto"  # the kv_cache_dtype option: "auto", "int8" or "fp8"
     kv_cache_storage_dtype: str = ""  # what the pages hold: "float32", "bfloat16", "int8", "float8_e4m3fn"
+    # speculative decoding (vLLM's spec_decode_* counters): verified rows that had drafts, their drafts, the
+    # accepted ones, and per draft position how often it was accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens; None before any draft."""
+        if not self.spec_decode_num_draft_tokens:
+            return None
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
 
     def finished(self, reason: str) -> int:
         return dict(self.request_success).get(reason, 0)
@@ -39,6 +52,22 @@ class IterationStats:
 
     time_to_first_tokens: tuple[float, ...] = ()  # arrival to first token, for requests whose first token came
     inter_token_latencies: tuple[float, ...] = ()  # since the request's previous token, for the others
+
+
+class SpecDecodeCounters:
+    """Running totals of speculative decoding, kept by the runner as verify calls are read."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_speculative_tokens
+
+    def count(self, num_draft, num_accepted) -> None:
+        """One verify call's rows: `num_draft` and `num_accepted` per row (numpy ints)."""
+        self.num_drafts += int((num_draft > 0).sum())
+        self.num_draft_tokens += int(num_draft.sum())
+        self.num_accepted_tokens += int(num_accepted.sum())
+        for position in range(len(self.accepted_per_pos)):
+            self.accepted_per_pos[position] += int((num_accepted > position).sum())
 
 
 class StepPhases:

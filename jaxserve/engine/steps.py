@@ -6,6 +6,8 @@
 * `prefill_step` / `decode_step`: the model's forward over chunks or one token per row, writing K/V into
   the (donated) page pool and the rows' argmax and page tables into the slot state; they return the
   logits, their argmax, the new pool and the new slot state.
+* `verify_step` / `verify_sample_step` (speculative decoding): the forward over each row's latest token and
+  its K drafts, and the acceptance of the drafts (greedy in the forward, the sampler's otherwise).
 * `sample_step`: the full sampler on a forward's logits, with each slot's sampling parameters from a device
   table, counting each sampled token for the penalties and writing it into the slot state (over the
   forward's argmax).
@@ -19,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.layers.sampler import PenaltyState, SamplingBatch, argmax, sample
+from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, argmax, sample
 from jaxserve.models import forward
+from jaxserve.spec_decode.verify import verify_greedy, verify_sample
 
 
 @flax.struct.dataclass
@@ -81,6 +84,58 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     greedy = argmax(logits)
     slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables)
     return logits, greedy, kv_cache, slot_state
+
+
+def draft_positions(slot_state: SlotState, page_size, slots, positions, pages, valid):
+    """Rows' positions `positions[:, None] + i` (i < pages.shape[1]) and their flat KV slots, with `pages[r, i]`
+    (the page of row r's position i) written into the slots' page tables where `valid`: the part of a verify
+    step (or a draft model's proposal) that places K+1 tokens per row in the paged cache."""
+    rows, width = pages.shape
+    positions = positions[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    page_index = jnp.minimum(positions // page_size, slot_state.page_tables.shape[1] - 1)
+    live = jnp.where(valid, slots[:, None], slot_state.tokens.shape[0])
+    page_tables = slot_state.page_tables.at[live, page_index].set(pages, mode="drop")
+    slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
+    return positions, slot_mapping, page_tables
+
+
+def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, slots, positions,
+                draft_tokens, num_draft, pages, active):
+    """Row i feeds its slot's latest token at `positions[i]` and its `num_draft[i]` drafts after it (`draft_tokens
+    [rows, K]`, `pages [rows, K+1]` the pages of those K+1 positions); the logits of all K+1 positions come back
+    with the greedy acceptance (`SampleResult` with `num_accepted`), and each active slot's latest token becomes
+    the argmax after its accepted drafts."""
+    rows, k = draft_tokens.shape
+    valid = active[:, None] & (jnp.arange(k + 1)[None, :] <= num_draft[:, None])
+    positions2d, slot_mapping, page_tables = draft_positions(slot_state, page_size, slots, positions, pages, valid)
+    token_ids = jnp.concatenate([slot_state.tokens[slots][:, None], draft_tokens], axis=1)
+    meta = AttentionMetadata(positions=positions2d, slot_mapping=slot_mapping, page_tables=page_tables[slots],
+                             context_lens=jnp.where(active, positions + 1 + num_draft, 0),
+                             query_lens=jnp.where(active, 1 + num_draft, 0))
+    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp)
+    greedy = argmax(logits)
+    num_accepted = verify_greedy(greedy, draft_tokens, num_draft)
+    last = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]
+    live = _rows_to_slots(slot_state, slots, active)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables)
+    return logits, SampleResult(greedy, None, None, None, num_accepted), kv_cache, slot_state
+
+
+def verify_sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingBatch, logits, draft_tokens,
+                       num_draft, draft_probs, slots, output_index, counted):
+    """`sample_step` for a verify step's logits `[rows, K+1, vocab]`: accepts drafts by rejection sampling
+    (`draft_probs` None: deterministic drafts), counts every output token for the penalties, and makes each
+    counted row's last token its slot's latest."""
+    sampling = jax.tree.map(lambda column: column[slots], table).replace(output_index=output_index)
+    result = verify_sample(logits, draft_tokens, num_draft, draft_probs, sampling, penalties.prompt_mask[slots],
+                           penalties.output_counts[slots], penalties.min_tokens_ban[slots])
+    positions = result.tokens.shape[1]
+    is_output = counted[:, None] & (jnp.arange(positions)[None, :] <= result.num_accepted[:, None])
+    counts = penalties.output_counts.at[jnp.broadcast_to(slots[:, None], result.tokens.shape), result.tokens].add(
+        is_output.astype(jnp.int32))
+    last = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
+    tokens = slot_state.tokens.at[_rows_to_slots(slot_state, slots, counted)].set(last, mode="drop")
+    return result, penalties.replace(output_counts=counts), slot_state.replace(tokens=tokens)
 
 
 def sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingBatch, logits, slots, output_index,

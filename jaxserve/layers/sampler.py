@@ -51,18 +51,21 @@ class SampleResult:
     logprobs: jax.Array  # float32 [rows]: logprob of the sampled token under the model's distribution
     top_ids: jax.Array  # int32 [rows, MAX_LOGPROBS]
     top_logprobs: jax.Array  # float32 [rows, MAX_LOGPROBS]
+    # a verify step's (speculative decoding): tokens and the logprob fields gain a position axis ([rows, K + 1]),
+    # and row i's output tokens are tokens[i, :num_accepted[i] + 1]
+    num_accepted: jax.Array | None = None  # int32 [rows]
 
 
-def apply_penalties(logits, batch: SamplingBatch, penalties: PenaltyState, slots):
-    """vLLM's penalties: repetition (prompt + output), presence and frequency (output), min_tokens bans."""
-    prompt_mask, output_counts = penalties.prompt_mask[slots], penalties.output_counts[slots]
+def apply_penalties(logits, batch: SamplingBatch, prompt_mask, output_counts, min_tokens_ban):
+    """vLLM's penalties: repetition (prompt + output), presence and frequency (output), min_tokens bans; the
+    statistics are each row's own `[rows, vocab]` (`PenaltyState` gathered at the rows' slots)."""
     seen = prompt_mask | (output_counts > 0)
     rep = batch.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - batch.frequency_penalty[:, None] * output_counts
     logits = logits - batch.presence_penalty[:, None] * (output_counts > 0)
     too_short = (batch.output_index < batch.min_tokens)[:, None]
-    return jnp.where(too_short & penalties.min_tokens_ban[slots], NEG_INF, logits)
+    return jnp.where(too_short & min_tokens_ban, NEG_INF, logits)
 
 
 def _truncate_top_k_top_p(logits, top_k, top_p):
@@ -112,33 +115,52 @@ def inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
     return jnp.where(landed, index, argmax(weights))
 
 
-def _draw(logits, batch: SamplingBatch):
-    """Temperature, min-p, top-k/top-p, then an inverse-CDF draw with one uniform number from each row's own key.
-
-    One random number per row, not one per vocabulary entry as Gumbel-max needs: threefry over the
-    whole vocabulary is costly on CPU.
-    """
+def sampling_logits(logits, batch: SamplingBatch):
+    """Temperature, min-p and top-k/top-p applied to (penalized) logits: the distribution a row draws from."""
     temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
     logits = logits / temperature
     weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     logits = jnp.where(weights >= batch.min_p[:, None], logits, NEG_INF)  # min-p relative to the top token
     needs_sort = jnp.any((batch.top_k > 0) | (batch.top_p < 1))
-    logits = jax.lax.cond(needs_sort, _truncate_top_k_top_p, lambda l, k, p: l, logits, batch.top_k, batch.top_p)
+    return jax.lax.cond(needs_sort, _truncate_top_k_top_p, lambda l, k, p: l, logits, batch.top_k, batch.top_p)
+
+
+def row_uniforms(seeds, output_index, stream: int = 0):
+    """One uniform number per row from the row's seed and output index alone (`stream` > 0: an independent
+    draw for the same token, as speculative decoding's acceptance test needs)."""
+    def one(seed, index):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jax.random.uniform(jax.random.fold_in(key, stream) if stream else key, (), jnp.float32)
+
+    return jax.vmap(one)(seeds, output_index)
+
+
+def _draw(logits, batch: SamplingBatch):
+    """An inverse-CDF draw from `sampling_logits` with one uniform number from each row's own key.
+
+    One random number per row, not one per vocabulary entry as Gumbel-max needs: threefry over the
+    whole vocabulary is costly on CPU.
+    """
+    logits = sampling_logits(logits, batch)
     weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-
-    def row_uniform(seed, index):
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), index), (), jnp.float32)
-
-    return inverse_cdf(weights, jax.vmap(row_uniform)(batch.seed, batch.output_index))
+    return inverse_cdf(weights, row_uniforms(batch.seed, batch.output_index))
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slots: jax.Array) -> SampleResult:
     """Samples one token per row of float32 `logits [rows, vocab]`; row i uses penalty slot `slots[i]`."""
     raw_logits = logits
-    logits = apply_penalties(logits, batch, penalties, slots)
+    logits = apply_penalties(logits, batch, penalties.prompt_mask[slots], penalties.output_counts[slots],
+                             penalties.min_tokens_ban[slots])
     tokens = jnp.where(batch.temperature == 0, argmax(logits), _draw(logits, batch))
 
-    def with_logprobs(raw):  # logprobs of the model's own distribution, before penalties and temperature
+    sampled, top_ids, top_values = token_logprobs(raw_logits, tokens, jnp.any(batch.wants_logprobs))
+    return SampleResult(tokens, sampled, top_ids, top_values)
+
+
+def token_logprobs(raw_logits, tokens, wanted):
+    """`tokens`' logprobs and the top MAX_LOGPROBS under the model's own distribution (before penalties and
+    temperature), for `raw_logits [rows, vocab]`; zeros unless `wanted` (a traced bool), which skips the work."""
+    def with_logprobs(raw):
         logprobs = jax.nn.log_softmax(raw, axis=-1)
         values, ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
         sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
@@ -149,6 +171,4 @@ def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slo
         return (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
 
-    sampled, top_ids, top_values = jax.lax.cond(jnp.any(batch.wants_logprobs), with_logprobs, without_logprobs,
-                                                raw_logits)
-    return SampleResult(tokens, sampled, top_ids, top_values)
+    return jax.lax.cond(wanted, with_logprobs, without_logprobs, raw_logits)

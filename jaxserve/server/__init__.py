@@ -38,6 +38,8 @@ def serve_main(argv: list[str]) -> None:
         hosts.initialize()
     try:
         config = engine_config(args)
+        if hosts.enabled and config.speculative_config is not None:
+            raise ValueError("--speculative-config is not supported with --nnodes > 1 yet")
     except ValueError as err:
         parser.error(str(err))
     if hosts.enabled and not hosts.is_leader:

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"],
                         help="KV pages: auto (the model dtype), int8 or fp8 (e4m3)")
     engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])
+    engine.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                         help="default: pallas on GPU, pallas-tpu on TPU, xla on CPU")
     hosts = parser.add_argument_group("multi-host (sglang-jax's flags; every host runs the same command)")
@@ -123,7 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                        async_scheduling=args.async_scheduling)
+                        async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
 
 
 def multihost(args: argparse.Namespace) -> MultiHost:

@@ -81,6 +81,18 @@ class EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter("spec_decode_num_drafts", "Speculative decoding: sequence steps verified with drafts.",
+                      stats.spec_decode_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
+                      stats.spec_decode_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      stats.spec_decode_num_accepted_tokens)
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Speculative decoding: draft tokens accepted, by draft position.",
+                                           labels=labels + ["position"])
+        for position, accepted in enumerate(stats.spec_decode_accepted_per_pos):
+            per_position.add_metric(name + [str(position)], accepted)
+        yield per_position
 
 
 class ServerMetrics:
@@ -158,4 +170,11 @@ class StatLogger:
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                         prompt / seconds, generation / seconds, stats.num_running_seqs, stats.num_waiting_seqs,
                         100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+            drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+            if drafted:
+                accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+                drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
+                logger.info("SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
+                            "Accepted: %d tokens, Drafted: %d tokens", 100 * accepted / drafted,
+                            1 + accepted / max(drafts, 1), accepted, drafted)
         self._last_time, self._last = now, stats

@@ -1,0 +1,77 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config` dict, checked key by key before anything is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """`method` "ngram" proposes from the request's own tokens (prompt lookup decoding); "draft_model" (the method
+    when `model` is set) from a smaller model with the target's vocabulary, running in the engine with its own
+    KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose batch
+    reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound, where
+    verifying K+1 tokens per sequence costs more than it saves)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (the server's `--speculative-config`); ValueError naming the bad key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not valid JSON: {err}") from err
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key {unknown[0]!r} (known: {sorted(known)})")
+        options: dict[str, Any] = dict(value)
+        if "method" not in options:
+            options["method"] = "draft_model" if options.get("model") else "ngram"
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        config = cls(**options)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def fail(key: str, message: str) -> None:
+            raise ValueError(f"speculative_config {key!r} {message}, got {getattr(self, key)!r}")
+
+        if self.method not in METHODS:
+            fail("method", f"must be one of {METHODS}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            fail("num_speculative_tokens", "must be an integer >= 1")
+        if self.method == "ngram":
+            if self.model is not None:
+                fail("model", "is for method 'draft_model', not 'ngram'")
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(self, key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    fail(key, "must be an integer >= 1")
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                fail("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        elif not isinstance(self.model, str) or not self.model:
+            fail("model", "must name the draft model (a checkpoint directory, a .gguf file or the default model)")
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            fail("disable_by_batch_size", "must be an integer >= 1 or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
