@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
            "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py",
-           "gpu_8b.py", "quant_speed.py", "quality.py"]
+           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py"]
 
 
 # -- metric math ---------------------------------------------------------------------------------------------
@@ -567,3 +567,15 @@ def test_gpu_8b_dry_run(tmp_path):
         else:  # [in, out] kernels: variance 1 / in; the [vocab, hidden] embedding: 1 / hidden
             fan_in = values.shape[1] if path[-1].key == "embedding" else values.shape[0]
             assert abs(values.std() * fan_in ** 0.5 - 1) < 0.02 and abs(values.mean()) * fan_in ** 0.5 < 0.02, path
+
+
+def test_spec_decode_smoke(tiny_llama_dir, tmp_path):
+    """Both prompt sets, every method (the tiny model as its own draft), outputs equal to plain decoding."""
+    from benchmarks import spec_decode
+
+    payload = spec_decode.main(["--model", tiny_llama_dir, "--max-model-len", "512", "--max-num-batched-tokens", "64",
+                                "--num-prompts", "2", "--max-tokens", "8", "--methods", "plain", "ngram", "draft",
+                                "--result-file", str(tmp_path / "spec.json")])
+    assert {row[0] for row in payload["summary"]} == {"plain", "ngram", "draft"}
+    assert all(row[-1] is True for row in payload["summary"])
+    assert payload["methods"]["draft"]["sets"]["copy"]["acceptance_rate"] > 0.9

@@ -549,3 +549,19 @@ def test_stat_logger_reads_only_the_stats_snapshot(caplog):
     lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
     assert len(lines) == 1  # nothing while loading or idle
     assert "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 40.0%" in lines[0]
+
+
+def test_spec_decode_metrics_and_log_line(caplog):
+    from jaxserve.server.metrics import ServerMetrics, StatLogger
+
+    stats = SchedulerStats(generation_tokens=50, spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
+                           spec_decode_num_accepted_tokens=30, spec_decode_accepted_per_pos=(10, 9, 7, 4))
+    text = ServerMetrics(lambda: stats, "m").exposition().decode()
+    assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 10.0' in text
+    assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
+    assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in text
+    assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 4.0' in text
+    stat_logger = StatLogger(lambda: stats)
+    caplog.set_level("INFO", logger="jaxserve.server.metrics")
+    stat_logger.log()
+    assert any("Draft acceptance rate: 75.0%, Mean acceptance length: 4.00" in r.getMessage() for r in caplog.records)

@@ -75,3 +75,13 @@ def test_bad_chat_templates_are_refused_at_start(value, capsys):
 def test_server_flags_reach_the_settings():
     _, settings = parse("--api-key", "k", "--max-body-bytes", "99", "--log-stats-interval", "0")
     assert (settings.api_key, settings.max_body_bytes, settings.log_stats_interval) == ("k", 99, 0)
+
+
+def test_speculative_config_flag_takes_vllm_json():
+    config, _ = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
+        "ngram", 3, 5, 2)
+    assert parse()[0].speculative_config is None
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')

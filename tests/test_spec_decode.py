@@ -102,12 +102,15 @@ def test_sampled_requests_are_seeded_and_finish(tiny_llama_dir):
     assert engine.stats().spec_decode_num_accepted_tokens > 0
 
 
-def test_no_compiles_after_warmup(tiny_llama_dir, caplog):
-    llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config=NGRAM)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_compiles_after_warmup(tiny_llama_dir, caplog, method):
+    spec = NGRAM if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 2}
+    llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config=spec)
     params = GREEDY + [SamplingParams(temperature=0.7, seed=1, max_tokens=20, logprobs=2, ignore_eos=True)]
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         llm.generate(PROMPTS, [params[i % len(params)] for i in range(len(PROMPTS))], use_tqdm=False)
-        compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+        compiles = [r.getMessage() for r in caplog.records
+                    if "Compiling" in r.getMessage() or "warm-up missed it" in r.getMessage()]
     assert compiles == []
     assert llm.llm_engine.stats().spec_decode_num_drafts > 0
 
@@ -224,3 +227,17 @@ def test_parse_accepts_vllm_json_and_infers_the_method():
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "draft-dir", 3)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).method == "ngram"
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).async_scheduling is False
+
+
+def test_drafts_stop_at_max_model_len_and_max_tokens(tiny_llama_dir):
+    """Near its limits a sequence gets fewer drafts (a step yields drafts + 1 tokens): outputs end exactly where
+    plain decoding's do, and no KV is written past max_model_len."""
+    prompts, options = PROMPTS[:3], dict(max_model_len=48, num_kv_pages=30)
+    params = [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    _, expected = generate(tiny_llama_dir, prompts, params, **options)
+    engine, got = generate(tiny_llama_dir, prompts, params, speculative_config={**NGRAM, "num_speculative_tokens": 7},
+                           **options)
+    assert_same(completions(got), completions(expected))
+    assert [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in got[::2]] == [48, 48]
+    assert engine.stats().spec_decode_num_accepted_tokens > 0

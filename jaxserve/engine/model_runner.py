@@ -378,7 +378,8 @@ class ModelRunner:
                                         np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
         for rows in ec.decode_batch_buckets:
             zeros, no = np.zeros(rows, np.int32), np.zeros(rows, bool)
-            drafts = np.zeros((rows, k), np.int32)
+            drafts = np.zeros((rows, k), np.int32)  # a draft model's come from its proposal, on the device
+            drafts = jnp.asarray(drafts, device=replicated) if self.draft is not None else drafts
             proposal = (zeros, zeros, np.zeros((rows, 2), np.int32), np.zeros((rows, k + 1), np.int32), zeros, no,
                         zeros)
             yield "verify", (zeros, zeros, drafts, zeros, np.zeros((rows, k + 1), np.int32), no)
