@@ -4,7 +4,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.llm import LLM
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

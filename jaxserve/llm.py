@@ -55,6 +55,7 @@ class LLM:
             text, token_ids = self.llm_engine.tokenize(prompt)
             self.llm_engine.validate_prompt(token_ids, params)
             self.llm_engine.validate_priority(priority[index] if priority else 0)
+            self.llm_engine.validate_guided_decoding(params)
             tokenized = {"prompt": text, "prompt_token_ids": token_ids}  # add_request will not tokenize again
             final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             pending.append((tokenized, final_only, priority[index] if priority else 0))

@@ -17,12 +17,41 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclasses.dataclass
+class GuidedDecodingParams:
+    """Constrained decoding (vLLM's names): exactly one of a JSON schema (`json`, a dict or its text), any JSON
+    object (`json_object=True`), a `regex`, a `choice` of strings, or a `grammar` (Lark, as llguidance reads it;
+    GBNF is converted). The output is guaranteed to match it, unless max_tokens or a stop cuts it first."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(kinds) != 1:
+            raise ValueError(f"guided decoding takes exactly one of json, regex, choice, grammar, json_object; got "
+                             f"{kinds or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"guided choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"guided {name} must be a string, got {type(value).__name__}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"guided json must be a JSON schema (an object or its text), got {type(self.json).__name__}")
+
+
+@dataclasses.dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise `ValueError` naming the field.
 
     temperature: 0 = greedy. top_p in (0, 1]. top_k: 0 or -1 = off. min_p in [0, 1].
     repetition_penalty > 0 (1 = off, applies to prompt and output tokens); presence/frequency
     penalties in [-2, 2] (output tokens). seed: same seed -> same output, whatever the batch.
+    guided_decoding: constrain the output to a JSON schema, regex, choice or grammar.
     stop: strings ending generation (excluded from the text). Stop strings, stop_token_ids and EOS
     are not checked before min_tokens outputs. logprobs: top-k logprobs per token. output_kind:
     whether outputs are cumulative, deltas, or only the final one.
@@ -46,6 +75,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +122,8 @@ class SamplingParams:
             fail("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            fail("guided_decoding", "must be a GuidedDecodingParams")
 
     @property
     def greedy(self) -> bool:

@@ -35,6 +35,7 @@ from jaxserve.loading import LoadedModel, load_model, model_config, resolve_mode
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.draft import draft_model_config
+from jaxserve.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
@@ -60,6 +61,7 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(model_config, self.model.params, self.config, self.eos_token_ids, self.mesh,
                                   draft_config)
         self.model.params = None  # the runner holds the device copy
@@ -120,6 +122,7 @@ class LLMEngine:
         prompt_text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
         self.validate_priority(priority)
+        self.validate_guided_decoding(params)
         with self._ids_lock:
             if request_id is None:
                 request_id = next(str(i) for i in self._request_counter if str(i) not in self._live_ids)
@@ -132,6 +135,8 @@ class LLMEngine:
         for index in range(params.n):
             seed = (base_seed + 0x9E3779B1 * index) % 2**32
             seqs.append(Sequence(request_id, index, token_ids, params, seed, arrival_time, priority))
+            if params.guided_decoding is not None:
+                seqs[-1].grammar = self.grammars.matcher(params.guided_decoding)
             detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                  params.include_stop_str_in_output))
         request = Request(request_id, prompt_text, token_ids, params, seqs, detoks, arrival_time)
@@ -165,6 +170,11 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def validate_guided_decoding(self, params: SamplingParams) -> None:
+        """Compiles a request's grammar (cached by its text); ValueError with llguidance's message if it fails."""
+        if params.guided_decoding is not None:
+            self.grammars.compile(params.guided_decoding)
 
     def validate_priority(self, priority: int) -> None:
         """vLLM's rule: a request priority other than 0 needs scheduling_policy="priority"."""
@@ -214,7 +224,10 @@ class LLMEngine:
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
+            self.runner.sample_pending(launched)  # synchronous: its constrained rows' masks (async: done before)
             touched |= self._collect(launched)
+        if self._in_flight is not None:  # its forward runs meanwhile; its masks need the tokens just read
+            self.runner.sample_pending(self._in_flight)
         outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
@@ -282,6 +295,9 @@ class LLMEngine:
         request.last_token_time = now
         seq.token_ids.append(token)
         self._generation_tokens += 1
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            logger.warning("request %s: token %d does not fit its grammar: %s", seq.request_id, token,
+                           seq.grammar.get_error())
         if seq.logprobs is not None:
             seq.cumulative_logprob += sample.logprob
             seq.logprobs.append(sample.top_logprobs)

@@ -56,6 +56,7 @@ from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.spec_decode.draft import DraftModel
 from jaxserve.spec_decode.ngram import NgramIndex
+from jaxserve.structured_output.grammar import bitmask_words, fill_bitmask
 
 logger = logging.getLogger(__name__)
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
@@ -74,11 +75,23 @@ class SampledToken:
 
 
 @dataclasses.dataclass
+class PendingSample:
+    """A forward whose sampler waits for constrained rows' token masks (`guided`: (row, sequence)), which need the
+    previous step's tokens: the forward runs on the device while the host reads them (`ModelRunner.sample_pending`)."""
+
+    logits: jax.Array
+    slots: np.ndarray
+    output_index: np.ndarray
+    counted: np.ndarray
+    guided: list[tuple[int, Sequence]]
+
+
+@dataclasses.dataclass
 class InFlightStep:
     """A dispatched plan: for each call, the (row, sequence) pairs whose sample is an output token, and the
     call's sampled tokens, still on the device."""
 
-    calls: list[tuple[list[tuple[int, Sequence]], SampleResult]]
+    calls: list[tuple[list[tuple[int, Sequence]], SampleResult | PendingSample]]
     num_draft: np.ndarray | None = None  # a verify call's (the last call): each row's drafts
 
 
@@ -138,6 +151,9 @@ class ModelRunner:
         self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), **on_every_device)
         self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
         self.sampling_table = self._send_table(self.slot_params.table())  # every slot's sampling parameters
+        # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
+        self._all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
+                             for rows in self.sampler_rows}
         self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
                         "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table,
                         "verify": self._verify, "verify_sample": self._verify_sample}
@@ -261,20 +277,24 @@ class ModelRunner:
                 "draft_prefill", self.draft.prefill_fn, self._state("draft_prefill"), arrays)
         logits, greedy, self.kv_cache, self.slot_state = self._call(
             "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
+        guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
+                  if chunk.is_final and chunk.seq.grammar is not None]
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
-                                   len(inputs.chunks))
+                                   len(inputs.chunks), guided)
 
     def decode(self, inputs: DecodeInputs) -> SampleResult:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
         logits, greedy, self.kv_cache, self.slot_state = self._call(
             "decode", self._decode, (self.params, self.kv_cache, self.slot_state),
             (inputs.slots, inputs.positions, inputs.pages, inputs.active))
-        return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs))
+        guided = [(row, seq) for row, seq in enumerate(inputs.seqs) if seq.grammar is not None]
+        return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs),
+                                   guided)
 
     def _verify_inputs(self, seqs: list[Sequence]) -> VerifyInputs | None:
         """The verify call for this step's decodes, or None when no sequence has drafts (a plain decode then)."""
-        if not any(seq.num_lookahead for seq in seqs):
-            return None
+        if not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
+            return None  # constrained rows decode without drafts (the verify sampler applies no token mask)
         drafts = None
         if self.ngram is not None:
             drafts = []
@@ -315,15 +335,39 @@ class ModelRunner:
         if self.slot_params.changed:
             self.sampling_table = self._call("table", self._send_table, (), (self.slot_params.table(),))
 
-    def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int) -> SampleResult:
-        """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token."""
+    def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int,
+                       guided: list[tuple[int, Sequence]]) -> SampleResult | PendingSample:
+        """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token. A batch
+        with constrained rows waits for their masks (`sample_pending`)."""
+        if guided:
+            return PendingSample(logits, slots, output_index, counted, guided)
         if self.slot_params.is_plain_greedy(slots, output_index, rows):
             return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
+        return self._run_sampler(logits, slots, output_index, counted, self._all_allowed[len(slots)])
+
+    def _run_sampler(self, logits, slots, output_index, counted, bitmask) -> SampleResult:
         self._send_sampling_table()
         result, self.penalties, self.slot_state = self._call(
             "sample", self._sample, (self.penalties, self.slot_state, self.sampling_table),
-            (logits, slots, output_index, counted))
+            (logits, slots, output_index, counted, bitmask))
         return result
+
+    def sample_pending(self, step: InFlightStep) -> None:
+        """Runs the samplers a dispatched step left waiting, with the token masks of its constrained rows (their
+        matchers must have consumed every token before this step's: call after reading the previous step)."""
+        for index, (rows, pending) in enumerate(step.calls):
+            if not isinstance(pending, PendingSample):
+                continue
+            bitmask = np.full((len(pending.slots), bitmask_words(self.config.vocab_size)), -1, np.int32)
+            fill_bitmask(bitmask, [(seq.grammar, row) for row, seq in pending.guided])
+            words = bitmask.view(np.uint32)
+            for row, seq in pending.guided:  # an EOS id that is also a text token ends nothing unfinished
+                if not seq.grammar.is_accepting():
+                    for eos in self.eos_token_ids:
+                        words[row, eos // 32] &= ~np.uint32(1 << (eos % 32))
+            device_mask = jax.device_put(bitmask, self._all_allowed[len(pending.slots)].sharding)
+            step.calls[index] = (rows, self._run_sampler(pending.logits, pending.slots, pending.output_index,
+                                                         pending.counted, device_mask))
 
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
         """Runs a jitted step through jax's C++ dispatch path, which after warm-up finds every shape compiled (a
@@ -338,6 +382,12 @@ class ModelRunner:
         return outputs
 
     # -- start-up ----------------------------------------------------------------------------------------------
+
+    @property
+    def sampler_rows(self) -> list[int]:
+        """The row counts a sampler call can have: every prefill call's and decode bucket's."""
+        ec = self.engine_config
+        return sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets))
 
     @property
     def reset_buckets(self) -> tuple[int, ...]:
@@ -356,10 +406,10 @@ class ModelRunner:
             yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
         yield "table", (SlotSamplingParams(ec.max_num_seqs).table(),)
         replicated = NamedSharding(self.mesh, REPLICATED)
-        for rows in sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets)):
+        for rows in self.sampler_rows:
             zeros = np.zeros(rows, np.int32)
             logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=replicated)  # as a forward's
-            yield "sample", (logits, zeros, zeros, np.zeros(rows, bool))
+            yield "sample", (logits, zeros, zeros, np.zeros(rows, bool), self._all_allowed[rows])
         for length in self.reset_buckets:
             yield "reset", (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
         yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))

@@ -46,6 +46,7 @@ class Sequence:
         self.slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use
+        self.grammar = None  # constrained decoding: the sequence's llguidance matcher, advanced token by token
         self.admission_order = -1
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None

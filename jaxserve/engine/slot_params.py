@@ -26,7 +26,7 @@ class SlotSamplingParams:
         self.seed = np.zeros(slots, np.uint32)
         self.min_tokens = np.zeros(slots, np.int32)
         self.wants_logprobs = np.zeros(slots, bool)
-        self.plain = np.ones(slots, bool)  # greedy, no penalties, no logprobs: the forward's argmax is its token
+        self.plain = np.ones(slots, bool)  # greedy, no penalties, logprobs or grammar: the argmax is its token
         self.changed = True  # since the device copy was last sent
 
     def set(self, slot: int, params: SamplingParams, seed: int) -> None:
@@ -40,7 +40,8 @@ class SlotSamplingParams:
         self.seed[slot] = seed
         self.min_tokens[slot] = params.min_tokens
         self.wants_logprobs[slot] = params.logprobs is not None
-        self.plain[slot] = params.temperature == 0 and not params.uses_penalties and params.logprobs is None
+        self.plain[slot] = (params.temperature == 0 and not params.uses_penalties and params.logprobs is None
+                            and params.guided_decoding is None)
         self.changed = True
 
     def table(self) -> SamplingBatch:

@@ -139,11 +139,12 @@ def verify_sample_step(penalties: PenaltyState, slot_state: SlotState, table: Sa
 
 
 def sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingBatch, logits, slots, output_index,
-                counted):
+                counted, bitmask):
     """The full sampler on a forward's logits, each row with its slot's parameters from `table` (`[slots]`
-    columns); rows with `counted` add their token to the slot's output counts and make it the slot's latest."""
+    columns) and its constrained-decoding `bitmask` row (all ones: unconstrained); rows with `counted` add their
+    token to the slot's output counts and make it the slot's latest."""
     sampling = jax.tree.map(lambda column: column[slots], table).replace(output_index=output_index)
-    result = sample(logits, sampling, penalties, slots)
+    result = sample(logits, sampling, penalties, slots, bitmask)
     counts = penalties.output_counts.at[slots, result.tokens].add(counted.astype(jnp.int32))
     tokens = slot_state.tokens.at[_rows_to_slots(slot_state, slots, counted)].set(result.tokens, mode="drop")
     return result, penalties.replace(output_counts=counts), slot_state.replace(tokens=tokens)

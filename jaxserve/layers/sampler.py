@@ -146,9 +146,21 @@ def _draw(logits, batch: SamplingBatch):
     return inverse_cdf(weights, row_uniforms(batch.seed, batch.output_index))
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slots: jax.Array) -> SampleResult:
-    """Samples one token per row of float32 `logits [rows, vocab]`; row i uses penalty slot `slots[i]`."""
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's packed bitmask (`[rows, ceil(vocab / 32)]` int32, bit t % 32 of word t // 32: token t
+    allowed) has a 0 bit: constrained decoding's mask. An all-ones mask changes nothing."""
+    token = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    allowed = (jnp.right_shift(bitmask[:, token // 32], token % 32) & 1).astype(bool)
+    return jnp.where(allowed, logits, NEG_INF)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, penalties: PenaltyState, slots: jax.Array,
+           bitmask: jax.Array | None = None) -> SampleResult:
+    """Samples one token per row of float32 `logits [rows, vocab]`; row i uses penalty slot `slots[i]` and, with
+    `bitmask`, only the tokens its mask allows (logprobs stay the model's own distribution)."""
     raw_logits = logits
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     logits = apply_penalties(logits, batch, penalties.prompt_mask[slots], penalties.output_counts[slots],
                              penalties.min_tokens_ban[slots])
     tokens = jnp.where(batch.temperature == 0, argmax(logits), _draw(logits, batch))

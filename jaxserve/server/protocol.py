@@ -4,8 +4,10 @@ Fields follow OpenAI's API, plus vLLM's extras in the body (`top_k`, `min_p`, `r
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, ...). Sampling fields a request leaves unset
 take the model's generation-config defaults, as in vLLM. Types are strict: `"2"` is
 not an integer and `true` is not a number. Unknown fields are ignored, as in vLLM, but fields that
-ask for something this server cannot do (`logit_bias`, `suffix`, `tools`, JSON response formats,
-`best_of` > n) are refused rather than silently dropped. Responses are plain dicts built by the
+ask for something this server cannot do (`logit_bias`, `suffix`, `tools`, `best_of` > n) are refused rather
+than silently dropped. Constrained decoding comes as OpenAI's `response_format` (`json_object`, `json_schema`)
+or vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs`; a request
+may name one constraint. Responses are plain dicts built by the
 serving modules, in OpenAI's shapes.
 """
 
@@ -15,7 +17,7 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 MAX_TEMPERATURE = 100.0
 OPENAI_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat's is the rest of the context)
@@ -53,6 +55,13 @@ class SamplingRequest(StrictModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     priority: int = 0  # lower is served earlier under --scheduling-policy priority
+    # constrained decoding: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # accepted only in their no-op form
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -75,6 +84,36 @@ class SamplingRequest(StrictModel):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The client's output-length limit (None if unset) and the field it came from."""
         raise NotImplementedError
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The request's output constraint, from whichever field names it; ValueError for two, or a malformed one."""
+        found = []
+        if self.response_format is not None:
+            kind = self.response_format.get("type", "text")
+            if kind == "json_object":
+                found.append(("response_format", GuidedDecodingParams(json_object=True)))
+            elif kind == "json_schema":
+                spec = self.response_format.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise ValueError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                     "\"schema\": {...}}}")
+                found.append(("response_format", GuidedDecodingParams(json=spec["schema"])))
+            elif kind != "text":
+                raise ValueError(f"response_format type {kind!r} is not supported ('text', 'json_object', "
+                                 "'json_schema')")
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                found.append((field, GuidedDecodingParams(**{key: getattr(self, field)})))
+        if self.structured_outputs is not None:
+            known = {"json", "regex", "choice", "grammar", "json_object"}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs has unsupported key {unknown[0]!r} (supported: {sorted(known)})")
+            found.append(("structured_outputs", GuidedDecodingParams(**self.structured_outputs)))
+        if len(found) > 1:
+            raise ValueError(f"only one output constraint per request, got {[field for field, _ in found]}")
+        return found[0][1] if found else None
 
     def max_tokens_for(self, prompt_lengths: list[int], max_model_len: int, defaults: Mapping[str, Any],
                        openai_default: int | None) -> int:
@@ -121,6 +160,7 @@ class SamplingRequest(StrictModel):
             skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None else True,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             output_kind=output_kind,
+            guided_decoding=self.guided_decoding(),
         )
 
 
@@ -165,15 +205,11 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported "
-                             "(only 'text')")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
 

@@ -29,7 +29,8 @@ SAMPLING_FIELDS = {"model", "prompt", "messages", "n", "temperature", "top_p", "
                    "presence_penalty", "frequency_penalty", "seed", "max_tokens", "max_completion_tokens",
                    "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos", "stream",
                    "stream_options", "logit_bias", "best_of", "suffix", "tools", "response_format", "echo",
-                   "tokens", "priority"}
+                   "tokens", "priority", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "structured_outputs"}
 
 
 class ServingContext:
@@ -65,6 +66,16 @@ class ServingContext:
     def sampling_defaults(self) -> dict[str, Any]:
         """The model's generation-config defaults for the sampling fields a request leaves unset."""
         return self.ready_engine().default_sampling_params
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles a constrained request's grammar off the event loop (cached by its text, so `submit` finds it
+        compiled); 400 with llguidance's message if it does not compile."""
+        if params.guided_decoding is None:
+            return
+        try:
+            await asyncio.to_thread(self.ready_engine().validate_guided_decoding, params)
+        except ValueError as err:
+            raise invalid(err) from None
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                priority: int = 0) -> Submission:

@@ -41,6 +41,7 @@ async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> R
     except ValueError as err:
         raise invalid(err) from None
     request_id = new_id("chatcmpl", raw_request)
+    await ctx.compile_grammar(params)
     submission = ctx.submit(request_id, [prompt_ids], params, request.priority)
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n))

@@ -38,6 +38,7 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
     except ValueError as err:
         raise invalid(err) from None
     request_id = new_id("cmpl", raw_request)
+    await ctx.compile_grammar(params)
     submission = ctx.submit(request_id, token_lists, params, request.priority)
     echoes = [p if isinstance(p, str) else ctx.decode(p) for p in prompts] if request.echo else None
     if request.stream:
