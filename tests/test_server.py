@@ -70,7 +70,8 @@ def server(tmp_path_factory) -> ServerProcess:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *ENGINE_OPTIONS,
-               "--log-stats-interval", "2", "--shutdown-timeout", "10"]
+               "--log-stats-interval", "2", "--shutdown-timeout", "10", "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes"]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     handle = ServerProcess(port, process, log_path)
@@ -357,6 +358,73 @@ def test_bad_grammars_get_400_with_the_library_message(client):
                          ({"response_format": {"type": "json_schema"}}, "json_schema needs")):
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(model=MODEL, messages=GOOD_MESSAGES, max_tokens=4, extra_body=extra)
+
+
+# -- tool calls --------------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@slow
+def test_named_and_required_tool_choice(client):
+    named = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    required = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
+                                              tool_choice="required", temperature=0, max_tokens=60)
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and calls
+    assert all(c.function.name == "get_weather" and "city" in json.loads(c.function.arguments) for c in calls)
+    # the conversation goes on with the call and its result in the history
+    follow_up = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, tools=[WEATHER_TOOL], tool_choice="none",
+        messages=WEATHER_QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert follow_up.choices[0].message.content and not follow_up.choices[0].message.tool_calls
+
+
+@slow
+def test_streamed_named_tool_call(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], temperature=0, max_tokens=40, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    chunks = list(stream)
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].id and calls[0].function.name == "get_weather"
+    arguments = "".join(call.function.arguments or "" for call in calls)
+    assert set(json.loads(arguments)) == {"city"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+@slow
+def test_auto_tool_choice_parses_the_hermes_format(client):
+    """The model is made to write a hermes tool call (a guided choice of that one text): the server's parser
+    must take it out of the text, whole and streamed."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    kwargs = dict(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], temperature=0, max_tokens=60,
+                  extra_body={"guided_choice": [text]})
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # no markup as content
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                           tools=[WEATHER_TOOL], temperature=0, max_tokens=8,
+                                           extra_body={"guided_choice": ["Hi there!"]})
+    assert plain.choices[0].message.content == "Hi there!" and not plain.choices[0].message.tool_calls
 
 
 # -- stop strings ------------------------------------------------------------------------------------------------

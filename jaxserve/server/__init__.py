@@ -38,6 +38,7 @@ def serve_main(argv: list[str]) -> None:
         hosts.initialize()
     try:
         config = engine_config(args)
+        settings = server_settings(args)
         if hosts.enabled and config.speculative_config is not None:
             raise ValueError("--speculative-config is not supported with --nnodes > 1 yet")
     except ValueError as err:
@@ -60,7 +61,7 @@ def serve_main(argv: list[str]) -> None:
         from jaxserve.distributed.multihost import PlanLeader
 
         leader = PlanLeader(hosts, on_lost=async_engine.peer_lost)
-    app = create_app(async_engine, server_settings(args))
+    app = create_app(async_engine, settings)
     status = run_server(app, async_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
     if leader is not None:  # the followers exit when told; jax.distributed's shutdown would wait for them
         leader.close(status)

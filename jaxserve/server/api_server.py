@@ -42,6 +42,7 @@ class ServerSettings:
     # the names clients may use; the first is reported in responses (vLLM's --served-model-name)
     served_model_names: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_MODEL])
     chat_template: str | None = None  # a Jinja template used instead of the tokenizer's for chat requests
+    tool_call_parser: str | None = None  # tool_choice "auto": the model's tool-call format (None: refused)
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     log_stats_interval: float = 10.0  # seconds; 0 disables the periodic stats line
@@ -50,7 +51,7 @@ class ServerSettings:
 
 def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    ctx = ServingContext(async_engine, settings.served_model_names, settings.chat_template)
+    ctx = ServingContext(async_engine, settings.served_model_names, settings.chat_template, settings.tool_call_parser)
     metrics = ServerMetrics(async_engine.stats, ctx.model_name)
     async_engine.metrics = metrics
     stat_logger = StatLogger(async_engine.stats)

@@ -12,6 +12,7 @@ import os
 
 from jaxserve.distributed.multihost import MultiHost
 from jaxserve.engine.config import QUANTIZATIONS, EngineConfig
+from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.loading.dummy import LOAD_FORMATS
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                              f"given, else {DEFAULT_MODEL})")
     server.add_argument("--chat-template", type=chat_template, default=None,
                         help="a Jinja chat template, or a file holding one, used instead of the tokenizer's")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (needs --tool-call-parser)')
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help="the model's tool-call format, for tool_choice \"auto\" (hermes: Qwen2.5/Qwen3/Hermes)")
     server.add_argument("--max-waiting", type=int, default=256,
                         help="sequences allowed to wait beyond the running ones; more get 503 + Retry-After")
     server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or None,
@@ -135,6 +140,10 @@ def multihost(args: argparse.Namespace) -> MultiHost:
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """ValueError if the tool-call flags are inconsistent (vLLM's rule: each needs the other)."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     return ServerSettings(served_model_names=served_model_names(args), chat_template=args.chat_template,
+                          tool_call_parser=args.tool_call_parser,
                           api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                           log_stats_interval=args.log_stats_interval)

@@ -4,8 +4,8 @@ Fields follow OpenAI's API, plus vLLM's extras in the body (`top_k`, `min_p`, `r
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, ...). Sampling fields a request leaves unset
 take the model's generation-config defaults, as in vLLM. Types are strict: `"2"` is
 not an integer and `true` is not a number. Unknown fields are ignored, as in vLLM, but fields that
-ask for something this server cannot do (`logit_bias`, `suffix`, `tools`, `best_of` > n) are refused rather
-than silently dropped. Constrained decoding comes as OpenAI's `response_format` (`json_object`, `json_schema`)
+ask for something this server cannot do (`logit_bias`, `suffix`, `best_of` > n) are refused rather than
+silently dropped. Tools are planned in `tools.py`. Constrained decoding comes as OpenAI's `response_format` (`json_object`, `json_schema`)
 or vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs`; a request
 may name one constraint. Responses are plain dicts built by the
 serving modules, in OpenAI's shapes.
@@ -13,6 +13,7 @@ serving modules, in OpenAI's shapes.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict
@@ -205,11 +206,10 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
 
@@ -244,6 +244,8 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         raise ValueError("messages must be a non-empty list")
     normalized = []
     for index, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("tool_calls"):
+            message = {**message, "tool_calls": _template_tool_calls(message["tool_calls"], index)}
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
             texts = []
@@ -255,7 +257,28 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             message = {**message, "content": "".join(texts)}
         normalized.append(message)
     validate_messages(normalized)
-    return [{"role": m["role"], "content": m["content"]} for m in normalized]
+    kept = ("role", "content", "tool_calls", "tool_call_id", "name")
+    # an assistant turn that only called tools renders with empty content (templates concatenate it as text)
+    return [{key: m[key] for key in kept if key in m} | {"content": m["content"] or ""} for m in normalized]
+
+
+def _template_tool_calls(calls: Any, index: int) -> list[dict]:
+    """An assistant message's OpenAI tool calls as chat templates read them: arguments as an object, not text."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list")
+    rendered = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"messages[{index}].tool_calls entries need a function with a name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"messages[{index}].tool_calls arguments are not JSON: {err}") from None
+        rendered.append({**call, "function": {**function, "arguments": arguments}})
+    return rendered
 
 
 def _is_int(value: Any) -> bool:

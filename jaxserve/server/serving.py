@@ -30,19 +30,21 @@ SAMPLING_FIELDS = {"model", "prompt", "messages", "n", "temperature", "top_p", "
                    "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos", "stream",
                    "stream_options", "logit_bias", "best_of", "suffix", "tools", "response_format", "echo",
                    "tokens", "priority", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "structured_outputs"}
+                   "structured_outputs", "tool_choice", "parallel_tool_calls"}
 
 
 class ServingContext:
-    """The engine behind the routes, the names it is served under, and the chat template override."""
+    """The engine behind the routes, the names it is served under, the chat template override and the tool-call
+    parser of `tool_choice: "auto"`."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: Sequence[str],
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, tool_call_parser: str | None = None):
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.async_engine = async_engine
         self.served_model_names = list(served_model_names)
         self.chat_template = chat_template  # used instead of the tokenizer's for chat requests
+        self.tool_call_parser = tool_call_parser  # None: "auto" tool choice is off
         self._token_strings: dict[int, str] = {}
 
     # -- model and engine -----------------------------------------------------------------------------------
@@ -103,15 +105,16 @@ class ServingContext:
             return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """Prompt token ids through --chat-template, or else the tokenizer's own template."""
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                  tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids through --chat-template, or else the tokenizer's own template (with `tools`)."""
         tokenizer = self.tokenizer()
         if tokenizer.chat_template is None and self.chat_template is None:
             raise bad_request("this model has no chat template: use /v1/completions or start the server with "
                               "--chat-template", param="messages")
-        args = (tokenizer, messages, add_generation_prompt, self.chat_template)
+        args = (tokenizer, messages, add_generation_prompt, self.chat_template, tools)
         try:
-            if sum(len(m["content"]) for m in messages) > LARGE_TEXT_CHARS:
+            if sum(len(m.get("content") or "") for m in messages) > LARGE_TEXT_CHARS:
                 return await asyncio.to_thread(render_chat, *args)
             return render_chat(*args)
         except ValueError as err:

@@ -1,11 +1,12 @@
-"""`POST /v1/chat/completions`: messages through the chat template (--chat-template, else the model's),
+"""`POST /v1/chat/completions`: messages (and tools) through the chat template (--chat-template, else the model's),
 OpenAI chat completions out, whole (the engine's FINAL_ONLY output) or as server-sent
-`chat.completion.chunk`s (a role chunk first, then the engine's DELTA outputs as content deltas)
-ending with `data: [DONE]`.
+`chat.completion.chunk`s (a role chunk first, then the engine's DELTA outputs as content or tool-call deltas)
+ending with `data: [DONE]`. Tool calls are planned and parsed in `tools.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.tools import ToolPlan, ToolStream, plan_tools
 from jaxserve.server.serving import (ServingContext, engine_failures, invalid, new_id, now, request_failed,
                                      sorted_top, stop_reason, usage, usage_counts)
 
@@ -28,49 +30,68 @@ async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> R
     try:
         request.check_supported()
         messages = request.chat_messages()
+        tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, ctx.tool_call_parser)
     except ValueError as err:
         raise invalid(err) from None
     add_generation_prompt = request.add_generation_prompt is not False
-    prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt)
+    prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt, tools.tools if tools else None)
     try:
         defaults = ctx.sampling_defaults()
         max_tokens = request.max_tokens_for([len(prompt_ids)], llm_engine.config.max_model_len, defaults, None)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.sampling_params(max_tokens, top_logprobs, llm_engine.vocab_size, defaults, kind)
+        if tools is not None and tools.guided is not None:
+            if params.guided_decoding is not None:
+                raise ValueError(f"tool_choice {tools.mode!r} constrains the output already: drop the other "
+                                 "output constraint")
+            params = dataclasses.replace(params, guided_decoding=tools.guided)
     except ValueError as err:
         raise invalid(err) from None
     request_id = new_id("chatcmpl", raw_request)
     await ctx.compile_grammar(params)
     submission = ctx.submit(request_id, [prompt_ids], params, request.priority)
     if request.stream:
-        return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n))
+        return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n, tools))
     with engine_failures():
         completed, outputs = await unless_disconnected(raw_request, submission.final_outputs())
     if not completed:
         return Response(status_code=499)
-    return JSONResponse(_full_response(ctx, request, request_id, outputs[0]))
+    return JSONResponse(_full_response(ctx, request, request_id, outputs[0], tools))
+
+
+def _message(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished completion and its finish reason ("tool_calls" once it made some)."""
+    if tools is None:
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+    content, calls = tools.extract(completion.text)
+    reason = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": [call.to_dict() for call in calls]}, reason
 
 
 def _full_response(ctx: ServingContext, request: ChatCompletionRequest, request_id: str,
-                   output: RequestOutput) -> dict:
-    choices = [{
-        "index": completion.index,
-        "message": {"role": "assistant", "content": completion.text},
-        "logprobs": _logprobs(ctx, completion, request.top_logprobs or 0) if request.logprobs else None,
-        "finish_reason": completion.finish_reason,
-        "stop_reason": stop_reason(completion.stop_reason),
-    } for completion in output.outputs]
+                   output: RequestOutput, tools: ToolPlan | None) -> dict:
+    choices = []
+    for completion in output.outputs:
+        message, reason = _message(completion, tools)
+        choices.append({
+            "index": completion.index,
+            "message": message,
+            "logprobs": _logprobs(ctx, completion, request.top_logprobs or 0) if request.logprobs else None,
+            "finish_reason": reason,
+            "stop_reason": stop_reason(completion.stop_reason),
+        })
     return {"id": request_id, "object": "chat.completion", "created": now(), "model": ctx.model_name,
             "choices": choices, "usage": usage([output])}
 
 
 async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_id: str, submission: Submission,
-                  n: int) -> AsyncIterator[str]:
+                  n: int, tools: ToolPlan | None) -> AsyncIterator[str]:
     created = now()
     include_usage = request.include_usage
     prompt_tokens = 0
     num_tokens = 0
+    tool_streams = [ToolStream(tools) for _ in range(n)] if tools is not None else None
 
     def chunk(choices: list[dict], usage_value=None) -> dict:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
@@ -88,15 +109,19 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
             for completion in output.outputs:
                 num_tokens += len(completion.token_ids)
                 wants_logprobs = request.logprobs and completion.token_ids
-                if not completion.text and not completion.finish_reason and not wants_logprobs:
+                deltas, reason = _deltas(completion, tool_streams[completion.index] if tool_streams else None)
+                if not deltas and not completion.finish_reason and not wants_logprobs:
                     continue
-                choices.append({
-                    "index": completion.index,
-                    "delta": {"content": completion.text} if completion.text else {},
-                    "logprobs": _logprobs(ctx, completion, request.top_logprobs or 0) if request.logprobs else None,
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": stop_reason(completion.stop_reason),
-                })
+                for position, delta in enumerate(deltas or [{}]):
+                    last = position == max(len(deltas), 1) - 1
+                    choices.append({
+                        "index": completion.index,
+                        "delta": delta,
+                        "logprobs": (_logprobs(ctx, completion, request.top_logprobs or 0)
+                                     if request.logprobs and position == 0 else None),
+                        "finish_reason": reason if last else None,
+                        "stop_reason": stop_reason(completion.stop_reason) if last else None,
+                    })
             if choices:
                 yield sse(chunk(choices))
         if include_usage:
@@ -106,6 +131,18 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
     except ValueError as err:
         yield sse(bad_request(str(err)).body())
     yield sse("[DONE]")
+
+
+def _deltas(completion: CompletionOutput, tool_stream: ToolStream | None) -> tuple[list[dict], str | None]:
+    """A streamed completion delta's chunk deltas (content, or tool calls under a tool plan) and finish reason."""
+    if tool_stream is None:
+        return ([{"content": completion.text}] if completion.text else []), completion.finish_reason
+    deltas = tool_stream.feed(completion.text)
+    if completion.finish_reason is None:
+        return deltas, None
+    last, called = tool_stream.finish()
+    reason = "tool_calls" if called and completion.finish_reason == "stop" else completion.finish_reason
+    return deltas + last, reason
 
 
 def _logprobs(ctx: ServingContext, completion: CompletionOutput, top_k: int) -> dict:
