@@ -25,12 +25,13 @@ import numpy as np
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.model_runner import InFlightStep, ModelRunner, SampledToken
+from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.stats import IterationStats, SchedulerStats
+from jaxserve.engine.step_output import InFlightStep, SampledToken
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams

@@ -8,28 +8,27 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   batch (one per batch bucket) — and returns an `InFlightStep` whose sampled tokens are still on the device.
   Decode rows read their input token from the device's `SlotState`, so the next plan may be dispatched
   before this one's tokens reach the host (async scheduling).
-* `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one, with one
-  device->host transfer for the whole step.
+  Under speculative decoding the decode batch is a verify call over each row's latest token and its drafts
+  (`spec_decode/runner_steps.py`).
+* `sample_pending(step)`: the samplers of calls with constrained rows, which waited for the rows' token masks
+  (their matchers need the previous step's tokens; the forward runs meanwhile).
+* `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one (a verify row's
+  accepted drafts too), with one device->host transfer for the whole step.
 
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
 over the mesh. The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) ->
 (logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is
-plain (greedy, no penalties, no pending min_tokens, no logprobs) takes the argmax; any other runs the sampler, a
-second small jitted
-function (penalty state, logits, sampling parameters) -> (tokens, new penalty state) with the penalty
-state donated. One forward per shape serves both, so start-up compiles each forward once, and every
-shape a step can have is compiled at start-up (`warmup`).
+plain (greedy, no penalties, no pending min_tokens, no logprobs, no grammar) takes the argmax; any other runs the
+sampler, a second small jitted function (penalty state, logits, sampling parameters, token bitmask) -> (tokens,
+new penalty state) with the penalty state donated. One forward per shape serves both, so start-up compiles each
+forward once, and every shape a step can have is compiled at start-up (`warmup`, `engine/startup.py`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import functools
 import logging
-import os
-import time
 from typing import Callable
 
 import jax
@@ -41,61 +40,28 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED, param_shardings
 from jaxserve.loading.placement import serving_params
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
-from jaxserve.engine.config import EngineConfig, power_of_two_buckets
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_budget import kv_pages
-from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, VerifyInputs, bucket_for, decode_inputs,
-                                         prefill_groups, prefill_inputs, verify_inputs)
+from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups,
+                                         prefill_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
-from jaxserve.engine.stats import StepPhases
-from jaxserve.engine.stats import SpecDecodeCounters
+from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
+from jaxserve.engine.step_output import InFlightStep, PendingSample, SampledToken, sampled_token
 from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_step, reset_penalties_step, sample_step,
                                    verify_sample_step, verify_step)
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.spec_decode.draft import DraftModel
-from jaxserve.spec_decode.ngram import NgramIndex
+from jaxserve.engine.startup import BAN_IDS_CHUNK, StartupSteps, shape_key
+from jaxserve.spec_decode.runner_steps import SpeculativeSteps
 from jaxserve.structured_output.grammar import bitmask_words, fill_bitmask
 
 logger = logging.getLogger(__name__)
-BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
 
 
-@dataclasses.dataclass
-class SampledToken:
-    """The token a step sampled for one sequence, with its logprob and top logprobs when the sequence asked."""
-
-    seq: Sequence
-    token: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None  # the top-k (k = params.logprobs) plus the sampled token
-    accepted_draft: bool = False  # a draft a verify step accepted: its KV is in the cache (the step's last
-    # token for the sequence is the one it sampled)
-
-
-@dataclasses.dataclass
-class PendingSample:
-    """A forward whose sampler waits for constrained rows' token masks (`guided`: (row, sequence)), which need the
-    previous step's tokens: the forward runs on the device while the host reads them (`ModelRunner.sample_pending`)."""
-
-    logits: jax.Array
-    slots: np.ndarray
-    output_index: np.ndarray
-    counted: np.ndarray
-    guided: list[tuple[int, Sequence]]
-
-
-@dataclasses.dataclass
-class InFlightStep:
-    """A dispatched plan: for each call, the (row, sequence) pairs whose sample is an output token, and the
-    call's sampled tokens, still on the device."""
-
-    calls: list[tuple[list[tuple[int, Sequence]], SampleResult | PendingSample]]
-    num_draft: np.ndarray | None = None  # a verify call's (the last call): each row's drafts
-
-
-class ModelRunner:
+class ModelRunner(SpeculativeSteps, StartupSteps):
     """`params` is the checkpoint-layout tree (numpy or jax arrays, placed anywhere); the runner consumes it group
     by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
 
@@ -232,23 +198,8 @@ class ModelRunner:
                 sampled += self._verified(rows, result, step.num_draft)
                 continue
             tokens = result.tokens.tolist()
-            sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else _sampled(seq, result, row)
+            sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else sampled_token(seq, result, row)
                         for row, seq in rows]
-        return sampled
-
-    def _verified(self, rows, result: SampleResult, num_draft: np.ndarray) -> list[SampledToken]:
-        """A verify call's output tokens, row by row: the accepted drafts, then the token sampled after them."""
-        accepted = np.minimum(result.num_accepted, num_draft)
-        self.spec_counters.count(num_draft[:len(rows)], accepted[:len(rows)])
-        tokens = result.tokens.tolist()
-        sampled = []
-        for row, seq in rows:
-            count = int(accepted[row])
-            for i in range(count + 1):
-                sample = (SampledToken(seq, tokens[row][i]) if seq.params.logprobs is None
-                          else _sampled(seq, result, (row, i)))
-                sample.accepted_draft = i < count
-                sampled.append(sample)
         return sampled
 
     def _admit(self, seq: Sequence) -> None:
@@ -290,45 +241,6 @@ class ModelRunner:
         guided = [(row, seq) for row, seq in enumerate(inputs.seqs) if seq.grammar is not None]
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs),
                                    guided)
-
-    def _verify_inputs(self, seqs: list[Sequence]) -> VerifyInputs | None:
-        """The verify call for this step's decodes, or None when no sequence has drafts (a plain decode then)."""
-        if not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
-            return None  # constrained rows decode without drafts (the verify sampler applies no token mask)
-        drafts = None
-        if self.ngram is not None:
-            drafts = []
-            for seq in seqs:
-                if seq.ngram_index is None:
-                    seq.ngram_index = NgramIndex(self.ngram.prompt_lookup_min, self.ngram.prompt_lookup_max)
-                drafts.append(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead) if seq.num_lookahead else [])
-            if not any(drafts):
-                return None
-        return verify_inputs(seqs, drafts, self.engine_config, self.engine_config.num_speculative_tokens)
-
-    def verify(self, inputs: VerifyInputs) -> SampleResult:
-        """Proposes (a draft model, on the device) and verifies K drafts per row in one forward of the target; each
-        row's output tokens, still on the device (`SampleResult.num_accepted`)."""
-        rows = len(inputs.seqs)
-        plain = self.slot_params.is_plain_greedy(inputs.slots, inputs.output_index, rows)
-        draft_tokens, draft_probs = inputs.draft_tokens, None
-        if self.draft is not None:
-            kind = "propose" if plain else "propose_probs"
-            self._send_sampling_table()
-            draft_tokens, draft_probs, self.draft.kv_cache = self._call(
-                kind, self._jitted[kind], self._state(kind),
-                (inputs.slots, inputs.positions, inputs.last_tokens, inputs.pages, inputs.num_draft, inputs.active,
-                 inputs.output_index))
-        logits, greedy, self.kv_cache, self.slot_state = self._call(
-            "verify", self._verify, (self.params, self.kv_cache, self.slot_state),
-            (inputs.slots, inputs.positions, draft_tokens, inputs.num_draft, inputs.pages, inputs.active))
-        if plain:
-            return greedy
-        self._send_sampling_table()
-        result, self.penalties, self.slot_state = self._call(
-            "verify_sample", self._verify_sample, self._state("verify_sample"),
-            (logits, draft_tokens, inputs.num_draft, draft_probs, inputs.slots, inputs.output_index, inputs.active))
-        return result
 
     def _send_sampling_table(self) -> None:
         """Admissions since the last sampler call changed slots' parameters: one copy of every slot's columns."""
@@ -378,136 +290,5 @@ class ModelRunner:
         if self._warm and jitted._cache_size() != self._cache_sizes[kind]:
             self._cache_sizes[kind] = jitted._cache_size()
             logger.warning("compiled a %s step for shapes %s while serving: warm-up missed it", kind,
-                           _shape_key(inputs))
+                           shape_key(inputs))
         return outputs
-
-    # -- start-up ----------------------------------------------------------------------------------------------
-
-    @property
-    def sampler_rows(self) -> list[int]:
-        """The row counts a sampler call can have: every prefill call's and decode bucket's."""
-        ec = self.engine_config
-        return sorted({rows for rows, _ in ec.prefill_shapes} | set(ec.decode_batch_buckets))
-
-    @property
-    def reset_buckets(self) -> tuple[int, ...]:
-        """Token-count buckets of the penalty reset at admission (prompt + output so far, up to max_model_len)."""
-        return power_of_two_buckets(16, max(16, self.engine_config.max_model_len))
-
-    def example_inputs(self):
-        """`(kind, inputs)` for every shape the engine can run; they write only to the scratch page, and no slot."""
-        ec = self.engine_config
-        for rows, tokens in ec.prefill_shapes:
-            zeros = np.zeros(rows, np.int32)
-            yield "prefill", (np.zeros((rows, tokens), np.int32), zeros, zeros,
-                              np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
-        for rows in ec.decode_batch_buckets:
-            zeros = np.zeros(rows, np.int32)
-            yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
-        yield "table", (SlotSamplingParams(ec.max_num_seqs).table(),)
-        replicated = NamedSharding(self.mesh, REPLICATED)
-        for rows in self.sampler_rows:
-            zeros = np.zeros(rows, np.int32)
-            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=replicated)  # as a forward's
-            yield "sample", (logits, zeros, zeros, np.zeros(rows, bool), self._all_allowed[rows])
-        for length in self.reset_buckets:
-            yield "reset", (np.int32(0), np.zeros(length, np.int32), np.int32(0), np.int32(0))
-        yield "ban", (np.int32(0), np.full(BAN_IDS_CHUNK, -1, np.int32))
-        yield from self._speculative_examples(replicated)
-
-    def _speculative_examples(self, replicated):
-        """The verify, verify-sampler and draft-model shapes of every batch bucket (none without speculation)."""
-        ec, k = self.engine_config, self.engine_config.num_speculative_tokens
-        if not k:
-            return
-        vocab = self.config.vocab_size
-        if self.draft is not None:
-            for rows, tokens in ec.prefill_shapes:
-                zeros = np.zeros(rows, np.int32)
-                yield "draft_prefill", (np.zeros((rows, tokens), np.int32), zeros, zeros,
-                                        np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
-        for rows in ec.decode_batch_buckets:
-            zeros, no = np.zeros(rows, np.int32), np.zeros(rows, bool)
-            drafts = np.zeros((rows, k), np.int32)  # a draft model's come from its proposal, on the device
-            drafts = jnp.asarray(drafts, device=replicated) if self.draft is not None else drafts
-            proposal = (zeros, zeros, np.zeros((rows, 2), np.int32), np.zeros((rows, k + 1), np.int32), zeros, no,
-                        zeros)
-            yield "verify", (zeros, zeros, drafts, zeros, np.zeros((rows, k + 1), np.int32), no)
-            logits = jnp.zeros((rows, k + 1, vocab), jnp.float32, device=replicated)
-            probs = [None]
-            if self.draft is not None:
-                yield "propose", proposal
-                yield "propose_probs", proposal
-                probs = [jnp.zeros((rows, k, vocab), jnp.float32, device=replicated)]
-            for draft_probs in probs:
-                yield "verify_sample", (logits, drafts, zeros, draft_probs, zeros, zeros, no)
-
-    def _state(self, kind: str) -> tuple:
-        if kind in ("reset", "ban"):
-            return (self.penalties,)
-        if kind in ("sample", "verify_sample"):
-            return self.penalties, self.slot_state, self.sampling_table
-        if kind == "table":
-            return ()
-        if kind == "draft_prefill":
-            return self.draft.params, self.draft.kv_cache, self.draft.slot_state
-        if kind in ("propose", "propose_probs"):
-            return self.draft.params, self.draft.kv_cache, self.slot_state, self.sampling_table
-        return self.params, self.kv_cache, self.slot_state
-
-    def replay(self, kind: str, inputs: tuple) -> None:
-        """Runs one call as `_call` would and keeps only its new state: how a multi-host follower runs the
-        leader's calls, and how warm-up runs its examples. A follower's sampler call comes without logits: it
-        samples the logits of its own latest forward, the leader's call before it."""
-        if kind == "sample" and inputs[0] is None:
-            inputs = (self._follower_logits, *inputs[1:])
-        outputs = self._call(kind, self._jitted[kind], self._state(kind), inputs)
-        if kind in ("reset", "ban"):
-            self.penalties = outputs
-        elif kind == "table":
-            self.sampling_table = outputs
-        elif kind in ("sample", "verify_sample"):
-            _, self.penalties, self.slot_state = outputs
-        elif kind == "draft_prefill":
-            _, _, self.draft.kv_cache, self.draft.slot_state = outputs
-        elif kind in ("propose", "propose_probs"):
-            self.draft.kv_cache = outputs[2]
-        else:
-            self._follower_logits, _, self.kv_cache, self.slot_state = outputs
-
-    def warmup(self) -> float:
-        """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is
-        lowered), then runs each once through the jitted functions, which reuse those executables, since an
-        executable's first run is slower than later ones and would otherwise land on a request."""
-        started = time.perf_counter()
-        compiling = {}
-        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
-            for kind, inputs in self.example_inputs():
-                key = (kind, _shape_key(inputs))
-                if key not in compiling:
-                    compiling[key] = pool.submit(self._jitted[kind].lower(*self._state(kind), *inputs).compile)
-            for future in compiling.values():
-                future.result()
-        for kind, inputs in self.example_inputs():
-            self.replay(kind, inputs)
-        jax.block_until_ready((self.kv_cache, self.penalties, self.slot_state,
-                               self.draft.kv_cache if self.draft is not None else None))
-        self._cache_sizes = {kind: jitted._cache_size() for kind, jitted in self._jitted.items()}
-        self._warm = True
-        return time.perf_counter() - started
-
-
-def _sampled(seq: Sequence, result: SampleResult, row) -> SampledToken:
-    """A row's token with the logprobs its sequence asked for (`row`: an index, or (row, position) of a verify
-    call's result)."""
-    token = int(result.tokens[row])
-    k = seq.params.logprobs
-    top = {int(i): float(v) for i, v in zip(result.top_ids[row][:k], result.top_logprobs[row][:k])}
-    logprob = float(result.logprobs[row])
-    top[token] = logprob
-    return SampledToken(seq, token, logprob, top)
-
-
-def _shape_key(args) -> tuple:
-    """The shapes and dtypes of a step's inputs past the state arguments: which executable serves them."""
-    return tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(args))
