@@ -4,13 +4,15 @@ Two prompt sets, rendered with the model's chat template: `copy` (benchmarks/dat
 edit or rename a given text, where the answer copies the prompt and prompt lookup has much to find) and `chat`
 (the shipped benchmarks/data/prompts.jsonl, where it has little). For each method (`plain`: no speculation;
 `ngram`: prompt lookup; `draft`: a draft model, `--draft`, default the target itself, which checks the verify step
-rather than gaining speed) one engine with `max_num_seqs=1` answers every prompt of each set in turn, greedy,
+rather than gaining speed) one engine with `max_num_seqs=1` answers every prompt of each set in turn (or, with
+`--concurrency B`, all of a set's prompts in one batch of B slots: where speculation stops paying), greedy,
 up to `--max-tokens` tokens (EOS ends an answer). Reported per method and set: output tokens per second of
 generation (prefill included, as a user sees it), the ratio to `plain` in the same run, the acceptance rate, the
 mean tokens per verify step, and whether every answer equals plain decoding's token for token.
 
     python benchmarks/spec_decode.py                       # plain and ngram, K = 4, both prompt sets
     python benchmarks/spec_decode.py --methods plain ngram draft --num-prompts 4
+    python benchmarks/spec_decode.py --concurrency 8      # batched: 8 sequences decode together
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def run_method(method: str, sets: dict[str, list[list[int]]], args: argparse.Nam
 
     from jaxserve import LLM, SamplingParams
 
-    options = {**common.engine_options(args), "max_num_seqs": 1, "speculative_config": speculative_config(method, args)}
+    options = {**common.engine_options(args), "max_num_seqs": args.concurrency,
+               "speculative_config": speculative_config(method, args)}
     started = time.perf_counter()
     llm = LLM(**options)
     startup = time.perf_counter() - started
@@ -68,9 +71,10 @@ def run_method(method: str, sets: dict[str, list[list[int]]], args: argparse.Nam
     for name, prompts in sets.items():
         before = engine.stats()
         seconds, outputs = 0.0, []
-        for prompt in prompts:
+        groups = [[prompt] for prompt in prompts] if args.concurrency == 1 else [prompts]
+        for group in groups:
             started = time.perf_counter()
-            outputs += llm.generate([prompt], params, use_tqdm=False)
+            outputs += llm.generate(group, params, use_tqdm=False)
             seconds += time.perf_counter() - started
         after = engine.stats()
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -108,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=["plain", "ngram"])
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts of each set")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="1: each prompt alone (single stream); B > 1: every prompt of a set in one batch of B slots")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -121,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                "same as plain"], rows))
     payload = {"model": common.model_label(args.model), "methods": results, "summary": rows,
                "options": {key: getattr(args, key) for key in ("num_speculative_tokens", "prompt_lookup_max",
-                                                               "prompt_lookup_min", "max_tokens", "num_prompts")}}
+                                                               "prompt_lookup_min", "max_tokens", "num_prompts", "concurrency")}}
     path = common.write_result(NAME, payload, args.result_file, argv)
     print(f"wrote {path}")
     return payload
