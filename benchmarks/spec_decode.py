@@ -126,8 +126,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(common.format_table(["method", "prompts", "tokens", "tok/s", "vs plain", "acceptance", "tokens/verify",
                                "same as plain"], rows))
     payload = {"model": common.model_label(args.model), "methods": results, "summary": rows,
-               "options": {key: getattr(args, key) for key in ("num_speculative_tokens", "prompt_lookup_max",
-                                                               "prompt_lookup_min", "max_tokens", "num_prompts", "concurrency")}}
+               "options": {key: getattr(args, key) for key in (
+                   "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_tokens", "num_prompts",
+                   "concurrency")}}
     path = common.write_result(NAME, payload, args.result_file, argv)
     print(f"wrote {path}")
     return payload
