@@ -1,9 +1,9 @@
 """`Request`: one user request — its prompt, its `n` sequences and their detokenizers — and its `RequestOutput`s.
 
 Outputs are snapshots in the request's `RequestOutputKind`: cumulative, deltas (what is new since the
-previous output, so a streaming client costs O(new tokens) per step), or only the final one. Prompt logprobs join
-the outputs once the whole prompt is scored (a DELTA request's first output after that carries them); the list is
-never changed again, so the snapshots share it.
+previous output, so a streaming client costs O(new tokens) per step), or only the final one. A request asking for
+prompt logprobs reports nothing until its whole prompt is scored (unless it ends first), so its first output has
+them (a DELTA request's later ones do not); the list is never changed again, so the snapshots share it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Request:
         self.prompt_logprobs.extend(entries[len(self.prompt_logprobs) - first:])
 
     def _prompt_logprobs(self, delta: bool) -> PromptLogprobs | None:
-        """The prompt logprobs once complete (None before, and in DELTA outputs after the first that had them)."""
+        """The prompt logprobs once complete (None before: an aborted request; and in DELTA outputs after the first)."""
         logprobs = self.prompt_logprobs
         if logprobs is None or len(logprobs) < len(self.prompt_token_ids) or (delta and self._sent_prompt_logprobs):
             return None
@@ -65,6 +65,8 @@ class Request:
         finished = self.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) and not finished:
+            return None  # another completion may have tokens before the first has scored the prompt
         delta = kind == RequestOutputKind.DELTA
         completions = [self._completion(i, delta) for i in range(len(self.seqs))]
         if delta:
