@@ -3,8 +3,9 @@
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.llm import LLM
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""What generation returns: vLLM's `RequestOutput` / `CompletionOutput`, plus per-request timing metrics.
+"""What generation returns: vLLM's `RequestOutput` / `CompletionOutput` / `Logprob`, plus per-request timing metrics.
 
 Every output is a snapshot: its lists and metrics are copies that the engine never touches again,
 so another thread may read them while the engine keeps stepping.
@@ -7,6 +7,19 @@ so another thread may read them while the engine keeps stepping.
 from __future__ import annotations
 
 import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's: one token's log-probability at a position, its 1-based rank in that position's distribution (None
+    where unknown) and its text alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token, then one dict per token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +57,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # SamplingParams(prompt_logprobs=k): per prompt token, {token_id: Logprob} of that token and the top k given the
+    # tokens before it (None for the first); set once the whole prompt is scored (a DELTA output: only the first)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -53,7 +53,9 @@ class SamplingParams:
     penalties in [-2, 2] (output tokens). seed: same seed -> same output, whatever the batch.
     guided_decoding: constrain the output to a JSON schema, regex, choice or grammar.
     stop: strings ending generation (excluded from the text). Stop strings, stop_token_ids and EOS
-    are not checked before min_tokens outputs. logprobs: top-k logprobs per token. output_kind:
+    are not checked before min_tokens outputs. logprobs: top-k logprobs per token. prompt_logprobs: the
+    prompt's own logprobs (each prompt token's and the top k, `RequestOutput.prompt_logprobs`), computed in the
+    prefill. max_tokens=0 generates nothing: the request only scores its prompt. output_kind:
     whether outputs are cumulative, deltas, or only the final one.
     """
 
@@ -72,6 +74,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -108,8 +111,8 @@ class SamplingParams:
             fail("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            fail("max_tokens", "must be an integer >= 0 (0: score the prompt only)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             fail("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -120,6 +123,9 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            fail("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.server.output_collector import OutputCollector, merge_delta
 
 
@@ -43,6 +44,15 @@ def test_merge_without_logprobs_and_in_index_order():
     assert [(c.index, c.text, c.token_ids, c.logprobs) for c in merged.outputs] == [(0, "a", [1], None),
                                                                                     (1, "bc", [2, 3], None)]
     assert merged.finished
+
+
+def test_merge_keeps_the_prompt_logprobs_of_the_first_delta():
+    """A DELTA request's first output alone carries its prompt logprobs (a stream's echo needs them)."""
+    prompt_logprobs = [None, {2: Logprob(-1.5, 3, "b")}]
+    older = dataclasses.replace(delta("r", [completion(0, "a", [1])]), prompt_logprobs=prompt_logprobs)
+    newer = delta("r", [completion(0, "b", [2])])
+    assert merge_delta(older, newer).prompt_logprobs == prompt_logprobs
+    assert merge_delta(newer, older).prompt_logprobs == prompt_logprobs
 
 
 def test_a_consumer_that_falls_behind_gets_one_merged_output_per_request():

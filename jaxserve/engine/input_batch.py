@@ -1,7 +1,7 @@
 """Host-side step inputs: a scheduler plan's chunks and decodes as padded numpy arrays of the compiled shapes.
 
-Prefill chunks sharing a length bucket are packed `PREFILL_ROWS` to a call; decodes form one batch
-padded to a batch bucket. Rows past the real ones are empty (zero tokens, page table of scratch
+Prefill chunks sharing a length bucket are packed `PREFILL_ROWS` to a call (a call that holds a chunk scoring its
+prompt tokens runs the scoring prefill); decodes form one batch padded to a batch bucket. Rows past the real ones are empty (zero tokens, page table of scratch
 pages), so they write only to the scratch page and their outputs are ignored.
 """
 
@@ -36,6 +36,7 @@ class PrefillInputs:
     output_index: np.ndarray  # int32 [rows]: output tokens each row's sequence has so far
     is_final: np.ndarray  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
     next_tokens: np.ndarray  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
+    scored: list[tuple[int, Sequence, range]]  # (row, sequence, the prompt tokens the row scores) for prompt_logprobs
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) 
     inputs = PrefillInputs(chunks, np.zeros(rows, np.int32), np.zeros((rows, tokens), np.int32),
                            np.zeros(rows, np.int32), np.zeros(rows, np.int32),
                            np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool),
-                           np.zeros(rows, np.int32))
+                           np.zeros(rows, np.int32), [])
     for row, chunk in enumerate(chunks):
         seq = chunk.seq
         inputs.slots[row] = seq.slot
@@ -84,6 +85,8 @@ def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) 
         inputs.is_final[row] = chunk.is_final
         if not chunk.is_final:
             inputs.next_tokens[row] = seq.token_ids[chunk.start + chunk.num_tokens]
+        if chunk.scored:
+            inputs.scored.append((row, seq, chunk.scored))
     return inputs
 
 

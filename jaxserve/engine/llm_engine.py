@@ -6,7 +6,8 @@ stepping thread applies at the start of its next `step()`. `step()` reads as: ta
 schedule, dispatch the plan to the device, post-process the tokens of the step before it (append
 tokens, detokenize, check stop conditions, retire finished sequences) while the device runs this one,
 and return a snapshot output for every request that changed. With `async_scheduling=False` a step
-post-processes its own tokens instead.
+post-processes its own tokens instead. Prompt tokens scored by the prefills (prompt_logprobs) join their request
+as the step's tokens are read; a request with max_tokens=0 finishes ("length") once its prompt is computed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import PageManager
+from jaxserve.engine.prompt_logprobs import TokenTexts, prompt_logprob_entries
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
@@ -54,6 +56,7 @@ class LLMEngine:
                                           generation_config=self.config.generation_config, mesh=self.mesh,
                                           load_format=self.config.load_format)
         self.tokenizer = self.model.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)  # prompt_logprobs' decoded_token
         # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a
         # request leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
         self.default_sampling_params: dict[str, Any] = dict(self.model.generation_config)
@@ -252,6 +255,8 @@ class LLMEngine:
         step = self.runner.dispatch(plan)
         self._steps += 1
         for chunk in plan.prefills:
+            if chunk.scored:  # read by the runner's dispatch: each prompt token is scored once, recompute or not
+                chunk.seq.num_scored = chunk.scored.stop - 1
             chunk.seq.num_computed_tokens += chunk.num_tokens
             chunk.seq.num_pending += chunk.is_final
             self.page_manager.commit_full_pages(chunk.seq)
@@ -262,9 +267,14 @@ class LLMEngine:
 
     def _collect(self, step: InFlightStep) -> set[str]:
         """Reads a dispatched step's tokens and appends them; a sequence that finished meanwhile drops its token."""
-        sampled = self.runner.collect(step)
+        sampled, scored = self.runner.collect(step)
         now = time.monotonic()
         touched = set()
+        for scores in scored:
+            request = self.requests.get(scores.seq.request_id)
+            if request is not None and not scores.seq.is_finished:
+                request.add_prompt_logprobs(scores.first, prompt_logprob_entries(scores, request.prompt_token_ids,
+                                                                                 self.token_texts))
         for sample in sampled:
             seq = sample.seq
             if sample.accepted_draft:  # a verify step wrote its KV; the sequence's sampled token comes after it
@@ -275,6 +285,10 @@ class LLMEngine:
                 seq.num_pending -= 1
                 if seq.is_finished:
                     continue
+            if seq.params.max_tokens == 0:  # only scores its prompt: the prefill's sample is no output
+                self._finish(seq, "length", None)
+                touched.add(seq.request_id)
+                continue
             self._append_token(sample, now)
             if seq.page_table:
                 self.page_manager.commit_full_pages(seq)

@@ -13,7 +13,8 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 * `sample_pending(step)`: the samplers of calls with constrained rows, which waited for the rows' token masks
   (their matchers need the previous step's tokens; the forward runs meanwhile).
 * `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one (a verify row's
-  accepted drafts too), with one device->host transfer for the whole step.
+  accepted drafts too), and the prompt tokens its prefills scored (prompt_logprobs), with one device->host
+  transfer for the whole step.
 
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
@@ -22,7 +23,9 @@ over the mesh. The steps are pure functions (`engine/steps.py`): each forward ma
 plain (greedy, no penalties, no pending min_tokens, no logprobs, no grammar) takes the argmax; any other runs the
 sampler, a second small jitted function (penalty state, logits, sampling parameters, token bitmask) -> (tokens,
 new penalty state) with the penalty state donated. One forward per shape serves both, so start-up compiles each
-forward once, and every shape a step can have is compiled at start-up (`warmup`, `engine/startup.py`).
+forward once, and every shape a step can have is compiled at start-up (`warmup`, `engine/startup.py`). A prefill
+call holding a chunk that scores its prompt tokens runs a second compiled prefill per shape, which also returns
+every position's `PromptScores`; other calls run the plain one and pay nothing for it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from jaxserve.loading.placement import serving_params
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_budget import kv_pages
+from jaxserve.engine.prompt_logprobs import ScoredPrompt
 from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups,
                                          prefill_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
@@ -49,9 +53,10 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
 from jaxserve.engine.step_output import InFlightStep, PendingSample, SampledToken, sampled_token
-from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_step, reset_penalties_step, sample_step,
-                                   verify_sample_step, verify_step)
+from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_scores_step, prefill_step,
+                                   reset_penalties_step, sample_step, verify_sample_step, verify_step)
 from jaxserve.layers.attention import AttentionBackend
+from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.spec_decode.draft import DraftModel
 from jaxserve.engine.startup import BAN_IDS_CHUNK, StartupSteps, shape_key
@@ -106,6 +111,8 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         prefill_shardings = dict(forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 3)
         static = (config, self.tp, self.backend, self.dtype, self.page_size)
         self._prefill = jax.jit(functools.partial(prefill_step, *static), **prefill_shardings)
+        self._prefill_scores = jax.jit(functools.partial(prefill_scores_step, *static), **dict(
+            prefill_shardings, out_shardings=prefill_shardings["out_shardings"] + (replicated,)))
         self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
         self._verify = jax.jit(functools.partial(verify_step, *static), **dict(
             forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 2))
@@ -120,7 +127,8 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
         self._all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
                              for rows in self.sampler_rows}
-        self._jitted = {"prefill": self._prefill, "decode": self._decode, "sample": self._sample,
+        self._jitted = {"prefill": self._prefill, "prefill_scores": self._prefill_scores, "decode": self._decode,
+                        "sample": self._sample,
                         "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table,
                         "verify": self._verify, "verify_sample": self._verify_sample}
         if self.draft is not None:
@@ -178,8 +186,12 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         verify = self._verify_inputs(plan.decodes) if plan.decodes else None
         decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes and verify is None else None
         phases.lap("prepare")
-        step = InFlightStep([([(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final],
-                               self.prefill(inputs)) for inputs in calls])
+        step = InFlightStep([])
+        for inputs in calls:
+            result, scores = self.prefill(inputs)
+            step.calls.append(([(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final], result))
+            if scores is not None:
+                step.scores.append((inputs.scored, inputs.starts, scores))
         if decode is not None:
             step.calls.append((list(enumerate(decode.seqs)), self.decode(decode)))
         if verify is not None:
@@ -188,10 +200,12 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         phases.lap("dispatch")
         return step
 
-    def collect(self, step: InFlightStep) -> list[SampledToken]:
-        """Waits for a dispatched plan's tokens (one transfer for the whole step)."""
-        results = jax.device_get([result for _, result in step.calls])
+    def collect(self, step: InFlightStep) -> tuple[list[SampledToken], list[ScoredPrompt]]:
+        """Waits for a dispatched plan's tokens and prompt scores (one transfer for the whole step)."""
+        results, scores = jax.device_get(([result for _, result in step.calls], [s for _, _, s in step.scores]))
         self.phases.lap("wait")
+        scored = [_scored(seq, tokens, int(starts[row]), call_scores, row)
+                  for (rows, starts, _), call_scores in zip(step.scores, scores) for row, seq, tokens in rows]
         sampled = []
         for (rows, _), result in zip(step.calls, results):
             if result.num_accepted is not None:
@@ -200,7 +214,7 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
             tokens = result.tokens.tolist()
             sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else sampled_token(seq, result, row)
                         for row, seq in rows]
-        return sampled
+        return sampled, scored
 
     def _admit(self, seq: Sequence) -> None:
         """Writes a newly admitted (or re-admitted) sequence's sampling parameters and penalty statistics."""
@@ -218,20 +232,25 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
             chunk[:len(bans[start:start + BAN_IDS_CHUNK])] = bans[start:start + BAN_IDS_CHUNK]
             self.penalties = self._call("ban", self._ban, (self.penalties,), (np.int32(seq.slot), chunk))
 
-    def prefill(self, inputs: PrefillInputs) -> SampleResult:
-        """One prefill call (K/V written to the pool, and to a draft model's); the sampled token of each row,
-        still on the device."""
+    def prefill(self, inputs: PrefillInputs) -> tuple[SampleResult | PendingSample, PromptScores | None]:
+        """One prefill call (K/V written to the pool, and to a draft model's); the sampled token of each row, and
+        the prompt scores of a call with scored rows (else None), still on the device."""
         arrays = (inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables, inputs.slots,
                   inputs.is_final, inputs.next_tokens)
         if self.draft is not None:
             _, _, self.draft.kv_cache, self.draft.slot_state = self._call(
                 "draft_prefill", self.draft.prefill_fn, self._state("draft_prefill"), arrays)
-        logits, greedy, self.kv_cache, self.slot_state = self._call(
-            "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
+        scores = None
+        if inputs.scored:
+            logits, greedy, self.kv_cache, self.slot_state, scores = self._call(
+                "prefill_scores", self._prefill_scores, (self.params, self.kv_cache, self.slot_state), arrays)
+        else:
+            logits, greedy, self.kv_cache, self.slot_state = self._call(
+                "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
         guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
                   if chunk.is_final and chunk.seq.grammar is not None]
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
-                                   len(inputs.chunks), guided)
+                                   len(inputs.chunks), guided), scores
 
     def decode(self, inputs: DecodeInputs) -> SampleResult:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
@@ -292,3 +311,13 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
             logger.warning("compiled a %s step for shapes %s while serving: warm-up missed it", kind,
                            shape_key(inputs))
         return outputs
+
+
+def _scored(seq: Sequence, tokens: range, start: int, scores: PromptScores, row: int) -> ScoredPrompt:
+    """The scores of prompt `tokens` from one row of a scoring prefill whose chunk starts at `start` (token j is
+    predicted at position j - 1)."""
+    k = seq.params.prompt_logprobs
+    positions = slice(tokens.start - 1 - start, tokens.stop - 1 - start)
+    return ScoredPrompt(seq, tokens.start, scores.logprobs[row, positions].tolist(),
+                        scores.ranks[row, positions].tolist(), scores.top_ids[row, positions, :k].tolist(),
+                        scores.top_logprobs[row, positions, :k].tolist())

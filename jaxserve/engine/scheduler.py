@@ -11,7 +11,7 @@ waits at most one budget's worth of prefill. In order:
    requeued at the front) until it fits;
 2. running sequences still prefilling get the next chunk of their tokens;
 3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
-   longest cached prefix, while budget, slots and pages last.
+   longest cached prefix (none for a sequence that must score its prompt), while budget, slots and pages last.
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ class PrefillChunk:
     def is_final(self) -> bool:
         """True when the chunk reaches the sequence's last token, so its sample is the next output token."""
         return self.start + self.num_tokens == len(self.seq)
+
+    @property
+    def scored(self) -> range:
+        """The prompt tokens this chunk scores for prompt_logprobs (empty: none): position p predicts token p + 1,
+        so the chunk's last position predicts the next chunk's first token."""
+        seq = self.seq
+        if not seq.scores_prompt:
+            return range(0)
+        return range(seq.num_scored + 1, min(self.start + self.num_tokens, seq.num_prompt_tokens - 1) + 1)
 
 
 @dataclasses.dataclass
@@ -105,12 +114,14 @@ class Scheduler:
             seq = self._next_waiting()
             if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
                 break
-            self.page_manager.admit(seq, self.page_manager.match_prefix(seq))
+            looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
+            self.page_manager.admit(seq, self.page_manager.match_prefix(seq) if looks_up else [])
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
             if not self.page_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
                 self.page_manager.free(seq)
                 break
-            self.page_manager.record_lookup(seq)
+            if looks_up:
+                self.page_manager.record_lookup(seq)
             self.waiting.remove(seq)
             seq.slot = self.free_slots.pop()
             seq.mark_admitted()

@@ -40,6 +40,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled on the device that token_ids does not hold yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
+        self.num_scored = 0  # prompt_logprobs: prompt tokens 1..num_scored are scored by dispatched prefills
         self.page_table: list[int] = []
         self.page_keys: list[bytes] = []  # prefix-cache keys of this sequence's full pages, in order
         self.page_serials: list[int | None] = []  # the cache registration holding each full page's prefix
@@ -84,6 +85,13 @@ class Sequence:
         max_tokens = self.params.max_tokens
         return ((max_tokens is not None and self.num_output_tokens + extra >= max_tokens)
                 or len(self.token_ids) + extra >= max_model_len)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """True while the sequence's prefill still has prompt tokens to score (prompt_logprobs, computed by a
+        request's first completion): it then computes its whole prompt, never taking cached prefix pages."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and self.num_scored < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

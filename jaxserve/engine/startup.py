@@ -38,8 +38,9 @@ class StartupSteps:
         ec = self.engine_config
         for rows, tokens in ec.prefill_shapes:
             zeros = np.zeros(rows, np.int32)
-            yield "prefill", (np.zeros((rows, tokens), np.int32), zeros, zeros,
-                              np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
+            for kind in ("prefill", "prefill_scores"):
+                yield kind, (np.zeros((rows, tokens), np.int32), zeros, zeros,
+                             np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
             yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
@@ -84,8 +85,8 @@ class StartupSteps:
             _, _, self.draft.kv_cache, self.draft.slot_state = outputs
         elif kind in ("propose", "propose_probs"):
             self.draft.kv_cache = outputs[2]
-        else:
-            self._follower_logits, _, self.kv_cache, self.slot_state = outputs
+        else:  # a forward (a scoring prefill adds its scores, which only the leader reads)
+            self._follower_logits, _, self.kv_cache, self.slot_state = outputs[:4]
 
     def warmup(self) -> float:
         """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is

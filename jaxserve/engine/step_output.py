@@ -4,6 +4,7 @@ samplers waiting for token masks) and, once read, one `SampledToken` per output 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,6 +44,8 @@ class InFlightStep:
 
     calls: list[tuple[list[tuple[int, Sequence]], SampleResult | PendingSample]]
     num_draft: np.ndarray | None = None  # a verify call's (the last call): each row's drafts
+    # scoring prefill calls: their scored rows (row, sequence, prompt tokens), chunk starts and scores on the device
+    scores: list[tuple[list[tuple[int, Sequence, range]], np.ndarray, Any]] = dataclasses.field(default_factory=list)
 
 
 def sampled_token(seq: Sequence, result: SampleResult, row) -> SampledToken:

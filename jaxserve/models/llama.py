@@ -110,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
     """`(token_ids [B, T], kv_cache, meta, logits_indices [B] | None) -> (float32 logits, new kv_cache)`.
 
     With `logits_indices`, only one token per row gets logits ([B, vocab]); without, every token ([B, T, vocab]).
+    With both `logits_indices` and `every_position`, the logits are the pair (those of the indexed tokens, those of
+    every token), the first computed exactly as without `every_position`.
     """
 
     config: ModelConfig
@@ -118,7 +120,8 @@ class LlamaForCausalLM(nn.Module):
     tp: TensorParallel = TensorParallel()
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache: KVCache, meta: AttentionMetadata, logits_indices=None):
+    def __call__(self, token_ids, kv_cache: KVCache, meta: AttentionMetadata, logits_indices=None,
+                 every_position: bool = False):
         cfg = self.config
         vocab_shards = self.tp.size if cfg.vocab_size % self.tp.size == 0 else 1  # as the sharding table splits it
         embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, vocab_shards=vocab_shards, name="embed")
@@ -128,21 +131,23 @@ class LlamaForCausalLM(nn.Module):
             x, k_pool, v_pool = DecoderLayer(cfg, self.tp, self.backend, cfg.layer_sliding_windows[layer], self.dtype,
                                              name=f"layers_{layer}")(x, k_pool, v_pool, meta)
             new_cache.append((k_pool, v_pool))
+        final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")
+        lm_head = embed.attend if cfg.tie_word_embeddings else Linear(cfg.vocab_size, dtype=self.dtype, name="lm_head")
+        every = x
         if logits_indices is not None:
             x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = Linear(cfg.vocab_size, dtype=self.dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), new_cache
+        logits = lm_head(final_norm(x)).astype(jnp.float32)
+        if every_position and logits_indices is not None:
+            logits = (logits, lm_head(final_norm(every)).astype(jnp.float32))
+        return logits, new_cache
 
 
 def forward(params, config: ModelConfig, backend: AttentionBackend, token_ids, kv_cache: KVCache,
-            meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel()):
+            meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel(),
+            every_position: bool = False):
     """The pure forward function the engine jits: params (serving layout) and cache in, logits and new cache out."""
     model = LlamaForCausalLM(config, backend, dtype, tp)
-    return model.apply({"params": params}, token_ids, kv_cache, meta, logits_indices)
+    return model.apply({"params": params}, token_ids, kv_cache, meta, logits_indices, every_position)
 
 
 def param_shapes(config: ModelConfig, dtype=jnp.float32, tp: TensorParallel = TensorParallel()) -> dict:

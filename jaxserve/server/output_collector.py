@@ -3,7 +3,8 @@
 The engine thread delivers an output per step for every request that changed; a handler can fall
 behind (a slow streaming client). Rather than a queue that grows with the lag, a newer output is
 folded into the one still waiting (vLLM's `RequestOutputCollector` idea): DELTA outputs merge (text
-concatenated, token ids and logprobs extended, the latest finish state and metrics), other kinds
+concatenated, token ids and logprobs extended, the latest finish state and metrics, the prompt logprobs of
+whichever had them), other kinds
 replace the waiting one, which the newer one contains. Memory per request stays bounded and nothing
 is lost. Runs on the event loop only.
 """
@@ -22,7 +23,9 @@ def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     for completion in newer.outputs:
         previous = completions.get(completion.index)
         completions[completion.index] = completion if previous is None else _merge_completion(previous, completion)
-    return dataclasses.replace(newer, outputs=[completions[index] for index in sorted(completions)])
+    prompt_logprobs = newer.prompt_logprobs if newer.prompt_logprobs is not None else older.prompt_logprobs
+    return dataclasses.replace(newer, outputs=[completions[index] for index in sorted(completions)],
+                               prompt_logprobs=prompt_logprobs)
 
 
 def _merge_completion(previous: CompletionOutput, new: CompletionOutput) -> CompletionOutput:

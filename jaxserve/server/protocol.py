@@ -86,6 +86,11 @@ class SamplingRequest(StrictModel):
         """The client's output-length limit (None if unset) and the field it came from."""
         raise NotImplementedError
 
+    @property
+    def least_max_tokens(self) -> int:
+        """The smallest output-length limit the request may set."""
+        return 1
+
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """The request's output constraint, from whichever field names it; ValueError for two, or a malformed one."""
         found = []
@@ -122,15 +127,16 @@ class SamplingRequest(StrictModel):
         of the room left in the context, the model's generation-config default and OpenAI's default (if any)."""
         requested, field = self.requested_max_tokens()
         if requested is not None:
-            if requested < 1:
-                raise ValueError(f"{field} must be an integer >= 1, got {requested}")
+            if requested < self.least_max_tokens:
+                raise ValueError(f"{field} must be an integer >= {self.least_max_tokens}, got {requested}")
             return requested
         room = max(1, max_model_len - max(prompt_lengths))
         return min(limit for limit in (room, defaults.get("max_tokens"), openai_default) if limit is not None)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
                         defaults: Mapping[str, Any] | None = None,
-                        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> SamplingParams:
+                        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's SamplingParams; fields the request leaves unset take the model's generation-config
         `defaults`, else the neutral value. Raises ValueError naming the field for values out of range."""
         defaults = defaults or {}
@@ -158,6 +164,7 @@ class SamplingRequest(StrictModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None else True,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             output_kind=output_kind,
@@ -169,16 +176,30 @@ class CompletionRequest(SamplingRequest):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by `prompts()`
     max_tokens: int | None = None  # unset: OpenAI's 16 (OPENAI_MAX_TOKENS), within the context
     logprobs: int | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt before the completion (text, and with logprobs its tokens' logprobs)
+    prompt_logprobs: int | None = None  # vLLM's extra: each choice's "prompt_logprobs" in vLLM's format
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true (use echo with logprobs)")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
+
+    @property
+    def least_max_tokens(self) -> int:
+        """0 with echo: the prompt is only scored (OpenAI's legacy API and vLLM)."""
+        return 0 if self.echo else 1
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs: the top-k that echo with logprobs and the vLLM extra need."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of strings and token-id lists; raises ValueError if `prompt` has another shape."""

@@ -2,7 +2,11 @@
 whole (the engine's FINAL_ONLY output) or as server-sent `text_completion` chunks (its DELTA outputs,
 so each step costs the new tokens only) ending with `data: [DONE]`.
 
-Choice `index` is `prompt_index * n + sample_index`, as in OpenAI's API.
+Choice `index` is `prompt_index * n + sample_index`, as in OpenAI's API. With `echo` a choice's text starts with its
+prompt, and with `logprobs` too its logprobs start with the prompt's tokens (the first with null logprob and top
+logprobs), as OpenAI's legacy API and vLLM answer; `max_tokens: 0` with `echo` only scores the prompt. A stream
+sends the prompt in each choice's first chunk. vLLM's extra `prompt_logprobs` adds each choice's prompt logprobs
+in vLLM's format.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
@@ -34,7 +38,8 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
         max_tokens = request.max_tokens_for([len(ids) for ids in token_lists], llm_engine.config.max_model_len,
                                             defaults, OPENAI_MAX_TOKENS)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = request.sampling_params(max_tokens, request.logprobs, llm_engine.vocab_size, defaults, kind)
+        params = request.sampling_params(max_tokens, request.logprobs, llm_engine.vocab_size, defaults, kind,
+                                         request.engine_prompt_logprobs)
     except ValueError as err:
         raise invalid(err) from None
     request_id = new_id("cmpl", raw_request)
@@ -54,19 +59,21 @@ def _full_response(ctx: ServingContext, request: CompletionRequest, request_id: 
                    n: int, echoes: list[str] | None) -> dict:
     choices = []
     for prompt_index, output in enumerate(outputs):
+        echoed = _echoed_logprobs(ctx, request, output)
         for completion in output.outputs:
             text = completion.text
-            offset = 0
             if echoes is not None:
                 text = echoes[prompt_index] + text
-                offset = len(echoes[prompt_index])
-            choices.append({
+            choice = {
                 "index": prompt_index * n + completion.index,
                 "text": text,
-                "logprobs": _logprobs(ctx, completion, offset) if request.logprobs is not None else None,
+                "logprobs": _joined(echoed, ctx, completion) if request.logprobs is not None else None,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": stop_reason(completion.stop_reason),
-            })
+            }
+            if request.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(output.prompt_logprobs, request.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda choice: choice["index"])
     return {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.model_name,
             "choices": choices, "usage": usage(outputs)}
@@ -80,6 +87,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
     text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts (echo included)
     num_tokens: dict[int, int] = {}  # per choice: output tokens so far
     prompt_tokens: dict[int, int] = {}  # per prompt
+    echoed: dict[int, dict | None] = {}  # per prompt: its tokens' logprobs (the first output of a prompt has them)
 
     def chunk(choices: list[dict], usage_value=None) -> dict:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
@@ -91,22 +99,25 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
     try:
         async for prompt_index, output in submission.results():
             prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+            if prompt_index not in echoed:
+                echoed[prompt_index] = _echoed_logprobs(ctx, request, output)
             choices = []
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
                 num_tokens[index] = num_tokens.get(index, 0) + len(completion.token_ids)
                 text = completion.text
-                if index not in text_offsets:
-                    echo = echoes[prompt_index] if echoes is not None else ""
-                    text = echo + text
-                    text_offsets[index] = len(echo)
                 logprobs = None
-                if request.logprobs is not None:
+                if index not in text_offsets:  # the choice's first chunk: its echo first
+                    text = (echoes[prompt_index] if echoes is not None else "") + text
+                    text_offsets[index] = 0
+                    if request.logprobs is not None:
+                        logprobs = _joined(echoed[prompt_index], ctx, completion)
+                        text_offsets[index] = sum(len(token) for token in logprobs["tokens"])
+                elif request.logprobs is not None:
                     logprobs = _logprobs(ctx, completion, text_offsets[index])
+                    text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
                 if not text and not completion.finish_reason and not (logprobs and logprobs["tokens"]):
                     continue
-                if logprobs is not None:
-                    text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": completion.finish_reason,
                                 "stop_reason": stop_reason(completion.stop_reason)})
@@ -119,6 +130,49 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
     except ValueError as err:  # cannot happen after validation, but never leave a stream open without an answer
         yield sse(bad_request(str(err)).body())
     yield sse("[DONE]")
+
+
+def _echoed_logprobs(ctx: ServingContext, request: CompletionRequest, output: RequestOutput) -> dict | None:
+    """OpenAI's completions logprobs of an echoed prompt's tokens (echo with logprobs; else None): the first token
+    has none, each later one its logprob and the top `logprobs` (itself too), text offsets from 0."""
+    if not request.echo or request.logprobs is None:
+        return None
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)  # none only if the request ended early
+    for token_id, entry in zip(output.prompt_token_ids, entries):
+        text = ctx.token_string(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry[token_id].logprob)
+        top = {t: lp.logprob for t, lp in entry.items() if t == token_id or lp.rank <= request.logprobs}
+        top_logprobs.append({ctx.token_string(t): value for t, value in sorted_top(top)})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _joined(echoed: dict | None, ctx: ServingContext, completion: CompletionOutput) -> dict:
+    """A choice's logprobs: its echoed prompt's (if any), then its completion's, offsets running on."""
+    if echoed is None:
+        return _logprobs(ctx, completion, 0)
+    start = sum(len(token) for token in echoed["tokens"])
+    generated = _logprobs(ctx, completion, start)
+    return {key: echoed[key] + generated[key] for key in generated}
+
+
+def _vllm_prompt_logprobs(entries: PromptLogprobs | None, k: int) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token (None first), {token id: {logprob, rank, decoded_token}} of
+    that token and the top k."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for position, (token_id, lp) in enumerate(entry.items()) if position == 0 or lp.rank <= k}
+        for entry in entries]
 
 
 def _logprobs(ctx: ServingContext, completion: CompletionOutput, text_offset: int) -> dict:
