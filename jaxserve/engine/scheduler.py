@@ -139,7 +139,10 @@ class Scheduler:
                                      or len(self.running) < spec.disable_by_batch_size)
 
     def _lookahead(self, seq: Sequence) -> int:
-        """Drafts `seq` may have: K, fewer near max_model_len or max_tokens (a step yields drafts + 1 tokens)."""
+        """Drafts `seq` may have: K, fewer near max_model_len or max_tokens (a step yields drafts + 1 tokens), none
+        for a constrained sequence (the verify sampler applies no token mask)."""
+        if seq.grammar is not None:
+            return 0
         room = self.config.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
