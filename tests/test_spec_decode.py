@@ -21,7 +21,9 @@ from tests.conftest import random_prompts, save_tiny_model
 from tests.test_async_scheduling import assert_same, completions
 
 OPTIONS = dict(max_num_seqs=4, max_model_len=160, page_size=8, max_num_batched_tokens=48, decode_batch_buckets=(1, 4))
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# speculation in batches too (on a CPU it is off by default while two or more sequences run)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None}
 
 
 def repetitive_prompts(count: int, seed: int) -> list[dict]:
@@ -71,7 +73,8 @@ def test_draft_model_greedy_outputs_equal_plain_decoding(tiny_llama_dir, tmp_pat
     """A draft with other weights (same vocabulary): outputs as without speculation, some drafts rejected."""
     draft = save_tiny_model("llama", str(tmp_path / "draft"), seed=1, num_hidden_layers=1)
     engine, got = generate(tiny_llama_dir, PROMPTS, GREEDY, num_kv_pages=24,
-                           speculative_config={"model": draft, "num_speculative_tokens": 2})
+                           speculative_config={"model": draft, "num_speculative_tokens": 2,
+                                               "disable_by_batch_size": None})
     assert_same(completions(got), plain_outputs["tight"])
     stats = engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -81,7 +84,8 @@ def test_draft_model_greedy_outputs_equal_plain_decoding(tiny_llama_dir, tmp_pat
 def test_the_target_as_its_own_draft_accepts_nearly_everything(tiny_llama_dir, plain_outputs):
     """A check of the verify step itself: the draft computes what the target computes."""
     engine, got = generate(tiny_llama_dir, PROMPTS[:4], GREEDY[:1],
-                           speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 3})
+                           speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 3,
+                                               "disable_by_batch_size": None})
     _, expected = generate(tiny_llama_dir, PROMPTS[:4], GREEDY[:1])
     assert_same(completions(got), completions(expected))
     stats = engine.stats()
@@ -104,7 +108,8 @@ def test_sampled_requests_are_seeded_and_finish(tiny_llama_dir):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_no_compiles_after_warmup(tiny_llama_dir, caplog, method):
-    spec = NGRAM if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 2}
+    spec = NGRAM if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 2,
+                                            "disable_by_batch_size": None}
     llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config=spec)
     params = GREEDY + [SamplingParams(temperature=0.7, seed=1, max_tokens=20, logprobs=2, ignore_eos=True)]
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
@@ -226,7 +231,10 @@ def test_parse_accepts_vllm_json_and_infers_the_method():
     config = SpeculativeConfig.parse('{"model": "draft-dir", "num_speculative_tokens": 3}')
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "draft-dir", 3)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).method == "ngram"
-    assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).async_scheduling is False
+    cpu_default = EngineConfig(speculative_config={"num_speculative_tokens": 2})
+    assert cpu_default.async_scheduling is False and cpu_default.speculative_config.disable_by_batch_size == 2
+    explicit = EngineConfig(speculative_config={"num_speculative_tokens": 2, "disable_by_batch_size": None})
+    assert explicit.speculative_config.disable_by_batch_size is None
 
 
 def test_drafts_stop_at_max_model_len_and_max_tokens(tiny_llama_dir):

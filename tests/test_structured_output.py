@@ -115,7 +115,7 @@ def test_async_and_synchronous_loops_give_the_same_outputs(tiny_llama_dir, pool)
 def test_with_speculative_decoding(tiny_llama_dir):
     """Constrained rows decode without drafts; the others keep speculating."""
     llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                             "prompt_lookup_min": 1})
+                                                             "prompt_lookup_min": 1, "disable_by_batch_size": None})
     params = [SamplingParams(temperature=0, max_tokens=50, guided_decoding=KINDS["json"]),
               SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)]
     outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.loading.dummy import LOAD_FORMATS
-from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.config import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class EngineConfig:
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = SpeculativeConfig.parse(
+            self.speculative_config, CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None)
         if self.speculative_config is not None and self.async_scheduling:
             # as vLLM for n-gram proposals: a step's drafts need the previous step's tokens on the host
             logger.info("speculative decoding runs its steps synchronously: async scheduling is off")

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+CPU_DISABLE_BY_BATCH_SIZE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +16,9 @@ class SpeculativeConfig:
     when `model` is set) from a smaller model with the target's vocabulary, running in the engine with its own
     KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose batch
     reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound, where
-    verifying K+1 tokens per sequence costs more than it saves)."""
+    verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
+    `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
+    unset on accelerators (not measured yet)."""
 
     method: str
     num_speculative_tokens: int
@@ -25,8 +28,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
-        """From a dict or its JSON text (the server's `--speculative-config`); ValueError naming the bad key."""
+    def parse(cls, value: "SpeculativeConfig | dict | str | None",
+              default_disable_by_batch_size: int | None = None) -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (the server's `--speculative-config`); ValueError naming the bad key.
+        `default_disable_by_batch_size` stands in for that key when the dict leaves it out."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -43,6 +48,7 @@ class SpeculativeConfig:
         options: dict[str, Any] = dict(value)
         if "method" not in options:
             options["method"] = "draft_model" if options.get("model") else "ngram"
+        options.setdefault("disable_by_batch_size", default_disable_by_batch_size)
         if "num_speculative_tokens" not in options:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
         config = cls(**options)
