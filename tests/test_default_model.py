@@ -93,7 +93,11 @@ def test_truncated_store_is_detected_and_rebuilt(tmp_path, monkeypatch):
 HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps out of habit. "
             "Below him the harbour emptied as the fishing boats slipped out past the breakwater. "
             "In 1887 a storm tore the lantern from its mount, and the town paid for a new one with a lottery. "
-            "Today the light is automatic, but visitors still ask which of the 112 steps creaks the loudest.")
+            "Today the light is automatic, but visitors still ask which of the 112 steps creaks the loudest. "
+            "The keeper's logbooks, kept in a glass case at the museum, record fog on one day in three and a whale "
+            "that stayed in the bay for most of a week. His daughter later wrote that the worst part of the job "
+            "was not the weather but the silence, and that she learned to read by the beam's slow turn across "
+            "the bedroom ceiling. When the coast guard finally replaced him, the town rang the church bell twice.")
 
 
 def test_prompt_logprobs_match_transformers_log_softmax(default_llm):
