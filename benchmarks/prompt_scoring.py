@@ -16,7 +16,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import jax
 
     from jaxserve import LLM
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=16, warmup=False, compilation_cache_dir=None)
     runner = llm.llm_engine.runner

@@ -20,11 +20,11 @@ def samples(run: Path) -> dict[str, dict[int, dict]]:
             for task, path in found.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     a, b = samples(args.run_a), samples(args.run_b)
     for task in sorted(set(a) & set(b)):
         docs = sorted(set(a[task]) & set(b[task]))

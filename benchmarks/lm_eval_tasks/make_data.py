@@ -1,11 +1,12 @@
 """Writes the lm-eval tasks' data (benchmarks/data/lm_eval_*.jsonl), deterministically, from the tables below: world
 capitals and antonyms as 4-way multiple choice (loglikelihood) and two-number arithmetic (generate_until).
 
-    python benchmarks/lm_eval_tasks/make_data.py
+    python benchmarks/lm_eval_tasks/make_data.py [--out benchmarks/data]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -69,13 +70,20 @@ def arithmetic(count: int, rng: random.Random) -> list[dict]:
     return docs
 
 
-def write(name: str, docs: list[dict]) -> None:
-    with open(DATA / name, "w") as handle:
+def write(out: Path, name: str, docs: list[dict]) -> None:
+    with open(out / name, "w") as handle:
         handle.writelines(json.dumps(doc) + "\n" for doc in docs)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DATA)
+    out = parser.parse_args(argv).out
     rng = random.Random(16)
-    write("lm_eval_capitals.jsonl", multiple_choice(CAPITALS, "country", rng))
-    write("lm_eval_antonyms.jsonl", multiple_choice(ANTONYMS, "word", rng))
-    write("lm_eval_arithmetic.jsonl", arithmetic(150, rng))
+    write(out, "lm_eval_capitals.jsonl", multiple_choice(CAPITALS, "country", rng))
+    write(out, "lm_eval_antonyms.jsonl", multiple_choice(ANTONYMS, "word", rng))
+    write(out, "lm_eval_arithmetic.jsonl", arithmetic(150, rng))
+
+
+if __name__ == "__main__":
+    main()
