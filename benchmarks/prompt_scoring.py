@@ -1,5 +1,6 @@
-"""What prompt scoring costs: for each prefill shape, the seconds of the first call (compile + one run) of the plain
-and the scoring prefill (`prefill_scores_step`, compiled at start-up too) and the median seconds of later calls.
+"""What prompt scoring costs: for each prefill shape, the seconds of the first call (compile + one run) of the prefill
+and of the scoring step that follows a prefill holding a scoring chunk (`prompt_scores_step`: the LM head over every
+position, log-softmax, rank, top 20; compiled at start-up too), and the median milliseconds of later calls of each.
 
     python benchmarks/prompt_scoring.py --max-num-batched-tokens 256
 """
@@ -30,31 +31,31 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=16, warmup=False, compilation_cache_dir=None)
     runner = llm.llm_engine.runner
-    print("| rows x tokens | first call plain (s) | first call scoring (s) | call plain (ms) | call scoring (ms) |")
+
+    def timed(kind: str, inputs: tuple) -> tuple[float, float]:
+        """(seconds of the first call, median seconds of the next `repeats`)."""
+        seconds = []
+        for _ in range(1 + args.repeats):
+            started = time.perf_counter()
+            if kind == "score":  # reads the params only
+                jax.block_until_ready(runner._score(runner.params, *inputs))
+            else:  # donates the pool: replay keeps the runner's state current
+                runner.replay(kind, inputs)
+                jax.block_until_ready(runner.kv_cache)
+            seconds.append(time.perf_counter() - started)
+        return seconds[0], statistics.median(seconds[1:])
+
+    print("| rows x tokens | first call prefill (s) | first call scoring (s) | prefill (ms) | scoring (ms) |")
     print("|---|---|---|---|---|")
     totals = [0.0, 0.0]
-    by_shape: dict[tuple, dict[str, tuple[float, float]]] = {}
-    for kind, inputs in runner.example_inputs():
-        if kind not in ("prefill", "prefill_scores"):
-            continue
-        shape = inputs[0].shape
-        started = time.perf_counter()
-        runner.replay(kind, inputs)
-        jax.block_until_ready(runner.kv_cache)
-        compile_seconds = time.perf_counter() - started
-        times = []
-        for _ in range(args.repeats):
-            jax.block_until_ready(runner.kv_cache)
-            started = time.perf_counter()
-            runner.replay(kind, inputs)
-            jax.block_until_ready(runner.kv_cache)
-            times.append(time.perf_counter() - started)
-        by_shape.setdefault(shape, {})[kind] = (compile_seconds, statistics.median(times))
-    for shape, kinds in by_shape.items():
-        (cp, tp), (cs, ts) = kinds["prefill"], kinds["prefill_scores"]
-        totals[0] += cp
-        totals[1] += cs
-        print(f"| {shape[0]} x {shape[1]} | {cp:.1f} | {cs:.1f} | {tp * 1e3:.0f} | {ts * 1e3:.0f} |")
+    examples = [(kind, inputs) for kind, inputs in runner.example_inputs() if kind in ("prefill", "score")]
+    for (_, prefill), (_, score) in zip(examples[::2], examples[1::2]):
+        (first_prefill, prefill_seconds), (first_score, score_seconds) = timed("prefill", prefill), timed("score", score)
+        totals[0] += first_prefill
+        totals[1] += first_score
+        rows, tokens = prefill[0].shape
+        print(f"| {rows} x {tokens} | {first_prefill:.1f} | {first_score:.1f} | {prefill_seconds * 1e3:.0f} | "
+              f"{score_seconds * 1e3:.0f} |")
     print(f"| all | {totals[0]:.1f} | {totals[1]:.1f} | | |")
 
 
