@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
            "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py",
-           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py"]
+           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py",
+           "lm_eval_tasks/make_data.py", "lm_eval_tasks/export_hf.py", "lm_eval_tasks/compare_samples.py"]
 
 
 # -- metric math ---------------------------------------------------------------------------------------------
@@ -579,3 +580,40 @@ def test_spec_decode_smoke(tiny_llama_dir, tmp_path):
     assert {row[0] for row in payload["summary"]} == {"plain", "ngram", "draft"}
     assert all(row[-1] is True for row in payload["summary"])
     assert payload["methods"]["draft"]["sets"]["copy"]["acceptance_rate"] > 0.9
+
+
+def test_prompt_scoring_smoke(tiny_llama_dir, capsys):
+    from benchmarks import prompt_scoring
+
+    prompt_scoring.main(["--model", tiny_llama_dir, "--max-model-len", "64", "--max-num-batched-tokens", "32",
+                         "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 x 16 |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 7
+
+
+def test_lm_eval_tasks_data_is_what_make_data_writes(tmp_path):
+    """The shipped JSONL are make_data.py's output, and every task YAML reads a file that exists."""
+    from benchmarks.lm_eval_tasks import make_data
+
+    make_data.main(["--out", str(tmp_path)])
+    for path in tmp_path.iterdir():
+        assert path.read_text() == (REPO / "benchmarks" / "data" / path.name).read_text()
+    for task in (REPO / "benchmarks" / "lm_eval_tasks").glob("jaxserve_*.yaml"):
+        for line in task.read_text().splitlines():
+            if line.strip().startswith("test: "):
+                assert (REPO / line.split(": ", 1)[1]).is_file(), task
+
+
+def test_compare_samples_by_hand(tmp_path, capsys):
+    from benchmarks.lm_eval_tasks import compare_samples
+
+    for run, (logprob, answer) in {"a": (-1.0, "7"), "b": (-1.25, "8")}.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "samples_mc_2026.jsonl").write_text(json.dumps(
+            {"doc_id": 0, "filtered_resps": [[str(logprob), "True"], ["-3.0", "False"]], "acc": 1.0}) + "\n")
+        (tmp_path / run / "samples_gen_2026.jsonl").write_text(json.dumps(
+            {"doc_id": 0, "filtered_resps": [answer], "exact_match": float(answer == "7")}) + "\n")
+    compare_samples.main([str(tmp_path / "a"), str(tmp_path / "b")])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["gen: 1 docs, exact_match 1.0000 vs 0.0000, generated answers differ: 1",
+                       "mc: 1 docs, acc 1.0000 vs 1.0000, 2 loglikelihoods: max |diff| 2.50e-01, is_greedy differs 0"]

@@ -88,3 +88,38 @@ def test_truncated_store_is_detected_and_rebuilt(tmp_path, monkeypatch):
     os.remove(store / "jaxserve_manifest.json")
     with pytest.raises(CorruptCheckpointError, match="did not finish"):
         verify_store(store)
+
+
+HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps out of habit. "
+            "Below him the harbour emptied as the fishing boats slipped out past the breakwater. "
+            "In 1887 a storm tore the lantern from its mount, and the town paid for a new one with a lottery. "
+            "Today the light is automatic, but visitors still ask which of the 112 steps creaks the loudest. "
+            "The keeper's logbooks, kept in a glass case at the museum, record fog on one day in three and a whale "
+            "that stayed in the bay for most of a week. His daughter later wrote that the worst part of the job "
+            "was not the weather but the silence, and that she learned to read by the beam's slow turn across "
+            "the bedroom ceiling. When the coast guard finally replaced him, the town rang the church bell twice.")
+
+
+def test_prompt_logprobs_match_transformers_log_softmax(default_llm):
+    """Prompt scoring in the prefill (chunks of 128 tokens) against transformers' float32 log_softmax over the whole
+    text, on the same GGUF: every token's logprob within 2e-3, and the top-5 ranks agree."""
+    import torch
+    import transformers
+
+    gguf = Path(default_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                           dtype=torch.float32).eval()
+    ids = default_llm.get_tokenizer().encode(HELD_OUT)
+    assert len(ids) > 128  # more than one prefill chunk
+    out = default_llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=5))[0]
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    ours = np.array([entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+    expected = reference[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(ours, expected, atol=2e-3)
+    for position, entry in enumerate(out.prompt_logprobs[1:]):
+        top = sorted((lp.rank, token) for token, lp in entry.items() if lp.rank <= 5)
+        np.testing.assert_allclose([reference[position, token] for _, token in top],
+                                   np.sort(reference[position])[::-1][:len(top)], atol=2e-3)

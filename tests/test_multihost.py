@@ -51,7 +51,8 @@ def three_head_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_device_texts(three_head_model) -> list[str]:
+def one_device(three_head_model) -> dict[str, list]:
+    """What one device answers: the greedy and sampled texts, and PROMPTS[1]'s prompt logprobs."""
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
@@ -59,7 +60,10 @@ def one_device_texts(three_head_model) -> list[str]:
                            use_tqdm=False)
     sampled = llm.generate(PROMPTS[0], SamplingParams(**SAMPLED, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
-    return [output.outputs[0].text for output in outputs] + [sampled[0].outputs[0].text]
+    scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    return {"texts": [output.outputs[0].text for output in outputs] + [sampled[0].outputs[0].text],
+            "prompt_logprobs": [entry[token].logprob
+                                for token, entry in zip(scored.prompt_token_ids[1:], scored.prompt_logprobs[1:])]}
 
 
 class Cluster:
@@ -127,12 +131,15 @@ def complete(cluster: Cluster, prompt: str, **options) -> httpx.Response:
     return httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
 
 
-def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, one_device_texts):
-    """Greedy and seeded sampling with penalties (the followers run the sampler on their own logits)."""
+def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, one_device):
+    """Greedy and seeded sampling with penalties (the followers run the sampler on their own logits) and prompt
+    scoring (they score their own prefill's last-layer output)."""
     cluster = start_cluster()
     texts = [complete(cluster, prompt).json()["choices"][0]["text"] for prompt in PROMPTS]
     texts.append(complete(cluster, PROMPTS[0], **SAMPLED).json()["choices"][0]["text"])
-    assert texts == one_device_texts
+    assert texts == one_device["texts"]
+    scored = complete(cluster, PROMPTS[1], max_tokens=0, echo=True, logprobs=1).json()["choices"][0]
+    assert scored["logprobs"]["token_logprobs"][1:] == pytest.approx(one_device["prompt_logprobs"], abs=1e-4)
     cluster.processes[0].send_signal(signal.SIGTERM)
     assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
 

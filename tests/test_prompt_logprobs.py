@@ -167,3 +167,11 @@ def test_delta_outputs_carry_the_prompt_logprobs_once_with_the_first_tokens(chun
     assert_matches(outputs[0].prompt_logprobs, prompt, reference(hf_model, prompt), 2)
     assert all(out.prompt_logprobs is None for out in outputs[1:])
     assert sum(len(out.outputs[0].token_ids) for out in outputs) == 5
+
+
+def test_prompt_logprobs_with_the_vocabulary_split_over_two_devices(tiny_llama_dir, hf_model):
+    """Tensor parallelism shards the logits' vocabulary: the log-softmax and top-k of the scoring prefill span it."""
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, enable_prefix_caching=False, **CHUNKED)
+    prompt = random_prompts(1, 500, 45, 45, seed=31)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+    assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), 3)

@@ -24,8 +24,9 @@ plain (greedy, no penalties, no pending min_tokens, no logprobs, no grammar) tak
 sampler, a second small jitted function (penalty state, logits, sampling parameters, token bitmask) -> (tokens,
 new penalty state) with the penalty state donated. One forward per shape serves both, so start-up compiles each
 forward once, and every shape a step can have is compiled at start-up (`warmup`, `engine/startup.py`). A prefill
-call holding a chunk that scores its prompt tokens runs a second compiled prefill per shape, which also returns
-every position's `PromptScores`; other calls run the plain one and pay nothing for it.
+also returns its last layer's output; after a call holding a chunk that scores its prompt tokens
+(prompt_logprobs), a small jitted step runs the LM head over it and scores every position (`PromptScores`); other
+calls skip it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
 from jaxserve.engine.step_output import InFlightStep, PendingSample, SampledToken, sampled_token
-from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_scores_step, prefill_step,
+from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_step, prompt_scores_step,
                                    reset_penalties_step, sample_step, verify_sample_step, verify_step)
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.prompt_logprobs import PromptScores
@@ -108,11 +109,12 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         params_in, kv_in = param_shardings(self.params, config, self.tp, self.mesh), [(pool, pool)] * config.num_layers
         forward_shardings = dict(in_shardings=(params_in, kv_in, replicated) + (replicated,) * 4,
                                  out_shardings=(replicated, replicated, kv_in, replicated), donate_argnums=(1, 2))
-        prefill_shardings = dict(forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 3)
+        prefill_shardings = dict(forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 3,
+                                 out_shardings=forward_shardings["out_shardings"] + (replicated,))
         static = (config, self.tp, self.backend, self.dtype, self.page_size)
-        self._prefill = jax.jit(functools.partial(prefill_step, *static), **prefill_shardings)
-        self._prefill_scores = jax.jit(functools.partial(prefill_scores_step, *static), **dict(
-            prefill_shardings, out_shardings=prefill_shardings["out_shardings"] + (replicated,)))
+        self._prefill = jax.jit(functools.partial(prefill_step, *static, with_hidden=True), **prefill_shardings)
+        self._score = jax.jit(functools.partial(prompt_scores_step, config, self.tp, self.dtype),
+                              in_shardings=(params_in,) + (replicated,) * 4, out_shardings=replicated)
         self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
         self._verify = jax.jit(functools.partial(verify_step, *static), **dict(
             forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 2))
@@ -127,7 +129,7 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
         self._all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
                              for rows in self.sampler_rows}
-        self._jitted = {"prefill": self._prefill, "prefill_scores": self._prefill_scores, "decode": self._decode,
+        self._jitted = {"prefill": self._prefill, "score": self._score, "decode": self._decode,
                         "sample": self._sample,
                         "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table,
                         "verify": self._verify, "verify_sample": self._verify_sample}
@@ -135,6 +137,7 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
             self._jitted |= {"draft_prefill": self.draft.prefill_fn, "propose": self.draft.propose_fns[False],
                              "propose_probs": self.draft.propose_fns[True]}
         self._follower_logits = None  # a multi-host follower's latest forward logits (see `replay`)
+        self._follower_hidden = None  # and its latest prefill's last-layer output
         self._warm = False  # after warm-up, a jitted step's cache growing means a compile while serving
         self._cache_sizes: dict[str, int] = {}
         # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
@@ -240,13 +243,12 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         if self.draft is not None:
             _, _, self.draft.kv_cache, self.draft.slot_state = self._call(
                 "draft_prefill", self.draft.prefill_fn, self._state("draft_prefill"), arrays)
+        logits, greedy, self.kv_cache, self.slot_state, hidden = self._call(
+            "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
         scores = None
         if inputs.scored:
-            logits, greedy, self.kv_cache, self.slot_state, scores = self._call(
-                "prefill_scores", self._prefill_scores, (self.params, self.kv_cache, self.slot_state), arrays)
-        else:
-            logits, greedy, self.kv_cache, self.slot_state = self._call(
-                "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
+            scores = self._call("score", self._score, (self.params,),
+                                (hidden, inputs.token_ids, inputs.num_tokens, inputs.next_tokens))
         guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
                   if chunk.is_final and chunk.seq.grammar is not None]
         return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
@@ -303,8 +305,8 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
     def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
         """Runs a jitted step through jax's C++ dispatch path, which after warm-up finds every shape compiled (a
         miss is logged: it would compile while serving)."""
-        if self.on_call is not None:  # the sampler's logits are not sent: followers hold their own (`replay`)
-            self.on_call(kind, (None, *inputs[1:]) if kind == "sample" else inputs)
+        if self.on_call is not None:  # a forward's outputs are not sent: followers hold their own (`replay`)
+            self.on_call(kind, (None, *inputs[1:]) if kind in ("sample", "score") else inputs)
         outputs = jitted(*state, *inputs)
         if self._warm and jitted._cache_size() != self._cache_sizes[kind]:
             self._cache_sizes[kind] = jitted._cache_size()

@@ -36,16 +36,17 @@ class StartupSteps:
     def example_inputs(self):
         """`(kind, inputs)` for every shape the engine can run; they write only to the scratch page, and no slot."""
         ec = self.engine_config
+        replicated = NamedSharding(self.mesh, REPLICATED)
         for rows, tokens in ec.prefill_shapes:
             zeros = np.zeros(rows, np.int32)
-            for kind in ("prefill", "prefill_scores"):
-                yield kind, (np.zeros((rows, tokens), np.int32), zeros, zeros,
-                             np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
+            yield "prefill", (np.zeros((rows, tokens), np.int32), zeros, zeros,
+                              np.zeros((rows, ec.pages_per_seq), np.int32), zeros, np.zeros(rows, bool), zeros)
+            hidden = jnp.zeros((rows, tokens, self.config.hidden_size), self.dtype, device=replicated)  # a prefill's
+            yield "score", (hidden, np.zeros((rows, tokens), np.int32), zeros, zeros)
         for rows in ec.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
             yield "decode", (zeros, zeros, zeros, np.zeros(rows, bool))
         yield "table", (SlotSamplingParams(ec.max_num_seqs).table(),)
-        replicated = NamedSharding(self.mesh, REPLICATED)
         for rows in self.sampler_rows:
             zeros = np.zeros(rows, np.int32)
             logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32, device=replicated)  # as a forward's
@@ -62,6 +63,8 @@ class StartupSteps:
             return self.penalties, self.slot_state, self.sampling_table
         if kind == "table":
             return ()
+        if kind == "score":
+            return (self.params,)
         if kind == "draft_prefill":
             return self.draft.params, self.draft.kv_cache, self.draft.slot_state
         if kind in ("propose", "propose_probs"):
@@ -71,9 +74,12 @@ class StartupSteps:
     def replay(self, kind: str, inputs: tuple) -> None:
         """Runs one call as `_call` would and keeps only its new state: how a multi-host follower runs the
         leader's calls, and how warm-up runs its examples. A follower's sampler call comes without logits: it
-        samples the logits of its own latest forward, the leader's call before it."""
+        samples the logits of its own latest forward, the leader's call before it (a scoring call likewise reads
+        its latest prefill's last-layer output)."""
         if kind == "sample" and inputs[0] is None:
             inputs = (self._follower_logits, *inputs[1:])
+        if kind == "score" and inputs[0] is None:
+            inputs = (self._follower_hidden, *inputs[1:])
         outputs = self._call(kind, self._jitted[kind], self._state(kind), inputs)
         if kind in ("reset", "ban"):
             self.penalties = outputs
@@ -85,8 +91,10 @@ class StartupSteps:
             _, _, self.draft.kv_cache, self.draft.slot_state = outputs
         elif kind in ("propose", "propose_probs"):
             self.draft.kv_cache = outputs[2]
-        else:  # a forward (a scoring prefill adds its scores, which only the leader reads)
-            self._follower_logits, _, self.kv_cache, self.slot_state = outputs[:4]
+        elif kind == "prefill":
+            self._follower_logits, _, self.kv_cache, self.slot_state, self._follower_hidden = outputs
+        elif kind != "score":  # a scoring call's scores only the leader reads
+            self._follower_logits, _, self.kv_cache, self.slot_state = outputs
 
     def warmup(self) -> float:
         """Compiles every shape ahead of time (lowered in turn, each compiled in a pool as soon as it is

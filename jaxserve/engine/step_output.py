@@ -44,7 +44,7 @@ class InFlightStep:
 
     calls: list[tuple[list[tuple[int, Sequence]], SampleResult | PendingSample]]
     num_draft: np.ndarray | None = None  # a verify call's (the last call): each row's drafts
-    # scoring prefill calls: their scored rows (row, sequence, prompt tokens), chunk starts and scores on the device
+    # prefill calls followed by a scoring step: their scored rows (row, sequence, prompt tokens), chunk starts, scores
     scores: list[tuple[list[tuple[int, Sequence, range]], np.ndarray, Any]] = dataclasses.field(default_factory=list)
 
 

@@ -5,8 +5,9 @@
   step t's tokens (async scheduling), and its page tables, so the host sends only each row's current page.
 * `prefill_step` / `decode_step`: the model's forward over chunks or one token per row, writing K/V into
   the (donated) page pool and the rows' argmax and page tables into the slot state; they return the
-  logits, their argmax, the new pool and the new slot state. `prefill_scores_step` is the prefill that also
-  scores every position's next token (prompt_logprobs), for the calls that hold a chunk asking for it.
+  logits, their argmax, the new pool and the new slot state (the engine's prefill also the last layer's output).
+* `prompt_scores_step`: the LM head over a prefill's last-layer output and each position's score of its next
+  token (prompt_logprobs), run after the prefill calls that hold a chunk asking for it.
 * `verify_step` / `verify_sample_step` (speculative decoding): the forward over each row's latest token and
   its K drafts, and the acceptance of the drafts (greedy in the forward, the sampler's otherwise).
 * `sample_step`: the full sampler on a forward's logits, with each slot's sampling parameters from a device
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.prompt_logprobs import score_next_tokens
 from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, argmax, sample
-from jaxserve.models import forward
+from jaxserve.models import forward, head_logits
 from jaxserve.spec_decode.verify import verify_greedy, verify_sample
 
 
@@ -45,11 +46,11 @@ def _rows_to_slots(slot_state: SlotState, slots, keep):
 
 
 def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, token_ids, starts,
-                 num_tokens, page_tables, slots, is_final, next_tokens, every_position: bool = False):
+                 num_tokens, page_tables, slots, is_final, next_tokens, with_hidden: bool = False):
     """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`. Each
     row's page table becomes its slot's, and so does the token its sequence feeds next: a final chunk's argmax,
     else the token after the chunk (`next_tokens`; a recompute may leave its last known token to a decode).
-    With `every_position`, the logits are the pair (last token's, every token's)."""
+    `with_hidden` adds a fifth output, the last layer's output `[rows, T, hidden]` (`prompt_scores_step`'s input)."""
     rows, chunk = token_ids.shape
     positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     valid = jnp.arange(chunk)[None, :] < num_tokens[:, None]
@@ -58,28 +59,27 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_tables=page_tables,
                              context_lens=jnp.where(num_tokens > 0, starts + num_tokens, 0), query_lens=num_tokens)
-    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
-                               logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
-                               every_position=every_position)
-    greedy = argmax(logits[0] if every_position else logits)
+    (logits, hidden), kv_cache = forward(params, config, backend, token_ids, kv_cache, meta,
+                                         logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
+                                         with_hidden=True)
+    greedy = argmax(logits)
     live = _rows_to_slots(slot_state, slots, num_tokens > 0)
     slot_state = SlotState(
         tokens=slot_state.tokens.at[live].set(jnp.where(is_final, greedy, next_tokens), mode="drop"),
         page_tables=slot_state.page_tables.at[live].set(page_tables, mode="drop"))
+    if with_hidden:
+        return logits, greedy, kv_cache, slot_state, hidden.astype(dtype)
     return logits, greedy, kv_cache, slot_state
 
 
-def prefill_scores_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, token_ids,
-                        starts, num_tokens, page_tables, slots, is_final, next_tokens):
-    """`prefill_step`, plus the `PromptScores` of every position's next token: the chunk's next token, and at its
-    last position `next_tokens` (a final chunk's last position predicts an output token: its score is unused)."""
-    (logits, every), greedy, kv_cache, slot_state = prefill_step(
-        config, tp, backend, dtype, page_size, params, kv_cache, slot_state, token_ids, starts, num_tokens,
-        page_tables, slots, is_final, next_tokens, every_position=True)
+def prompt_scores_step(config, tp, dtype, params, hidden, token_ids, num_tokens, next_tokens):
+    """The `PromptScores` of a prefill call's every position (`hidden`: its last-layer output): each scores the
+    chunk's next token, its last position `next_tokens`, the next chunk's first (a final chunk's last position
+    predicts an output token: that score is unused)."""
     shifted = jnp.concatenate([token_ids[:, 1:], jnp.zeros_like(token_ids[:, :1])], axis=1)
     last = jnp.arange(token_ids.shape[1])[None, :] == (num_tokens - 1)[:, None]
-    scores = score_next_tokens(every, jnp.where(last, next_tokens[:, None], shifted))
-    return logits, greedy, kv_cache, slot_state, scores
+    logits = head_logits(params, config, hidden, dtype, tp)
+    return score_next_tokens(logits, jnp.where(last, next_tokens[:, None], shifted))
 
 
 def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, slots, positions,

@@ -2,6 +2,7 @@
 (params, token ids, KV pools, attention metadata) -> (logits, new KV pools)."""
 
 from jaxserve.models.llama import (KVCache, LlamaForCausalLM, checkpoint_shapes, forward, fuse_layer, fuse_params,
-                                   param_shapes)
+                                   head_logits, param_shapes)
 
-__all__ = ["KVCache", "LlamaForCausalLM", "checkpoint_shapes", "forward", "fuse_layer", "fuse_params", "param_shapes"]
+__all__ = ["KVCache", "LlamaForCausalLM", "checkpoint_shapes", "forward", "fuse_layer", "fuse_params", "head_logits",
+           "param_shapes"]

@@ -110,8 +110,9 @@ class LlamaForCausalLM(nn.Module):
     """`(token_ids [B, T], kv_cache, meta, logits_indices [B] | None) -> (float32 logits, new kv_cache)`.
 
     With `logits_indices`, only one token per row gets logits ([B, vocab]); without, every token ([B, T, vocab]).
-    With both `logits_indices` and `every_position`, the logits are the pair (those of the indexed tokens, those of
-    every token), the first computed exactly as without `every_position`.
+    `with_hidden` also returns the last layer's output `[B, T, hidden]` (before the final norm): `(logits, hidden)`.
+    Given `hidden` instead of tokens (no cache, no metadata), only the final norm and the LM head run: the logits of
+    every position of an earlier forward (`head_logits`).
     """
 
     config: ModelConfig
@@ -121,33 +122,46 @@ class LlamaForCausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, token_ids, kv_cache: KVCache, meta: AttentionMetadata, logits_indices=None,
-                 every_position: bool = False):
+                 with_hidden: bool = False, hidden=None):
         cfg = self.config
         vocab_shards = self.tp.size if cfg.vocab_size % self.tp.size == 0 else 1  # as the sharding table splits it
         embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, vocab_shards=vocab_shards, name="embed")
-        x = embed(token_ids)
         new_cache = []
-        for layer, (k_pool, v_pool) in enumerate(kv_cache):
-            x, k_pool, v_pool = DecoderLayer(cfg, self.tp, self.backend, cfg.layer_sliding_windows[layer], self.dtype,
-                                             name=f"layers_{layer}")(x, k_pool, v_pool, meta)
-            new_cache.append((k_pool, v_pool))
-        final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")
-        lm_head = embed.attend if cfg.tie_word_embeddings else Linear(cfg.vocab_size, dtype=self.dtype, name="lm_head")
-        every = x
+        if hidden is None:
+            x = embed(token_ids)
+            for layer, (k_pool, v_pool) in enumerate(kv_cache):
+                x, k_pool, v_pool = DecoderLayer(cfg, self.tp, self.backend, cfg.layer_sliding_windows[layer],
+                                                 self.dtype, name=f"layers_{layer}")(x, k_pool, v_pool, meta)
+                new_cache.append((k_pool, v_pool))
+            hidden = x
+        else:
+            x = hidden
         if logits_indices is not None:
             x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]
-        logits = lm_head(final_norm(x)).astype(jnp.float32)
-        if every_position and logits_indices is not None:
-            logits = (logits, lm_head(final_norm(every)).astype(jnp.float32))
-        return logits, new_cache
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Linear(cfg.vocab_size, dtype=self.dtype, name="lm_head")(x)
+        logits = logits.astype(jnp.float32)
+        return ((logits, hidden) if with_hidden else logits), new_cache
 
 
 def forward(params, config: ModelConfig, backend: AttentionBackend, token_ids, kv_cache: KVCache,
             meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel(),
-            every_position: bool = False):
-    """The pure forward function the engine jits: params (serving layout) and cache in, logits and new cache out."""
+            with_hidden: bool = False):
+    """The pure forward function the engine jits: params (serving layout) and cache in, logits and new cache out
+    (`with_hidden`: the logits are the pair (logits, the last layer's output))."""
     model = LlamaForCausalLM(config, backend, dtype, tp)
-    return model.apply({"params": params}, token_ids, kv_cache, meta, logits_indices, every_position)
+    return model.apply({"params": params}, token_ids, kv_cache, meta, logits_indices, with_hidden)
+
+
+def head_logits(params, config: ModelConfig, hidden, dtype=jnp.float32, tp: TensorParallel = TensorParallel()):
+    """The final norm and LM head over a forward's last-layer output `hidden [B, T, hidden]`: float32 logits of every
+    position `[B, T, vocab]`, as the forward computes them for its own logits."""
+    model = LlamaForCausalLM(config, AttentionBackend("xla"), dtype, tp)
+    logits, _ = model.apply({"params": params}, None, None, None, hidden=hidden)
+    return logits
 
 
 def param_shapes(config: ModelConfig, dtype=jnp.float32, tp: TensorParallel = TensorParallel()) -> dict:
