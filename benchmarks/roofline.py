@@ -197,7 +197,8 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     runner.slot_state = state.replace(tokens=state.tokens.at[slots].set(tokens),
                                       page_tables=state.page_tables.at[slots].set(page_tables))
     pages = page_tables[np.arange(rows), (context - 1) // config.page_size]
-    inputs = DecodeInputs([None] * batch, slots, positions, pages, np.zeros(rows, np.int32), active)
+    # no host sequences: the step is timed alone, and every slot is a plain greedy one (the forward's argmax)
+    inputs = DecodeInputs([], slots, positions, pages, np.zeros(rows, np.int32), active)
     timing = time_fn(lambda: runner.decode(inputs), warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.page_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,
