@@ -126,7 +126,8 @@ class LLMEngine:
         prompt_text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
         self.validate_priority(priority)
-        self.validate_guided_decoding(params)
+        # the grammar compiles here (cached by its text), before the id is taken; each sequence gets its own copy
+        grammar = self.grammars.matcher(params.guided_decoding) if params.guided_decoding is not None else None
         with self._ids_lock:
             if request_id is None:
                 request_id = next(str(i) for i in self._request_counter if str(i) not in self._live_ids)
@@ -139,8 +140,8 @@ class LLMEngine:
         for index in range(params.n):
             seed = (base_seed + 0x9E3779B1 * index) % 2**32
             seqs.append(Sequence(request_id, index, token_ids, params, seed, arrival_time, priority))
-            if params.guided_decoding is not None:
-                seqs[-1].grammar = self.grammars.matcher(params.guided_decoding)
+            if grammar is not None:
+                seqs[-1].grammar = grammar.deep_copy()
             detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                  params.include_stop_str_in_output))
         request = Request(request_id, prompt_text, token_ids, params, seqs, detoks, arrival_time)
@@ -293,9 +294,9 @@ class LLMEngine:
             if seq.page_table:
                 self.page_manager.commit_full_pages(seq)
             touched.add(seq.request_id)
-        for sample in sampled:  # the room made for drafts that were rejected (or not proposed) goes back
-            if sample.seq.num_lookahead and not sample.seq.is_finished:
-                self.page_manager.trim(sample.seq)
+        for seq in {sample.seq for sample in sampled if sample.seq.num_lookahead}:  # the room made for drafts
+            if not seq.is_finished:  # that were rejected (or not proposed) goes back to the pool
+                self.page_manager.trim(seq)
         return touched
 
     def _append_token(self, sample: SampledToken, now: float) -> None:
