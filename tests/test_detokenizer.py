@@ -119,3 +119,45 @@ def test_long_text_slices_and_late_stop_strings(tokenizer):
     for start, end in rng.integers(0, len(text) + 1, (200, 2)):
         assert detok.text_from(int(start), int(end)) == text[start:end]
     assert detok.visible_text(finished=False, start=len(text) - 5) == text[-5:]
+
+
+def test_stop_strings_match_a_brute_force_search(tokenizer):
+    """Random texts, stop strings (some of them substrings of the text, of lengths 1-9) and first checked tokens: the
+    stop string found, and the cut, are a search of the whole text at each token's end would give: the earliest
+    match that ends inside the first checked piece that completes one."""
+    rng = np.random.default_rng(11)
+    words = ["alpha", "beta ", "gamma", " ", "δέλτα", "🚀", "END", "x", "ab", "\n"]
+    for trial in range(60):
+        text = "".join(rng.choice(words, int(rng.integers(5, 60))))
+        ids = tokenizer.encode(text)
+        plain = IncrementalDetokenizer(tokenizer, [], stop=[], skip_special_tokens=True)
+        ends = []  # the text's length after each token
+        for token in ids:
+            plain.add_token(token)
+            ends.append(len(plain))
+        full = plain.text
+        stops = []
+        for _ in range(int(rng.integers(1, 4))):
+            length = int(rng.integers(1, 10))
+            start = int(rng.integers(0, max(1, len(full) - length)))
+            stops.append(full[start:start + length] if rng.random() < 0.7 else "zq"[:length])
+        stops = [s for s in stops if s]
+        late, include = int(rng.integers(1, len(ids) + 1)), bool(rng.random() < 0.5)
+        expected = None
+        for count in range(late, len(ids) + 1):
+            before, end = (ends[count - 2] if count >= 2 else 0), ends[count - 1]
+            hits = [(at, stop) for stop in stops
+                    if (at := full.find(stop, max(0, before - len(stop) + 1), end)) != -1 and at + len(stop) > before]
+            if end > before and hits:
+                at, stop = min(hits)
+                expected = (stop, full[:at + (len(stop) if include else 0)])
+                break
+        detok = IncrementalDetokenizer(tokenizer, [], stop=stops, skip_special_tokens=True, include_stop_str=include)
+        found = None
+        for count, token in enumerate(ids, start=1):
+            found = detok.add_token(token, check_stop=count >= late)
+            if found:
+                break
+        got = (found, detok.text) if found else None
+        assert got == expected, (trial, text, stops, late)
+        assert len(detok) == len(detok.text)

@@ -29,8 +29,10 @@ class IncrementalDetokenizer:
         self.include_stop_str = include_stop_str
         self._pieces: list[str] = []
         self._ends: list[int] = []  # the text's length after each piece
+        self._length = 0
         self._longest_stop = max((len(s) for s in stop), default=0)
         self._holdback = max(self._longest_stop, 1) - 1
+        self._tail = ""  # the text's last `_holdback` characters: where a stop string the next piece completes starts
 
     @property
     def text(self) -> str:
@@ -38,7 +40,7 @@ class IncrementalDetokenizer:
         return "".join(self._pieces)
 
     def __len__(self) -> int:
-        return self._ends[-1] if self._ends else 0
+        return self._length
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Appends one token's text. With `check_stop`, returns the first stop string that the new text
@@ -48,21 +50,24 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
-        old_length = len(self)
+        self._length += len(piece)
         self._pieces.append(piece)
-        self._ends.append(old_length + len(piece))
-        if not check_stop or not self.stop:
+        self._ends.append(self._length)
+        if not self.stop:
             return None
-        start = max(0, old_length - self._longest_stop + 1)  # a stop string the new piece completes starts here
-        tail = self.text_from(start)
+        window = self._tail + piece  # text from window_start on
+        window_start = self._length - len(window)
+        self._tail = window[max(0, len(window) - self._holdback):] if self._holdback else ""
+        if not check_stop:
+            return None
         found = [(at, stop) for stop in self.stop
-                 if (at := tail.find(stop, max(0, old_length - len(stop) + 1 - start))) != -1]
+                 if (at := window.find(stop, max(0, len(window) - len(piece) - len(stop) + 1))) != -1]
         if not found:
             return None
         at, stop = min(found)
-        cut = start + at + (len(stop) if self.include_stop_str else 0)
+        cut = window_start + at + (len(stop) if self.include_stop_str else 0)
         text = self.text[:cut]  # once, when the sequence stops
-        self._pieces, self._ends = [text], [len(text)]
+        self._pieces, self._ends, self._length, self._tail = [text], [len(text)], len(text), ""
         return stop
 
     def text_from(self, start: int, end: int | None = None) -> str:

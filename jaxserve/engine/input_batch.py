@@ -94,18 +94,14 @@ def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
     """O(rows) host work: the device holds every slot's page table and latest token."""
     rows = bucket_for(len(seqs), config.decode_batch_buckets)
     page_size = config.page_size
-    slots, positions, pages, output_index = [], [], [], []
-    for seq in seqs:
-        position = seq.num_tokens - 1
-        slots.append(seq.slot)
-        positions.append(position)
-        pages.append(seq.page_table[position // page_size])
-        output_index.append(seq.num_output_tokens + seq.num_pending)
-    pad = [0] * (rows - len(seqs))
+    columns = np.zeros((rows, 4), np.int32)  # slot, position, page, output index (of the token the row samples)
+    if seqs:
+        columns[:len(seqs)] = [(seq.slot, (last := seq.num_tokens - 1), seq.page_table[last // page_size],
+                                last + 1 - seq.num_prompt_tokens) for seq in seqs]
+    slots, positions, pages, output_index = columns.T.copy()
     active = np.zeros(rows, bool)
     active[:len(seqs)] = True
-    return DecodeInputs(seqs, np.array(slots + pad, np.int32), np.array(positions + pad, np.int32),
-                        np.array(pages + pad, np.int32), np.array(output_index + pad, np.int32), active)
+    return DecodeInputs(seqs, slots, positions, pages, output_index, active)
 
 
 @dataclasses.dataclass

@@ -36,7 +36,7 @@ from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.engine.step_output import InFlightStep, SampledToken
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.spec_decode.draft import draft_model_config
 from jaxserve.structured_output import GrammarCompiler
 
@@ -240,6 +240,8 @@ class LLMEngine:
                 continue
             if request.finished:
                 self._retire(request)
+            elif request.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             output = request.output()
             if output is not None:
                 outputs.append(output)
@@ -276,6 +278,7 @@ class LLMEngine:
             if request is not None and not scores.seq.is_finished:
                 request.add_prompt_logprobs(scores.first, prompt_logprob_entries(scores, request.prompt_token_ids,
                                                                                  self.token_texts))
+        caches_prefixes = self.config.enable_prefix_caching
         for sample in sampled:
             seq = sample.seq
             if sample.accepted_draft:  # a verify step wrote its KV; the sequence's sampled token comes after it
@@ -286,17 +289,17 @@ class LLMEngine:
                 seq.num_pending -= 1
                 if seq.is_finished:
                     continue
-            if seq.params.max_tokens == 0:  # only scores its prompt: the prefill's sample is no output
+            touched.add(seq.request_id)
+            if seq.max_output_tokens == 0:  # only scores its prompt: the prefill's sample is no output
                 self._finish(seq, "length", None)
-                touched.add(seq.request_id)
                 continue
             self._append_token(sample, now)
-            if seq.page_table:
+            if caches_prefixes and seq.page_table:
                 self.page_manager.commit_full_pages(seq)
-            touched.add(seq.request_id)
-        for seq in {sample.seq for sample in sampled if sample.seq.num_lookahead}:  # the room made for drafts
-            if not seq.is_finished:  # that were rejected (or not proposed) goes back to the pool
-                self.page_manager.trim(seq)
+        if self.config.speculative_config is not None:
+            for seq in {sample.seq for sample in sampled if sample.seq.num_lookahead}:  # the room made for drafts
+                if not seq.is_finished:  # that were rejected (or not proposed) goes back to the pool
+                    self.page_manager.trim(seq)
         return touched
 
     def _append_token(self, sample: SampledToken, now: float) -> None:
@@ -309,7 +312,8 @@ class LLMEngine:
         elif request.last_token_time < now:  # once per request and step, though its n completions share it
             self._inter_token_latencies.append(now - request.last_token_time)
         request.last_token_time = now
-        seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        token_ids.append(token)
         self._generation_tokens += 1
         if seq.grammar is not None and not seq.grammar.consume_token(token):
             logger.warning("request %s: token %d does not fit its grammar: %s", seq.request_id, token,
@@ -318,14 +322,17 @@ class LLMEngine:
             seq.cumulative_logprob += sample.logprob
             seq.logprobs.append(sample.top_logprobs)
         params = seq.params
-        check_stop = seq.num_output_tokens >= params.min_tokens
-        if check_stop and not params.ignore_eos and token in self.eos_token_ids:
-            return self._finish(seq, "stop", None)
-        if check_stop and token in params.stop_token_ids:
-            return self._finish(seq, "stop", token)
-        stop_string = request.detokenizers[seq.index].add_token(token, check_stop)
-        if stop_string is not None:
-            return self._finish(seq, "stop", stop_string)
+        num_output_tokens = len(token_ids) - seq.num_prompt_tokens
+        check_stop = num_output_tokens >= params.min_tokens
+        if check_stop:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return self._finish(seq, "stop", None)
+            if params.stop_token_ids and token in params.stop_token_ids:
+                return self._finish(seq, "stop", token)
+        if self.tokenizer is not None:
+            stop_string = request.detokenizers[seq.index].add_token(token, check_stop)
+            if stop_string is not None:
+                return self._finish(seq, "stop", stop_string)
         if seq.at_length_limit(self.config.max_model_len):
             return self._finish(seq, "length", None)
 

@@ -39,7 +39,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        for seq in self.seqs:  # a loop, not all(genexpr): asked for every request each step
+            if not seq.is_finished:
+                return False
+        return True
 
     @property
     def finish_reason(self) -> str:
@@ -63,7 +66,7 @@ class Request:
         """A snapshot of the request now, in its output kind; None if there is nothing to report."""
         kind = self.params.output_kind
         finished = self.finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if not finished and kind is RequestOutputKind.FINAL_ONLY:
             return None
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) and not finished:
             return None  # another completion may have tokens before the first has scored the prompt

@@ -91,17 +91,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [], [], [])
         speculate = self._speculates()
+        max_model_len = self.config.max_model_len
         for seq in list(self.running):  # admission order: sequences join at the end and only ever leave
             # a sequence whose every token is sampled only waits for the host to read them (async scheduling)
-            if (seq.status != SequenceStatus.RUNNING or seq.is_prefilling
-                    or seq.at_length_limit(self.config.max_model_len, with_pending=True)):
+            if (seq.status is not SequenceStatus.RUNNING or seq.is_prefilling
+                    or seq.at_length_limit(max_model_len, with_pending=True)):
                 continue
             seq.num_lookahead = self._lookahead(seq) if speculate else 0
             if self._make_room(seq, seq.num_tokens + seq.num_lookahead, out):
                 out.decodes.append(seq)
 
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or not seq.is_prefilling:
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_prefilling:
                 continue
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
             if num_tokens == 0:

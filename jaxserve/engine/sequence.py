@@ -33,6 +33,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
         self.seed = seed
         self.arrival_time = arrival_time
         self.priority = priority
@@ -76,15 +77,14 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """True while more than the last sampled token still lacks K/V (a prompt, or a recompute)."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens + self.num_pending == 0
+        num_tokens = len(self.token_ids) + self.num_pending
+        return self.num_computed_tokens < num_tokens - 1 or num_tokens == self.num_prompt_tokens
 
     def at_length_limit(self, max_model_len: int, with_pending: bool = False) -> bool:
         """True once the sequence has every token it may have (max_tokens, or max_model_len in all). With
         `with_pending`, tokens sampled on the device that the host has not read yet count too."""
-        extra = self.num_pending if with_pending else 0
-        max_tokens = self.params.max_tokens
-        return ((max_tokens is not None and self.num_output_tokens + extra >= max_tokens)
-                or len(self.token_ids) + extra >= max_model_len)
+        length = len(self.token_ids) + (self.num_pending if with_pending else 0)
+        return length >= max_model_len or length - self.num_prompt_tokens >= self.max_output_tokens
 
     @property
     def scores_prompt(self) -> bool:
@@ -95,7 +95,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def mark_admitted(self) -> None:
         self.status = SequenceStatus.RUNNING
