@@ -12,6 +12,7 @@ device takes the step (XLA:CPU). Engine start-up is not timed.
 
     python benchmarks/host_overhead.py --batch-sizes 1 8 64 256
     python benchmarks/host_overhead.py --batch-sizes 64 --no-async-scheduling   # the synchronous loop
+    python benchmarks/host_overhead.py --batch-sizes 64 --profile 15   # and the loop's top functions by own time
     python benchmarks/host_overhead.py --tokenizer checkpoints/SmolLM2-135M-Instruct --vocab-size 8192 --stop zqzq
         # with detokenization (and a stop string that never matches): the default model's tokenizer, whose
         # first 8,192 ids are its most frequent tokens (the store `make demo` converts holds it)
@@ -20,6 +21,8 @@ device takes the step (XLA:CPU). Engine start-up is not timed.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import tempfile
 import time
@@ -69,6 +72,11 @@ def run_batch(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     per_step = {phase: (after[phase] - before[phase]) / steps * 1e3 for phase in engine.phases.PHASES}
     host = sum(v for phase, v in per_step.items() if phase != "wait")
+    if args.profile:  # a second, identical call under cProfile: where the host's time goes, by function
+        profile = cProfile.Profile()
+        profile.runcall(llm.generate, prompts, params, use_tqdm=False)
+        print(f"batch {batch}: the top {args.profile} functions by own time (cProfile)")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     # the device alone: the same decode step timed back to back, at the run's mean context
     device = roofline.time_decode_step(llm, batch, args.input_len + args.output_len // 2)["step_s"] * 1e3
     return dict(batch=batch, requests=len(prompts), output_tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
@@ -89,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tokenizer", help="a tokenizer directory: outputs are then detokenized (without one, the "
                         "tiny model has none and outputs are token ids only)")
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also run each batch's workload again under cProfile and print its top N functions")
     parser.add_argument("--seed", type=int, default=common.DEFAULT_SEED)
     parser.add_argument("--result-file", help="result JSON path (default benchmarks/results/host_overhead.json)")
     argv, args = common.start(parser, argv)

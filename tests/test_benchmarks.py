@@ -294,12 +294,14 @@ def test_throughput_smoke(tiny_llama_dir, tmp_path):
     assert payload["startup_s"] > 0
 
 
-def test_host_overhead_smoke(tiny_llama_dir, tmp_path):
+def test_host_overhead_smoke(tiny_llama_dir, tmp_path, capsys):
     from benchmarks import host_overhead
 
     payload = host_overhead.main(["--model", tiny_llama_dir, "--batch-sizes", "1", "4", "--num-requests", "4",
-                                  "--input-len", "8", "--output-len", "6", "--vocab-size", "500",
+                                  "--input-len", "8", "--output-len", "6", "--vocab-size", "500", "--profile", "5",
                                   "--result-file", str(tmp_path / "host.json")])
+    printed = capsys.readouterr().out
+    assert "batch 4: the top 5 functions by own time" in printed and "tottime" in printed
     one, four = payload["runs"]
     assert (one["batch"], four["batch"]) == (1, 4)
     assert one["output_tokens"] == four["output_tokens"] == 4 * 6
