@@ -14,7 +14,7 @@
 #      in flight (128-token prompts, 128 output tokens), single-stream tok/s, TTFT of a 2,048-token prompt, and
 #      int8 weights and fp8 KV pages against bf16
 #   4. host overhead: a tiny model's offline run with the host's time per step phase and the device's busy
-#      fraction (`host_overhead.py`)
+#      fraction (`host_overhead.py`), then with detokenization inline and in a second process
 #   5. the default model's shapes (135M, a random-weight HF checkpoint built with torch): decode step against
 #      the roofline (`roofline.py`)
 #   6. pytest tests/test_kernels.py and tests/test_mosaic_gpu_kernels.py with JAXSERVE_KERNEL_INTERPRET=0
@@ -22,6 +22,7 @@
 #   7. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
 # gpu_check.log, summary.txt (with the 8B table), gpu-8b.json, gpu-8b.txt, host-overhead-gpu.json,
+# host-overhead-detok-*.json,
 # roofline-gpu.json, test_kernels.xml, kernels-*.json.
 #
 # Usage: bash benchmarks/gpu_check.sh        (env: OUT, PY, BUDGET_S)
@@ -121,6 +122,20 @@ step "8B stand-in: llama-3.1-8b shapes, random weights, bf16 (gpu_8b.py)" 270 \
 
 step "host overhead: tiny model, async scheduling, batch 1 and 64 (host_overhead.py)" 60 \
     "$PY" benchmarks/host_overhead.py --batch-sizes 1 64 --result-file "$OUT_DIR/host-overhead-gpu.json"
+
+# detokenization inline or in a second process (--detokenizer-process), which decides that option's default;
+# needs the default model's tokenizer files (carry checkpoints/SmolLM2-135M-Instruct/tokenizer.json and
+# tokenizer_config.json)
+TOKENIZER=checkpoints/SmolLM2-135M-Instruct
+if [ -f "$TOKENIZER/tokenizer.json" ]; then
+    for mode in no-detokenizer-process detokenizer-process; do
+        step "host overhead with detokenization, --$mode, batch 64 and 256 (host_overhead.py)" 60 \
+            "$PY" benchmarks/host_overhead.py --batch-sizes 64 256 --tokenizer "$TOKENIZER" --vocab-size 8192 \
+            --stop zqzq --$mode --result-file "$OUT_DIR/host-overhead-detok-$mode.json"
+    done
+else
+    echo "host overhead with detokenization: skipped (no $TOKENIZER/tokenizer.json)" | tee -a "$SUMMARY"
+fi
 
 RANDOM_MODEL=/tmp/smollm2-random
 step "random-weight checkpoint with the default model's shapes" 45 \

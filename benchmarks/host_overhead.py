@@ -16,6 +16,7 @@ device takes the step (XLA:CPU). Engine start-up is not timed.
     python benchmarks/host_overhead.py --tokenizer checkpoints/SmolLM2-135M-Instruct --vocab-size 8192 --stop zqzq
         # with detokenization (and a stop string that never matches): the default model's tokenizer, whose
         # first 8,192 ids are its most frequent tokens (the store `make demo` converts holds it)
+    python benchmarks/host_overhead.py --tokenizer ... --detokenizer-process   # detokenized in a second process
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def run_batch(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any
         options["async_scheduling"] = False
     if args.tokenizer:
         options["tokenizer"] = args.tokenizer
+    if args.detokenizer_process is not None:
+        options["detokenizer_process"] = args.detokenizer_process
     llm = LLM(model, **options)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, args.vocab_size, args.input_len).tolist()}
@@ -96,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", help="a checkpoint to use instead of the tiny random one")
     parser.add_argument("--tokenizer", help="a tokenizer directory: outputs are then detokenized (without one, the "
                         "tiny model has none and outputs are token ids only)")
+    parser.add_argument("--detokenizer-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="detokenize in a second process (default: the engine's, off on a CPU)")
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also run each batch's workload again under cProfile and print its top N functions")

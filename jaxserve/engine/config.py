@@ -58,6 +58,9 @@ class EngineConfig:
     # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": K} (see spec_decode/config.py)
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # detokenize and search stop strings in a second process, off the stepping thread (off by default: on a CPU the
+    # loop shares its cores with XLA's threads and gains nothing; not yet measured on a GPU; benchmarks/RESULTS.md)
+    detokenizer_process: bool = False
     warmup: bool = True  # compile every shape at start-up
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
 

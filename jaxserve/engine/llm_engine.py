@@ -25,7 +25,8 @@ import numpy as np
 
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import DetokenizedText, IncrementalDetokenizer
+from jaxserve.engine.detokenizer_process import DetokenizerProcess
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prompt_logprobs import TokenTexts, prompt_logprob_entries
@@ -41,6 +42,7 @@ from jaxserve.spec_decode.draft import draft_model_config
 from jaxserve.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+TEXT_WAIT_SECONDS = 1.0  # an idle step's wait for the detokenizer process's answers
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -77,6 +79,10 @@ class LLMEngine:
                                         self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.page_manager)
         self.requests: dict[str, Request] = {}  # owned by the stepping thread
+        self.detokenizer_process = (DetokenizerProcess(self.tokenizer)
+                                    if self.config.detokenizer_process and self.tokenizer is not None else None)
+        self._texts: dict[int, tuple[Request, int]] = {}  # detokenizer process: key -> (request, completion index)
+        self._text_keys = itertools.count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._new_commands = threading.Event()
         self._ids_lock = threading.Lock()
@@ -142,9 +148,14 @@ class LLMEngine:
             seqs.append(Sequence(request_id, index, token_ids, params, seed, arrival_time, priority))
             if grammar is not None:
                 seqs[-1].grammar = grammar.deep_copy()
-            detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
-                                                 params.include_stop_str_in_output))
+            if self.detokenizer_process is not None:
+                detoks.append(DetokenizedText(params.stop))
+            else:
+                detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                                     params.skip_special_tokens, params.include_stop_str_in_output))
         request = Request(request_id, prompt_text, token_ids, params, seqs, detoks, arrival_time)
+        if self.detokenizer_process is not None:
+            request.text_keys = [next(self._text_keys) for _ in seqs]
         self._commands.put(("add", request))
         self._new_commands.set()
         return request_id
@@ -223,6 +234,8 @@ class LLMEngine:
         self.phases.start()
         self._first_token_latencies, self._inter_token_latencies = [], []
         touched = self._apply_commands()
+        if self.detokenizer_process is not None:  # texts, and stop strings, of earlier steps' tokens
+            touched |= self._read_texts(0.0)
         plan = self.scheduler.schedule()
         self.phases.lap("schedule")
         launched = self._dispatch(plan) if not plan.is_empty else None
@@ -233,6 +246,10 @@ class LLMEngine:
             touched |= self._collect(launched)
         if self._in_flight is not None:  # its forward runs meanwhile; its masks need the tokens just read
             self.runner.sample_pending(self._in_flight)
+        if self.detokenizer_process is not None:
+            self.detokenizer_process.flush()
+            if plan.is_empty and self._in_flight is None and self.detokenizer_process.num_unanswered:
+                touched |= self._read_texts(TEXT_WAIT_SECONDS)  # nothing else to do: wait for the texts
         outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
@@ -329,12 +346,54 @@ class LLMEngine:
                 return self._finish(seq, "stop", None)
             if params.stop_token_ids and token in params.stop_token_ids:
                 return self._finish(seq, "stop", token)
-        if self.tokenizer is not None:
+        if self.detokenizer_process is not None:  # its stop strings come back a step or two later
+            self.detokenizer_process.feed(request.text_keys[seq.index], token)
+            request.num_fed[seq.index] += 1
+        elif self.tokenizer is not None:
             stop_string = request.detokenizers[seq.index].add_token(token, check_stop)
             if stop_string is not None:
                 return self._finish(seq, "stop", stop_string)
         if seq.at_length_limit(self.config.max_model_len):
             return self._finish(seq, "length", None)
+
+    def _read_texts(self, timeout: float) -> set[str]:
+        """Applies the detokenizer process's answers: new text, and stop strings, which end their completion at
+        the token that completed them (tokens computed after it are dropped)."""
+        touched = set()
+        for key, new_text, length, stop, num_fed in self.detokenizer_process.answers(timeout):
+            located = self._texts.get(key)
+            if located is None:  # retired meanwhile (aborted)
+                continue
+            request, index = located
+            text = request.detokenizers[index]
+            if new_text:
+                text.append(new_text)
+            if length < len(text):
+                text.cut(length)
+            request.num_detokenized[index] = num_fed
+            if stop is not None:
+                self._stop_late(request, index, stop, num_fed)
+            touched.add(request.request_id)
+        return touched
+
+    def _stop_late(self, request: Request, index: int, stop: str, num_output_tokens: int) -> None:
+        """Ends completion `index` with stop string `stop`, completed by its output token `num_output_tokens`."""
+        seq = request.seqs[index]
+        if seq.finish_reason == "abort":
+            return
+        extra = seq.num_output_tokens - num_output_tokens
+        if extra > 0:
+            if seq.logprobs is not None:
+                for token, top in zip(seq.token_ids[-extra:], seq.logprobs[-extra:]):
+                    seq.cumulative_logprob -= top[token]
+                del seq.logprobs[-extra:]
+            del seq.token_ids[-extra:]
+            self._generation_tokens -= extra
+        request.num_fed[index] = num_output_tokens
+        if seq.is_finished:  # by a later token (EOS, length): the stop string came first
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        else:
+            self._finish(seq, "stop", stop)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason = reason
@@ -345,6 +404,9 @@ class LLMEngine:
         """Forgets a finished request; its id may be used again."""
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
+        for key in request.text_keys:
+            del self._texts[key]
+            self.detokenizer_process.close(key)
         with self._ids_lock:
             self._live_ids.discard(request.request_id)
         reason = request.finish_reason
@@ -360,6 +422,12 @@ class LLMEngine:
                 return changed
             if command == "add":
                 self.requests[payload.request_id] = payload
+                for index, key in enumerate(payload.text_keys):
+                    self._texts[key] = (payload, index)
+                    params = payload.params
+                    self.detokenizer_process.open(key, payload.prompt_token_ids, params.stop,
+                                                  params.skip_special_tokens, params.include_stop_str_in_output,
+                                                  params.min_tokens)
                 self._prompt_tokens += len(payload.prompt_token_ids)
                 for seq in payload.seqs:
                     self.scheduler.add(seq)

@@ -8,7 +8,7 @@ them (a DELTA request's later ones do not); the list is never changed again, so 
 
 from __future__ import annotations
 
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import DetokenizedText
 from jaxserve.engine.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -18,13 +18,18 @@ class Request:
     """One user request: a prompt and its `n` sequences, the per-sequence detokenizers, and timing."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], detokenizers: list[IncrementalDetokenizer], arrival_time: float):
+                 seqs: list[Sequence], detokenizers: list[DetokenizedText], arrival_time: float):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
-        self.detokenizers = detokenizers
+        self.detokenizers = detokenizers  # IncrementalDetokenizers, or the DetokenizedTexts of a detokenizer process
+        # with a detokenizer process: per sequence, its key there, the output tokens sent to it and those whose
+        # text has come back (a completion shows only those; inline, both counts stay 0)
+        self.text_keys: list[int] = []
+        self.num_fed = [0] * len(seqs)
+        self.num_detokenized = [0] * len(seqs)
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -39,10 +44,21 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        for seq in self.seqs:  # a loop, not all(genexpr): asked for every request each step
-            if not seq.is_finished:
+        for index in range(len(self.seqs)):  # a loop, not all(genexpr): asked for every request each step
+            if not self.completion_done(index):
                 return False
         return True
+
+    def completion_done(self, index: int) -> bool:
+        """The completion is finished and has all its text (an aborted one does not wait for it)."""
+        seq = self.seqs[index]
+        return seq.is_finished and (self.num_detokenized[index] == self.num_fed[index] or seq.finish_reason == "abort")
+
+    def visible_output_tokens(self, index: int) -> int:
+        """Output tokens a completion shows: all of them once their text is in, else those whose text is."""
+        if self.num_detokenized[index] == self.num_fed[index]:
+            return self.seqs[index].num_output_tokens
+        return self.num_detokenized[index]
 
     @property
     def finish_reason(self) -> str:
@@ -84,19 +100,23 @@ class Request:
 
     def _completion(self, index: int, delta: bool) -> CompletionOutput | None:
         seq, detok = self.seqs[index], self.detokenizers[index]
-        visible = detok.visible_length(seq.is_finished)
+        done = self.completion_done(index)
+        visible = detok.visible_length(done)
+        num_tokens = self.visible_output_tokens(index)
         first_token = first_char = 0
         if delta:  # only what is new is copied, so a streamed request costs O(new tokens) per step
             first_token, first_char = self._sent_tokens[index], self._sent_chars[index]
-            changed = seq.num_output_tokens > first_token or visible > first_char
-            if not changed and (not seq.is_finished or self._sent_finished[index]):
+            changed = num_tokens > first_token or visible > first_char
+            if not changed and (not done or self._sent_finished[index]):
                 return None
-            self._sent_tokens[index] = seq.num_output_tokens
+            self._sent_tokens[index] = num_tokens
             self._sent_chars[index] = visible
-            self._sent_finished[index] = seq.is_finished
-        token_ids = seq.token_ids[seq.num_prompt_tokens + first_token:]
-        logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
-        text = detok.visible_text(seq.is_finished, first_char)
+            self._sent_finished[index] = done
+        start, end = seq.num_prompt_tokens + first_token, seq.num_prompt_tokens + num_tokens
+        token_ids = seq.token_ids[start:end]
+        logprobs = seq.logprobs[first_token:num_tokens] if seq.logprobs is not None else None
+        text = detok.visible_text(done, first_char)
         return CompletionOutput(index=seq.index, text=text, token_ids=token_ids,
                                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                                logprobs=logprobs, finish_reason=seq.finish_reason if done else None,
+                                stop_reason=seq.stop_reason if done else None)

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=ENGINE_DEFAULTS["async_scheduling"],
                         help="dispatch each engine step before reading the previous one's tokens "
                              "(--no-async-scheduling: one step at a time, for debugging)")
+    engine.add_argument("--detokenizer-process", action=argparse.BooleanOptionalAction,
+                        default=ENGINE_DEFAULTS["detokenizer_process"],
+                        help="detokenize and search stop strings in a second process, off the stepping thread")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
                         default=ENGINE_DEFAULTS["scheduling_policy"],
                         help="'priority': requests' `priority` field orders them (lower first)")
@@ -131,7 +134,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                        async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
+                        async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+                        detokenizer_process=args.detokenizer_process)
 
 
 def multihost(args: argparse.Namespace) -> MultiHost:
