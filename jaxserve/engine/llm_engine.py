@@ -8,6 +8,8 @@ tokens, detokenize, check stop conditions, retire finished sequences) while the 
 and return a snapshot output for every request that changed. With `async_scheduling=False` a step
 post-processes its own tokens instead. Prompt tokens scored by the prefills (prompt_logprobs) join their request
 as the step's tokens are read; a request with max_tokens=0 finishes ("length") once its prompt is computed.
+With `detokenizer_process` the token ids go to a worker process, whose texts and stop strings join their
+requests at a later step (`detokenizer_process.py`); a completion shows only the tokens whose text is in.
 """
 
 from __future__ import annotations
