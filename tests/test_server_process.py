@@ -98,14 +98,14 @@ def wait_healthy(url: str, processes: list[subprocess.Popen], log: Callable[[int
 class Server:
     """`jaxserve serve` in a subprocess, after `prelude` (Python run first in the same process)."""
 
-    def __init__(self, model_dir: str, log_path: Path, prelude: str = ""):
+    def __init__(self, model_dir: str, log_path: Path, prelude: str = "", extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.model = model_dir
         script = f"{prelude}\nfrom jaxserve.cli import main\nmain()\n"
         command = [sys.executable, "-c", script, "serve", "--model", model_dir, "--port", str(self.port),
-                   *TINY_OPTIONS]
+                   *TINY_OPTIONS, *extra_args]
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         with open(log_path, "wb") as log_file:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
@@ -126,8 +126,8 @@ class Server:
 def start_server(tiny_llama_dir, tmp_path):
     servers = []
 
-    def start(prelude: str = "") -> Server:
-        server = Server(tiny_llama_dir, tmp_path / f"server{len(servers)}.log", prelude)
+    def start(prelude: str = "", extra_args: tuple[str, ...] = ()) -> Server:
+        server = Server(tiny_llama_dir, tmp_path / f"server{len(servers)}.log", prelude, extra_args)
         servers.append(server)
         server.wait_healthy()
         return server
@@ -184,3 +184,48 @@ def test_sigterm_mid_stream_finishes_the_stream_then_exits_0(start_server):
     assert "draining: 1 requests in flight" in log and "Shutting down" in log
     with pytest.raises(httpx.TransportError):  # the listening socket is closed
         httpx.get(server.url + "/health", timeout=2)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_detokenizer_process_streams_stop_strings_and_ends_with_the_server(start_server):
+    server = start_server(extra_args=("--detokenizer-process",))
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True,
+            "temperature": 0}
+    free = httpx.post(server.url + "/v1/completions", json=body, timeout=EXIT_TIMEOUT).json()["choices"][0]["text"]
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    expected = free[:free.index(stop)]
+    whole = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]}, timeout=EXIT_TIMEOUT).json()
+    assert (whole["choices"][0]["text"], whole["choices"][0]["finish_reason"]) == (expected, "stop")
+    streamed = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop], "stream": True},
+                          timeout=EXIT_TIMEOUT)
+    chunks = [json.loads(event) for event in sse_events(streamed.text)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    workers = children(server.process.pid)
+    assert workers  # the detokenizer worker
+    server.process.kill()  # no shutdown at all: the worker sees its pipe close and exits
+    server.process.wait()
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    while any(running(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the detokenizer worker outlived its server"
+        time.sleep(0.1)
