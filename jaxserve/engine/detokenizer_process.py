@@ -66,7 +66,10 @@ class DetokenizerProcess:
         """Sends the step's operations (nothing if there are none)."""
         if not self._ops:
             return
-        self._send(self._ops)
+        try:
+            self._send_conn.send(self._ops)
+        except OSError as error:  # BrokenPipeError among them
+            raise self._died() from error
         self.num_unanswered += bool(self._feeds)
         self._ops, self._feeds = [], {}
 
@@ -79,21 +82,13 @@ class DetokenizerProcess:
                 self.num_unanswered -= 1
                 timeout = 0.0
         except (EOFError, OSError) as error:
-            raise RuntimeError(f"the detokenizer process died (exit code {self._process.poll()})") from error
+            raise self._died() from error
         return answers
 
-    def _send(self, message) -> None:
-        try:
-            self._send_conn.send(message)
-        except (BrokenPipeError, OSError) as error:
-            raise RuntimeError(f"the detokenizer process died (exit code {self._process.poll()})") from error
-
-    def shutdown(self) -> None:
-        for conn in (self._send_conn, self._recv_conn):
-            conn.close()
-        self._process.wait(timeout=10)
+    def _died(self) -> RuntimeError:
+        return RuntimeError(f"the detokenizer process died (exit code {self._process.poll()})")
 
     def __del__(self) -> None:  # the worker exits when its pipe closes
-        process = getattr(self, "_process", None)
-        if process is not None and process.poll() is None:
-            self._send_conn.close()
+        conn = getattr(self, "_send_conn", None)
+        if conn is not None:
+            conn.close()
