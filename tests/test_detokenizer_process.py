@@ -113,10 +113,11 @@ def test_a_stop_string_read_after_the_length_limit_still_ends_the_completion(tin
         seq = engine.requests[request_id].seqs[0]
     assert seq.finish_reason == "length" and seq.num_output_tokens == 40
     monkeypatch.setattr(worker, "answers", read)
-    outputs = []
+    outputs = []  # cumulative outputs: one per step in which answers arrived (how many is up to the worker)
     while engine.has_unfinished_requests():
         outputs += engine.step()
-    (got,) = outputs
+    got = outputs[-1]
+    assert got.finished and not any(o.finished for o in outputs[:-1])
     assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in got.outputs] == [
         (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in expected.outputs]
     assert engine.stats().generation_tokens == len(expected.outputs[0].token_ids)
