@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(1 + args.repeats):
             started = time.perf_counter()
             if kind == "score":  # reads the params only
-                jax.block_until_ready(runner._score(runner.params, *inputs))
+                step = runner.steps["score"]
+                jax.block_until_ready(step.fn(*step.state(), inputs))
             else:  # donates the pool: replay keeps the runner's state current
                 runner.replay(kind, inputs)
                 jax.block_until_ready(runner.kv_cache)
@@ -48,12 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     print("| rows x tokens | first call prefill (s) | first call scoring (s) | prefill (ms) | scoring (ms) |")
     print("|---|---|---|---|---|")
     totals = [0.0, 0.0]
-    examples = [(kind, inputs) for kind, inputs in runner.example_inputs() if kind in ("prefill", "score")]
-    for (_, prefill), (_, score) in zip(examples[::2], examples[1::2]):
+    for prefill, score in zip(runner.steps["prefill"].examples(), runner.steps["score"].examples()):
         (first_prefill, prefill_seconds), (first_score, score_seconds) = timed("prefill", prefill), timed("score", score)
         totals[0] += first_prefill
         totals[1] += first_score
-        rows, tokens = prefill[0].shape
+        rows, tokens = prefill.token_ids.shape
         print(f"| {rows} x {tokens} | {first_prefill:.1f} | {first_score:.1f} | {prefill_seconds * 1e3:.0f} | "
               f"{score_seconds * 1e3:.0f} |")
     print(f"| all | {totals[0]:.1f} | {totals[1]:.1f} | | |")

@@ -170,6 +170,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
 
     from benchmarks.timing import time_fn
     from jaxserve.engine.input_batch import DecodeInputs, bucket_for
+    from jaxserve.engine.steps import DecodeBatch
     from jaxserve.sampling_params import SamplingParams
 
     engine = llm.llm_engine
@@ -198,7 +199,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
                                       page_tables=state.page_tables.at[slots].set(page_tables))
     pages = page_tables[np.arange(rows), (context - 1) // config.page_size]
     # no host sequences: the step is timed alone, and every slot is a plain greedy one (the forward's argmax)
-    inputs = DecodeInputs([], slots, positions, pages, np.zeros(rows, np.int32), active)
+    inputs = DecodeInputs([], DecodeBatch(slots, positions, pages, active), np.zeros(rows, np.int32))
     timing = time_fn(lambda: runner.decode(inputs), warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.page_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,

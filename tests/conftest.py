@@ -100,9 +100,9 @@ def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed
 
 def decode_hlo(llm, rows: int) -> str:
     """The compiled text of `llm`'s decode step for a batch bucket of `rows`."""
-    runner = llm.llm_engine.runner
-    inputs = next(inputs for kind, inputs in runner.example_inputs() if kind == "decode" and len(inputs[0]) == rows)
-    return runner._decode.lower(*runner._state("decode"), *inputs).compile().as_text()
+    step = llm.llm_engine.runner.steps["decode"]
+    inputs = next(inputs for inputs in step.examples() if len(inputs.slots) == rows)
+    return step.fn.lower(*step.state(), inputs).compile().as_text()
 
 
 def shard_shapes(array) -> set[tuple[int, ...]]:

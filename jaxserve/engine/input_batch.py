@@ -1,4 +1,5 @@
-"""Host-side step inputs: a scheduler plan's chunks and decodes as padded numpy arrays of the compiled shapes.
+"""Host-side step inputs: a scheduler plan's chunks and decodes as padded numpy arrays of the compiled shapes, each
+call's device inputs one pytree (`engine/steps.py`) next to what only the host reads (its sequences).
 
 Prefill chunks sharing a length bucket are packed `PREFILL_ROWS` to a call (a call that holds a chunk scoring its
 prompt tokens runs the scoring prefill); decodes form one batch padded to a batch bucket. Rows past the real ones are empty (zero tokens, page table of scratch
@@ -8,12 +9,14 @@ pages), so they write only to the scratch page and their outputs are ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
 from jaxserve.engine.scheduler import PrefillChunk
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.steps import DecodeBatch, PrefillBatch, VerifyBatch
 
 
 def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
@@ -28,14 +31,8 @@ class PrefillInputs:
     """One prefill call: `rows` chunks of up to `tokens` tokens each."""
 
     chunks: list[PrefillChunk]
-    slots: np.ndarray  # int32 [rows]
-    token_ids: np.ndarray  # int32 [rows, tokens]
-    starts: np.ndarray  # int32 [rows]: position of each chunk's first token
-    num_tokens: np.ndarray  # int32 [rows]: real tokens per row (0: empty row)
-    page_tables: np.ndarray  # int32 [rows, pages_per_seq]
+    batch: PrefillBatch
     output_index: np.ndarray  # int32 [rows]: output tokens each row's sequence has so far
-    is_final: np.ndarray  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
-    next_tokens: np.ndarray  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
     scored: list[tuple[int, Sequence, range]]  # (row, sequence, the prompt tokens the row scores) for prompt_logprobs
 
 
@@ -44,11 +41,8 @@ class DecodeInputs:
     """One decode call: the last token of each of `rows` sequences (padded to a batch bucket)."""
 
     seqs: list[Sequence]
-    slots: np.ndarray  # int32 [rows]
-    positions: np.ndarray  # int32 [rows]: where each row's input token (its slot's latest, on the device) goes
-    pages: np.ndarray  # int32 [rows]: the page holding that position (the device keeps the rest of the table)
+    batch: DecodeBatch
     output_index: np.ndarray  # int32 [rows]: the output index of the token each row samples
-    active: np.ndarray  # bool [rows]
 
 
 def prefill_groups(chunks: list[PrefillChunk], config: EngineConfig) -> list[tuple[int, list[PrefillChunk]]]:
@@ -70,24 +64,30 @@ def prefill_groups(chunks: list[PrefillChunk], config: EngineConfig) -> list[tup
 
 def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) -> PrefillInputs:
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
-    inputs = PrefillInputs(chunks, np.zeros(rows, np.int32), np.zeros((rows, tokens), np.int32),
-                           np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                           np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool),
-                           np.zeros(rows, np.int32), [])
+    batch = empty_prefill(rows, tokens, pages_per_seq)
+    inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [])
     for row, chunk in enumerate(chunks):
         seq = chunk.seq
-        inputs.slots[row] = seq.slot
-        inputs.token_ids[row, :chunk.num_tokens] = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
-        inputs.starts[row] = chunk.start
-        inputs.num_tokens[row] = chunk.num_tokens
-        inputs.page_tables[row, :len(seq.page_table)] = seq.page_table
+        batch.slots[row] = seq.slot
+        batch.token_ids[row, :chunk.num_tokens] = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        batch.starts[row] = chunk.start
+        batch.num_tokens[row] = chunk.num_tokens
+        batch.page_tables[row, :len(seq.page_table)] = seq.page_table
         inputs.output_index[row] = seq.num_output_tokens
-        inputs.is_final[row] = chunk.is_final
+        batch.is_final[row] = chunk.is_final
         if not chunk.is_final:
-            inputs.next_tokens[row] = seq.token_ids[chunk.start + chunk.num_tokens]
+            batch.next_tokens[row] = seq.token_ids[chunk.start + chunk.num_tokens]
         if chunk.scored:
             inputs.scored.append((row, seq, chunk.scored))
     return inputs
+
+
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int) -> PrefillBatch:
+    """A prefill call of empty rows (zero tokens: they write only to the scratch page)."""
+    zeros = functools.partial(np.zeros, rows, np.int32)
+    return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
+                        page_tables=np.zeros((rows, pages_per_seq), np.int32), slots=zeros(),
+                        is_final=np.zeros(rows, bool), next_tokens=zeros())
 
 
 def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
@@ -101,7 +101,7 @@ def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
     slots, positions, pages, output_index = columns.T.copy()
     active = np.zeros(rows, bool)
     active[:len(seqs)] = True
-    return DecodeInputs(seqs, slots, positions, pages, output_index, active)
+    return DecodeInputs(seqs, DecodeBatch(slots, positions, pages, active), output_index)
 
 
 @dataclasses.dataclass
@@ -109,14 +109,9 @@ class VerifyInputs:
     """One verify call (speculative decoding): each of `rows` sequences' latest token and up to K drafts."""
 
     seqs: list[Sequence]
-    slots: np.ndarray  # int32 [rows]
-    positions: np.ndarray  # int32 [rows]: the position of each row's latest token
-    draft_tokens: np.ndarray  # int32 [rows, K]: proposals known to the host (n-gram); zeros for a draft model's
-    num_draft: np.ndarray  # int32 [rows]: drafts each row may have (its lookahead, or its n-gram proposal's length)
-    pages: np.ndarray  # int32 [rows, K + 1]: the page of each position p..p+K (0 past the sequence's pages)
+    batch: VerifyBatch  # its draft_tokens: the n-gram proposals; zeros for a draft model's (made on the device)
     last_tokens: np.ndarray  # int32 [rows, 2]: each row's two latest tokens (what a draft model feeds first)
     output_index: np.ndarray  # int32 [rows]
-    active: np.ndarray  # bool [rows]
 
 
 def verify_inputs(seqs: list[Sequence], drafts: list[list[int]] | None, config: EngineConfig,
@@ -125,24 +120,25 @@ def verify_inputs(seqs: list[Sequence], drafts: list[list[int]] | None, config: 
     each sequence's lookahead). Needs the sequences' tokens on the host (speculative steps are synchronous)."""
     rows = bucket_for(len(seqs), config.decode_batch_buckets)
     page_size = config.page_size
-    inputs = VerifyInputs(seqs, np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, k), np.int32),
-                          np.zeros(rows, np.int32), np.zeros((rows, k + 1), np.int32), np.zeros((rows, 2), np.int32),
-                          np.zeros(rows, np.int32), np.zeros(rows, bool))
+    batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
+                        draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
+                        pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool))
+    inputs = VerifyInputs(seqs, batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, seq in enumerate(seqs):
         position = len(seq.token_ids) - 1
-        inputs.slots[row] = seq.slot
-        inputs.positions[row] = position
+        batch.slots[row] = seq.slot
+        batch.positions[row] = position
         if drafts is None:
-            inputs.num_draft[row] = seq.num_lookahead
+            batch.num_draft[row] = seq.num_lookahead
         else:
             draft = drafts[row][:seq.num_lookahead]
-            inputs.draft_tokens[row, :len(draft)] = draft
-            inputs.num_draft[row] = len(draft)
+            batch.draft_tokens[row, :len(draft)] = draft
+            batch.num_draft[row] = len(draft)
         for i in range(k + 1):
             index = (position + i) // page_size
             if index < len(seq.page_table):
-                inputs.pages[row, i] = seq.page_table[index]
+                batch.pages[row, i] = seq.page_table[index]
         inputs.last_tokens[row] = seq.token_ids[-2:]
         inputs.output_index[row] = seq.num_output_tokens
-    inputs.active[:len(seqs)] = True
+    batch.active[:len(seqs)] = True
     return inputs

@@ -9,7 +9,7 @@ The narrow interface the host loop uses (after JetStream's engine_api):
   Decode rows read their input token from the device's `SlotState`, so the next plan may be dispatched
   before this one's tokens reach the host (async scheduling).
   Under speculative decoding the decode batch is a verify call over each row's latest token and its drafts
-  (`spec_decode/runner_steps.py`).
+  (the runner's `Speculator`, `engine/speculator.py`).
 * `sample_pending(step)`: the samplers of calls with constrained rows, which waited for the rows' token masks
   (their matchers need the previous step's tokens; the forward runs meanwhile).
 * `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one (a verify row's
@@ -23,7 +23,8 @@ over the mesh. The steps are pure functions (`engine/steps.py`): each forward ma
 plain (greedy, no penalties, no pending min_tokens, no logprobs, no grammar) takes the argmax; any other runs the
 sampler, a second small jitted function (penalty state, logits, sampling parameters, token bitmask) -> (tokens,
 new penalty state) with the penalty state donated. One forward per shape serves both, so start-up compiles each
-forward once, and every shape a step can have is compiled at start-up (`warmup`, `engine/startup.py`). A prefill
+forward once, and every shape a step can have is compiled at start-up (`warmup`). Each jitted call is one `Step`
+record in the runner's `steps` registry (`engine/step_registry.py`: its function, state, examples). A prefill
 also returns its last layer's output; after a call holding a chunk that scores its prompt tokens
 (prompt_logprobs), a small jitted step runs the LM head over it and scores every position (`PromptScores`); other
 calls skip it.
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,33 +42,35 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.shardings import REPLICATED, param_shardings
-from jaxserve.loading.placement import serving_params
+from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.models import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
+from jaxserve.engine import startup
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.input_batch import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
+    prefill_inputs
 from jaxserve.engine.kv_budget import kv_pages
 from jaxserve.engine.prompt_logprobs import ScoredPrompt
-from jaxserve.engine.input_batch import (DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups,
-                                         prefill_inputs)
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.engine.speculator import Speculator
 from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
 from jaxserve.engine.step_output import InFlightStep, PendingSample, SampledToken, sampled_token
-from jaxserve.engine.steps import (SlotState, ban_step, decode_step, prefill_step, prompt_scores_step,
-                                   reset_penalties_step, sample_step, verify_sample_step, verify_step)
-from jaxserve.layers.attention import AttentionBackend
+from jaxserve.engine.step_registry import Step, StepRegistry, assign, jit_step
+from jaxserve.engine.steps import (BanInputs, ResetInputs, SamplerInputs, ScoreInputs, SlotState, ban_step,
+                                   decode_step, prefill_step, prompt_scores_step, reset_penalties_step, sample_step,
+                                   send_table_step)
+from jaxserve.layers.attention import make_attention_backend
 from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
-from jaxserve.spec_decode.draft import DraftModel
-from jaxserve.engine.startup import BAN_IDS_CHUNK, StartupSteps, shape_key
-from jaxserve.spec_decode.runner_steps import SpeculativeSteps
+from jaxserve.loading.placement import serving_params
 from jaxserve.structured_output.grammar import bitmask_words, fill_bitmask
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(SpeculativeSteps, StartupSteps):
+class ModelRunner:
     """`params` is the checkpoint-layout tree (numpy or jax arrays, placed anywhere); the runner consumes it group
     by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
 
@@ -80,7 +83,7 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         self.mesh = mesh if mesh is not None else make_mesh(engine_config.tensor_parallel_size)
         self.tp = TensorParallel(self.mesh.size)
         self.tp.check(config)
-        self.backend = AttentionBackend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
+        self.backend = make_attention_backend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
         self.page_size = engine_config.page_size
         self.params = serving_params(params, config, self.tp, self.mesh, self.dtype, engine_config.quantization)
         replicated = NamedSharding(self.mesh, REPLICATED)
@@ -91,57 +94,27 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         self.slot_params = SlotSamplingParams(slots)
         self.slot_state = SlotState.empty(slots, engine_config.pages_per_seq, replicated)
         spec = engine_config.speculative_config
-        self.ngram = spec if spec is not None and spec.method == "ngram" else None
-        self.draft = (DraftModel(spec, draft_config, self.dtype, self.mesh, self.backend,
-                                 self.page_size, slots, engine_config.pages_per_seq)
-                      if spec is not None and spec.method == "draft_model" else None)
-        self.spec_counters = SpecDecodeCounters(engine_config.num_speculative_tokens)
+        self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
+        draft = self.speculator.draft if self.speculator is not None else None
+        self.spec_counters = (self.speculator.counters if self.speculator is not None
+                              else SpecDecodeCounters(engine_config.num_speculative_tokens))
         self.num_pages = engine_config.num_kv_pages or kv_pages(self.mesh.local_devices[0], config, engine_config,
                                                                  self.page_bytes, self.device_page_bytes)
-        if self.draft is not None:
-            self.draft.allocate_pool(self.num_pages)
+        if draft is not None:
+            draft.allocate_pool(self.num_pages)
         pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
                                              config.head_dim)
         # one (K, V) pair per layer: arrays, or QuantizedPages (values + per-token scales) for an int8/fp8 cache
         self.kv_cache = [tuple(self.backend.empty_pool(pool_shape, self.dtype) for _ in "kv")
                          for _ in range(config.num_layers)]
-        pool = self.backend.pool_shardings()
-        params_in, kv_in = param_shardings(self.params, config, self.tp, self.mesh), [(pool, pool)] * config.num_layers
-        forward_shardings = dict(in_shardings=(params_in, kv_in, replicated) + (replicated,) * 4,
-                                 out_shardings=(replicated, replicated, kv_in, replicated), donate_argnums=(1, 2))
-        prefill_shardings = dict(forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 3,
-                                 out_shardings=forward_shardings["out_shardings"] + (replicated,))
-        static = (config, self.tp, self.backend, self.dtype, self.page_size)
-        self._prefill = jax.jit(functools.partial(prefill_step, *static, with_hidden=True), **prefill_shardings)
-        self._score = jax.jit(functools.partial(prompt_scores_step, config, self.tp, self.dtype),
-                              in_shardings=(params_in,) + (replicated,) * 4, out_shardings=replicated)
-        self._decode = jax.jit(functools.partial(decode_step, *static), **forward_shardings)
-        self._verify = jax.jit(functools.partial(verify_step, *static), **dict(
-            forward_shardings, in_shardings=forward_shardings["in_shardings"] + (replicated,) * 2))
-        self._verify_sample = jax.jit(verify_sample_step, in_shardings=replicated, out_shardings=replicated,
-                                      donate_argnums=(0, 1))
-        on_every_device = dict(in_shardings=replicated, out_shardings=replicated, donate_argnums=(0,))
-        self._sample = jax.jit(sample_step, in_shardings=replicated, out_shardings=replicated, donate_argnums=(0, 1))
-        self._send_table = jax.jit(lambda table: table, out_shardings=replicated)  # host columns -> device copy
-        self._reset_penalties = jax.jit(functools.partial(reset_penalties_step, vocab), **on_every_device)
-        self._ban = jax.jit(functools.partial(ban_step, vocab), **on_every_device)
-        self.sampling_table = self._send_table(self.slot_params.table())  # every slot's sampling parameters
+        self.sampling_table = jax.device_put(self.slot_params.table(), replicated)  # every slot's sampling params
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
         self._all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
-                             for rows in self.sampler_rows}
-        self._jitted = {"prefill": self._prefill, "score": self._score, "decode": self._decode,
-                        "sample": self._sample,
-                        "reset": self._reset_penalties, "ban": self._ban, "table": self._send_table,
-                        "verify": self._verify, "verify_sample": self._verify_sample}
-        if self.draft is not None:
-            self._jitted |= {"draft_prefill": self.draft.prefill_fn, "propose": self.draft.propose_fns[False],
-                             "propose_probs": self.draft.propose_fns[True]}
-        self._follower_logits = None  # a multi-host follower's latest forward logits (see `replay`)
-        self._follower_hidden = None  # and its latest prefill's last-layer output
-        self._warm = False  # after warm-up, a jitted step's cache growing means a compile while serving
-        self._cache_sizes: dict[str, int] = {}
-        # multi-host leader: told every call (kind, inputs) before it runs, so the followers run it too
-        self.on_call: Callable[[str, tuple], None] | None = None
+                             for rows in startup.sampler_rows(engine_config)}
+        self.steps = StepRegistry()
+        self.steps.add(self._steps())
+        if self.speculator is not None:
+            self.steps.add(self.speculator.steps())
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
                     "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
@@ -149,14 +122,84 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
                     self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
                     self.backend.name, pool_shape, self.tp.size)
 
+    def jit_forward(self, step_fn: Callable, **options) -> Callable:
+        """A forward step of the target (`engine/steps.py`) jitted over the mesh: params and pool sharded, the
+        pool and slot state donated."""
+        pool = self.backend.pool_shardings()
+        kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(self.mesh, REPLICATED)
+        params_in = param_shardings(self.params, self.config, self.tp, self.mesh)
+        static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
+        return jit_step(functools.partial(step_fn, *static, **options), self.mesh, (params_in, kv_in, replicated),
+                        (kv_in, replicated), donate=(1, 2))
+
+    def _steps(self) -> list[Step]:
+        ec, mesh, replicated = self.engine_config, self.mesh, NamedSharding(self.mesh, REPLICATED)
+        vocab = self.config.vocab_size
+        params_in = param_shardings(self.params, self.config, self.tp, mesh)
+        penalties = (lambda: (self.penalties,)), assign(self, "penalties")
+        on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
+                               donate=(0,))
+        return [
+            Step("prefill", self.jit_forward(prefill_step, with_hidden=True), self.forward_state,
+                 self.keep_forward_state, functools.partial(startup.prefill_examples, ec), forwards=("logits", "hidden")),
+            Step("score", jit_step(functools.partial(prompt_scores_step, self.config, self.tp, self.dtype), mesh,
+                                   (params_in,), (), donate=()),
+                 lambda: (self.params,), assign(self), functools.partial(
+                     startup.score_examples, ec, self.config.hidden_size, self.dtype, replicated),
+                 forwarded=("hidden",)),
+            Step("decode", self.jit_forward(decode_step), self.forward_state, self.keep_forward_state,
+                 functools.partial(startup.decode_examples, ec), forwards=("logits",)),
+            Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
+                 assign(self, "sampling_table"), functools.partial(startup.table_examples, ec)),
+            Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
+                 self.sampler_state, self.keep_sampler_state, functools.partial(
+                     startup.sample_examples, ec, vocab, self._all_allowed, replicated), forwarded=("logits",)),
+            Step("reset", jit_step(functools.partial(reset_penalties_step, vocab), **on_every_device), *penalties,
+                 functools.partial(startup.reset_examples, ec)),
+            Step("ban", jit_step(functools.partial(ban_step, vocab), **on_every_device), *penalties,
+                 functools.partial(startup.ban_examples, ec)),
+        ]
+
+    # -- the state the steps read and write --------------------------------------------------------------------
+
+    def forward_state(self) -> tuple:
+        return self.params, self.kv_cache, self.slot_state
+
+    def keep_forward_state(self, kv_cache, slot_state: SlotState) -> None:
+        self.kv_cache, self.slot_state = kv_cache, slot_state
+
+    def sampler_state(self) -> tuple:
+        return self.penalties, self.slot_state, self.sampling_table
+
+    def keep_sampler_state(self, penalties: PenaltyState, slot_state: SlotState) -> None:
+        self.penalties, self.slot_state = penalties, slot_state
+
+    @property
+    def on_call(self) -> Callable[[str, Any], None] | None:
+        """Multi-host leader: told every call (name, inputs) before it runs, so the followers run it too."""
+        return self.steps.on_call
+
+    @on_call.setter
+    def on_call(self, send: Callable[[str, Any], None] | None) -> None:
+        self.steps.on_call = send
+
+    def replay(self, kind: str, inputs: Any) -> None:
+        """Runs a leader's call on a multi-host follower (`StepRegistry.replay`)."""
+        self.steps.replay(kind, inputs)
+
+    def warmup(self) -> float:
+        """Compiles and runs every shape of every step once; returns its seconds."""
+        return self.steps.warmup()
+
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included; a draft
         model's page too)."""
         cfg = self.config
-        draft = self.draft.page_bytes if self.draft is not None else 0  # the draft's pool has as many pages
+        draft = self.speculator.draft if self.speculator is not None else None
+        draft_bytes = draft.page_bytes if draft is not None else 0  # the draft's pool has as many pages
         return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
-                * self.backend.token_bytes(cfg.head_dim, self.dtype)) + draft
+                * self.backend.token_bytes(cfg.head_dim, self.dtype)) + draft_bytes
 
     @property
     def kv_storage_dtype(self) -> str:
@@ -186,7 +229,7 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
             self._admit(seq)
         calls = [prefill_inputs(tokens, chunks, self.engine_config.pages_per_seq)
                  for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
-        verify = self._verify_inputs(plan.decodes) if plan.decodes else None
+        verify = self.speculator.verify_inputs(plan.decodes) if plan.decodes and self.speculator else None
         decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes and verify is None else None
         phases.lap("prepare")
         step = InFlightStep([])
@@ -194,12 +237,12 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
             result, scores = self.prefill(inputs)
             step.calls.append(([(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final], result))
             if scores is not None:
-                step.scores.append((inputs.scored, inputs.starts, scores))
+                step.scores.append((inputs.scored, inputs.batch.starts, scores))
         if decode is not None:
             step.calls.append((list(enumerate(decode.seqs)), self.decode(decode)))
         if verify is not None:
-            step.calls.append((list(enumerate(verify.seqs)), self.verify(verify)))
-            step.num_draft = verify.num_draft
+            step.calls.append((list(enumerate(verify.seqs)), self.speculator.verify(verify)))
+            step.num_draft = verify.batch.num_draft
         phases.lap("dispatch")
         return step
 
@@ -212,7 +255,7 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         sampled = []
         for (rows, _), result in zip(step.calls, results):
             if result.num_accepted is not None:
-                sampled += self._verified(rows, result, step.num_draft)
+                sampled += self.speculator.verified(rows, result, step.num_draft)
                 continue
             tokens = result.tokens.tolist()
             sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else sampled_token(seq, result, row)
@@ -225,65 +268,59 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
         self.slot_params.set(seq.slot, params, seq.seed)
         if not (params.uses_penalties or params.min_tokens):
             return  # the sampler reads a slot's statistics only for these
-        ids = np.zeros(bucket_for(len(seq.token_ids), self.reset_buckets), np.int32)
+        ids = np.zeros(bucket_for(len(seq.token_ids), startup.reset_buckets(self.engine_config)), np.int32)
         ids[:len(seq.token_ids)] = seq.token_ids
-        self.penalties = self._call("reset", self._reset_penalties, (self.penalties,), (
-            np.int32(seq.slot), ids, np.int32(seq.num_prompt_tokens), np.int32(len(seq.token_ids))))
+        self.steps.run("reset", ResetInputs(np.int32(seq.slot), ids, np.int32(seq.num_prompt_tokens),
+                                            np.int32(len(seq.token_ids))))
         bans = ([] if params.ignore_eos else sorted(self.eos_token_ids)) + params.stop_token_ids
-        for start in range(0, len(bans) if params.min_tokens else 0, BAN_IDS_CHUNK):
-            chunk = np.full(BAN_IDS_CHUNK, -1, np.int32)
-            chunk[:len(bans[start:start + BAN_IDS_CHUNK])] = bans[start:start + BAN_IDS_CHUNK]
-            self.penalties = self._call("ban", self._ban, (self.penalties,), (np.int32(seq.slot), chunk))
+        size = startup.BAN_IDS_CHUNK
+        for start in range(0, len(bans) if params.min_tokens else 0, size):
+            chunk = np.full(size, -1, np.int32)
+            chunk[:len(bans[start:start + size])] = bans[start:start + size]
+            self.steps.run("ban", BanInputs(np.int32(seq.slot), chunk))
 
     def prefill(self, inputs: PrefillInputs) -> tuple[SampleResult | PendingSample, PromptScores | None]:
         """One prefill call (K/V written to the pool, and to a draft model's); the sampled token of each row, and
         the prompt scores of a call with scored rows (else None), still on the device."""
-        arrays = (inputs.token_ids, inputs.starts, inputs.num_tokens, inputs.page_tables, inputs.slots,
-                  inputs.is_final, inputs.next_tokens)
-        if self.draft is not None:
-            _, _, self.draft.kv_cache, self.draft.slot_state = self._call(
-                "draft_prefill", self.draft.prefill_fn, self._state("draft_prefill"), arrays)
-        logits, greedy, self.kv_cache, self.slot_state, hidden = self._call(
-            "prefill", self._prefill, (self.params, self.kv_cache, self.slot_state), arrays)
+        batch = inputs.batch
+        if self.speculator is not None:
+            self.speculator.mirror_prefill(batch)
+        forward = self.steps.run("prefill", batch)
         scores = None
         if inputs.scored:
-            scores = self._call("score", self._score, (self.params,),
-                                (hidden, inputs.token_ids, inputs.num_tokens, inputs.next_tokens))
+            scores = self.steps.run("score", ScoreInputs(forward.hidden, batch.token_ids, batch.num_tokens,
+                                                         batch.next_tokens))
         guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
                   if chunk.is_final and chunk.seq.grammar is not None]
-        return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.is_final,
-                                   len(inputs.chunks), guided), scores
+        return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.is_final, len(inputs.chunks),
+                                   guided), scores
 
     def decode(self, inputs: DecodeInputs) -> SampleResult:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
-        logits, greedy, self.kv_cache, self.slot_state = self._call(
-            "decode", self._decode, (self.params, self.kv_cache, self.slot_state),
-            (inputs.slots, inputs.positions, inputs.pages, inputs.active))
+        batch = inputs.batch
+        forward = self.steps.run("decode", batch)
         guided = [(row, seq) for row, seq in enumerate(inputs.seqs) if seq.grammar is not None]
-        return self._choose_tokens(logits, greedy, inputs.slots, inputs.output_index, inputs.active, len(inputs.seqs),
-                                   guided)
+        return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.active, len(inputs.seqs), guided)
 
-    def _send_sampling_table(self) -> None:
+    def send_sampling_table(self) -> None:
         """Admissions since the last sampler call changed slots' parameters: one copy of every slot's columns."""
         if self.slot_params.changed:
-            self.sampling_table = self._call("table", self._send_table, (), (self.slot_params.table(),))
+            self.steps.run("table", self.slot_params.table())
 
-    def _choose_tokens(self, logits, greedy, slots, output_index, counted, rows: int,
+    def _choose_tokens(self, forward, slots, output_index, counted, rows: int,
                        guided: list[tuple[int, Sequence]]) -> SampleResult | PendingSample:
         """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token. A batch
         with constrained rows waits for their masks (`sample_pending`)."""
         if guided:
-            return PendingSample(logits, slots, output_index, counted, guided)
+            return PendingSample(forward.logits, slots, output_index, counted, guided)
         if self.slot_params.is_plain_greedy(slots, output_index, rows):
-            return SampleResult(tokens=greedy, logprobs=None, top_ids=None, top_logprobs=None)
-        return self._run_sampler(logits, slots, output_index, counted, self._all_allowed[len(slots)])
+            return SampleResult(tokens=forward.greedy, logprobs=None, top_ids=None, top_logprobs=None)
+        return self._run_sampler(SamplerInputs(forward.logits, slots, output_index, counted,
+                                               self._all_allowed[len(slots)]))
 
-    def _run_sampler(self, logits, slots, output_index, counted, bitmask) -> SampleResult:
-        self._send_sampling_table()
-        result, self.penalties, self.slot_state = self._call(
-            "sample", self._sample, (self.penalties, self.slot_state, self.sampling_table),
-            (logits, slots, output_index, counted, bitmask))
-        return result
+    def _run_sampler(self, inputs: SamplerInputs) -> SampleResult:
+        self.send_sampling_table()
+        return self.steps.run("sample", inputs)
 
     def sample_pending(self, step: InFlightStep) -> None:
         """Runs the samplers a dispatched step left waiting, with the token masks of its constrained rows (their
@@ -299,20 +336,9 @@ class ModelRunner(SpeculativeSteps, StartupSteps):
                     for eos in self.eos_token_ids:
                         words[row, eos // 32] &= ~np.uint32(1 << (eos % 32))
             device_mask = jax.device_put(bitmask, self._all_allowed[len(pending.slots)].sharding)
-            step.calls[index] = (rows, self._run_sampler(pending.logits, pending.slots, pending.output_index,
-                                                         pending.counted, device_mask))
-
-    def _call(self, kind: str, jitted, state: tuple, inputs: tuple):
-        """Runs a jitted step through jax's C++ dispatch path, which after warm-up finds every shape compiled (a
-        miss is logged: it would compile while serving)."""
-        if self.on_call is not None:  # a forward's outputs are not sent: followers hold their own (`replay`)
-            self.on_call(kind, (None, *inputs[1:]) if kind in ("sample", "score") else inputs)
-        outputs = jitted(*state, *inputs)
-        if self._warm and jitted._cache_size() != self._cache_sizes[kind]:
-            self._cache_sizes[kind] = jitted._cache_size()
-            logger.warning("compiled a %s step for shapes %s while serving: warm-up missed it", kind,
-                           shape_key(inputs))
-        return outputs
+            step.calls[index] = (rows, self._run_sampler(SamplerInputs(pending.logits, pending.slots,
+                                                                       pending.output_index, pending.counted,
+                                                                       device_mask)))
 
 
 def _scored(seq: Sequence, tokens: range, start: int, scores: PromptScores, row: int) -> ScoredPrompt:

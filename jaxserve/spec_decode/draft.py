@@ -1,9 +1,11 @@
-"""A draft model for speculative decoding: a smaller model with the target's vocabulary, in the same engine.
+"""A draft model for speculative decoding: a smaller model with the target's vocabulary, in the same engine. Here:
+its config check (`draft_model_config`) and its proposal step; the runner holds its params, pool and jitted steps
+(`engine/speculator.py`).
 
 The draft has its own params and its own paged KV pool, with as many pages as the target's and the same page
 tables: page p of a sequence holds the same positions in both pools, so prefix caching, preemption and
 rollback of rejected tokens need no bookkeeping of their own. Every target prefill is mirrored into the draft
-pool (`prefill`). A proposal (`propose_step`) first feeds the row's last two tokens (positions p-1 and p: the
+pool (the engine's prefill step on the draft's params). A proposal (`propose_step`) first feeds the row's last two tokens (positions p-1 and p: the
 draft may lack the KV of p-1 when every draft of the previous step was accepted, and writing it again gives the
 same values), then K-1 single tokens, each sampled from the draft's own distribution with the row's sampling
 parameters (the argmax for greedy rows); the drafts and, for sampled rows, their distributions q stay on the
@@ -12,22 +14,37 @@ device for the verify step.
 
 from __future__ import annotations
 
-import functools
-
+import flax
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.shardings import REPLICATED, param_shardings
-from jaxserve.distributed.tensor_parallel import TensorParallel
-from jaxserve.engine.steps import SlotState, draft_positions, prefill_step
-from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplingBatch, argmax, inverse_cdf, row_uniforms, sampling_logits
 from jaxserve.models import forward
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.verify import draft_positions
 
 DRAFT_STREAM = 2  # `row_uniforms` stream of the draft's own draws
+
+
+@flax.struct.dataclass
+class ProposeInputs:
+    """The rows of a verify call, as the draft model's proposal reads them."""
+
+    slots: jax.Array  # int32 [rows]
+    positions: jax.Array  # int32 [rows]: the position of each row's latest token
+    last_tokens: jax.Array  # int32 [rows, 2]: each row's two latest tokens (what the draft feeds first)
+    pages: jax.Array  # int32 [rows, K + 1]: the pages of positions p..p+K
+    num_draft: jax.Array  # int32 [rows]: drafts each row may have
+    active: jax.Array  # bool [rows]
+    output_index: jax.Array  # int32 [rows]
+
+
+@flax.struct.dataclass
+class Proposal:
+    draft_tokens: jax.Array  # int32 [rows, K]
+    draft_probs: jax.Array | None  # float32 [rows, K, vocab]: the draft's distributions (None: greedy drafts)
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int) -> ModelConfig:
@@ -47,17 +64,22 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, max_model_l
     return config
 
 
-def propose_step(config, tp, backend, dtype, page_size, with_probs: bool, params, kv_cache, slot_state: SlotState,
-                 table: SamplingBatch, slots, positions, last_tokens, pages, num_draft, active, output_index):
+def propose_step(config, tp, backend, dtype, page_size, with_probs: bool, params, kv_cache, slot_state,
+                 table: SamplingBatch, inputs: ProposeInputs):
     """K = `pages.shape[1] - 1` draft tokens per row (`[rows, K]`) and, `with_probs`, the draft's distributions
     (`[rows, K, vocab]`, float32). Row r's latest token sits at `positions[r]`; `last_tokens [rows, 2]` are its
     two last tokens; `pages [rows, K+1]` the pages of positions p..p+K (the target's verify step writes the same
-    into the slot's page table)."""
+    into the slot's page table). `slot_state` is the target's (`SlotState`: its page tables are read, not
+    written); the new state is the draft's pool."""
+    slots, positions, pages, num_draft, active = (inputs.slots, inputs.positions, inputs.pages, inputs.num_draft,
+                                                  inputs.active)
+    output_index = inputs.output_index
     rows, width = pages.shape
     k = width - 1
     sampling = jax.tree.map(lambda column: column[slots], table)
     valid = active[:, None] & (jnp.arange(width)[None, :] <= num_draft[:, None])
-    positions2d, slot_mapping, page_tables = draft_positions(slot_state, page_size, slots, positions, pages, valid)
+    positions2d, slot_mapping, page_tables = draft_positions(slot_state.page_tables, page_size, slots, positions,
+                                                             pages, valid)
     row_tables = page_tables[slots]
     previous = jnp.maximum(positions - 1, 0)
     previous_page = jnp.take_along_axis(row_tables, (previous // page_size)[:, None], axis=1)[:, 0]
@@ -76,7 +98,7 @@ def propose_step(config, tp, backend, dtype, page_size, with_probs: bool, params
                              slot_mapping=jnp.stack([previous_slot, slot_mapping[:, 0]], axis=1),
                              page_tables=row_tables, context_lens=jnp.where(active, positions + 1, 0),
                              query_lens=jnp.where(active, 2, 0))
-    logits, kv_cache = forward(params, config, backend, last_tokens, kv_cache, meta,
+    logits, kv_cache = forward(params, config, backend, inputs.last_tokens, kv_cache, meta,
                                logits_indices=jnp.ones((rows,), jnp.int32), dtype=dtype, tp=tp)
     token, q = choose(logits, 0)
     drafts, probs = [token], [q]
@@ -91,49 +113,4 @@ def propose_step(config, tp, backend, dtype, page_size, with_probs: bool, params
         token, q = choose(logits, i)
         drafts.append(token)
         probs.append(q)
-    return jnp.stack(drafts, axis=1), (jnp.stack(probs, axis=1) if with_probs else None), kv_cache
-
-
-class DraftModel:
-    """The draft's params (serving layout on the target's mesh), its KV pool and its two jitted steps."""
-
-    def __init__(self, spec: SpeculativeConfig, config: ModelConfig, dtype, mesh: Mesh, backend: AttentionBackend,
-                 page_size: int, slots: int, pages_per_seq: int):
-        from jaxserve.loading import load_model
-        from jaxserve.loading.placement import serving_params
-
-        self.config = config
-        self.tp = TensorParallel(mesh.size)
-        self.tp.check(config)
-        self.num_speculative_tokens = spec.num_speculative_tokens
-        loaded = load_model(spec.model, dtype, mesh=mesh)
-        self.params = serving_params(loaded.params, config, self.tp, mesh, dtype, None)
-        self.backend, self.dtype, self.page_size = backend, dtype, page_size
-        self.pool_shape = None
-        self.kv_cache = None
-        replicated = NamedSharding(mesh, REPLICATED)
-        self.slot_state = SlotState.empty(slots, pages_per_seq, replicated)  # the draft prefill's; never read
-        pool = backend.pool_shardings()
-        params_in = param_shardings(self.params, config, self.tp, mesh)
-        kv_in = [(pool, pool)] * config.num_layers
-        static = (config, self.tp, backend, dtype, page_size)
-        self.prefill_fn = jax.jit(functools.partial(prefill_step, *static),
-                                  in_shardings=(params_in, kv_in) + (replicated,) * 8,
-                                  out_shardings=(replicated, replicated, kv_in, replicated), donate_argnums=(1, 2))
-        self.propose_fns = {with_probs: jax.jit(functools.partial(propose_step, *static, with_probs),
-                                                in_shardings=(params_in, kv_in) + (replicated,) * 9,
-                                                out_shardings=(replicated, replicated, kv_in), donate_argnums=(1,))
-                            for with_probs in (False, True)}
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of the draft's pool over all layers and devices (K and V)."""
-        cfg = self.config
-        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
-                * self.backend.token_bytes(cfg.head_dim, self.dtype))
-
-    def allocate_pool(self, num_pages: int) -> None:
-        cfg = self.config
-        self.pool_shape = self.backend.pool_shape(num_pages, self.page_size, self.tp.pool_heads(cfg), cfg.head_dim)
-        self.kv_cache = [tuple(self.backend.empty_pool(self.pool_shape, self.dtype) for _ in "kv")
-                         for _ in range(cfg.num_layers)]
+    return Proposal(jnp.stack(drafts, axis=1), jnp.stack(probs, axis=1) if with_probs else None), (kv_cache,)

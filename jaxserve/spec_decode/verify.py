@@ -24,6 +24,19 @@ from jaxserve.layers.sampler import (SampleResult, SamplingBatch, apply_penaltie
 ACCEPT_STREAM = 1  # `row_uniforms` stream of the acceptance tests (stream 0 is the plain sampler's draw)
 
 
+def draft_positions(page_tables, page_size, slots, positions, pages, valid):
+    """Rows' positions `positions[:, None] + i` (i < pages.shape[1]) and their flat KV slots, with `pages[r, i]`
+    (the page of row r's position i) written into the slots' `page_tables [slots, pages_per_seq]` where `valid`:
+    how a verify step (or a draft model's proposal) places K+1 tokens per row in the paged cache."""
+    rows, width = pages.shape
+    positions = positions[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
+    live = jnp.where(valid, slots[:, None], page_tables.shape[0])
+    page_tables = page_tables.at[live, page_index].set(pages, mode="drop")
+    slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
+    return positions, slot_mapping, page_tables
+
+
 def accepted_prefix(accept: jax.Array, num_draft: jax.Array) -> jax.Array:
     """Per row, how many leading drafts are accepted: `accept [rows, K]` bools, rows with `num_draft` drafts."""
     k = accept.shape[1]

@@ -1,0 +1,211 @@
+"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It proposes drafts (n-gram
+lookup on the host, or a `DraftModel` on the device), runs the verify forward and its sampler, reads a verify
+call's tokens, and owns those steps' records (`Step`) with their warm-up examples, the draft model's params and
+pool, and the acceptance counters. The pure parts live in `spec_decode/` (n-gram index, proposal and acceptance)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.models import param_shardings
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.engine.input_batch import VerifyInputs, empty_prefill, verify_inputs
+from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.stats import SpecDecodeCounters
+from jaxserve.engine.step_output import SampledToken, sampled_token
+from jaxserve.engine.step_registry import Step, assign, jit_step
+from jaxserve.engine.steps import (PrefillBatch, SlotState, VerifyBatch, VerifySamplerInputs, prefill_step,
+                                   verify_sample_step, verify_step)
+from jaxserve.layers.attention import PagedAttention
+from jaxserve.layers.sampler import SampleResult
+from jaxserve.loading import load_model
+from jaxserve.loading.placement import serving_params
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.draft import ProposeInputs, propose_step
+from jaxserve.spec_decode.ngram import NgramIndex
+
+if TYPE_CHECKING:
+    from jaxserve.engine.model_runner import ModelRunner
+
+
+class DraftModel:
+    """The draft's params (serving layout on the target's mesh), its KV pool (as many pages as the target's, the
+    same page tables) and the slot state its prefill writes (never read)."""
+
+    def __init__(self, spec: SpeculativeConfig, config: ModelConfig, dtype, mesh: Mesh, backend: PagedAttention,
+                 page_size: int, slots: int, pages_per_seq: int):
+        self.config = config
+        self.tp = TensorParallel(mesh.size)
+        self.tp.check(config)
+        self.params = serving_params(load_model(spec.model, dtype, mesh=mesh).params, config, self.tp, mesh, dtype,
+                                     None)
+        self.backend, self.dtype, self.page_size = backend, dtype, page_size
+        self.kv_cache = None
+        self.slot_state = SlotState.empty(slots, pages_per_seq, NamedSharding(mesh, REPLICATED))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of the draft's pool over all layers and devices (K and V)."""
+        cfg = self.config
+        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
+                * self.backend.token_bytes(cfg.head_dim, self.dtype))
+
+    def allocate_pool(self, num_pages: int) -> None:
+        cfg = self.config
+        pool_shape = self.backend.pool_shape(num_pages, self.page_size, self.tp.pool_heads(cfg), cfg.head_dim)
+        self.kv_cache = [tuple(self.backend.empty_pool(pool_shape, self.dtype) for _ in "kv")
+                         for _ in range(cfg.num_layers)]
+
+    def jitted(self, mesh: Mesh) -> tuple:
+        """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
+        with the drafts' distributions), jitted for `mesh`."""
+        pool = self.backend.pool_shardings()
+        params_in = param_shardings(self.params, self.config, self.tp, mesh)
+        kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(mesh, REPLICATED)
+        static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
+        prefill = jit_step(functools.partial(prefill_step, *static), mesh, (params_in, kv_in, replicated),
+                           (kv_in, replicated), donate=(1, 2))
+        propose = {with_probs: jit_step(functools.partial(propose_step, *static, with_probs), mesh,
+                                        (params_in, kv_in, replicated, replicated), (kv_in,), donate=(1,))
+                   for with_probs in (False, True)}
+        return prefill, propose
+
+
+class Speculator:
+    """Reads and writes the target's pool, slot state and penalties through the runner's `forward_state` /
+    `keep_forward_state` and `sampler_state` / `keep_sampler_state`, and runs its steps through the runner's
+    `steps` registry (which it adds them to)."""
+
+    def __init__(self, runner: ModelRunner, spec: SpeculativeConfig, draft_config: ModelConfig | None):
+        ec = runner.engine_config
+        self.runner = runner
+        self.k = ec.num_speculative_tokens
+        self.ngram = spec if spec.method == "ngram" else None
+        self.draft = (DraftModel(spec, draft_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
+                                 ec.max_num_seqs, ec.pages_per_seq) if spec.method == "draft_model" else None)
+        self.counters = SpecDecodeCounters(self.k)
+
+    def steps(self) -> list[Step]:
+        """Its steps' records (call once the target's and the draft's pools exist)."""
+        runner, mesh = self.runner, self.runner.mesh
+        replicated = NamedSharding(mesh, REPLICATED)
+        steps = [Step("verify", runner.jit_forward(verify_step), runner.forward_state, runner.keep_forward_state,
+                      self._verify_examples, forwards=("logits",), forwarded=("draft_tokens",)),
+                 Step("verify_sample", jit_step(verify_sample_step, mesh, (replicated,) * 3, (replicated,) * 2,
+                                               donate=(0, 1)),
+                      runner.sampler_state, runner.keep_sampler_state, self._verify_sample_examples,
+                      forwarded=("logits", "draft_tokens", "draft_probs"))]
+        draft = self.draft
+        if draft is not None:
+            prefill, propose = draft.jitted(mesh)
+            steps.append(Step("draft_prefill", prefill, lambda: (draft.params, draft.kv_cache, draft.slot_state),
+                              assign(draft, "kv_cache", "slot_state"), self._draft_prefill_examples))
+            for name, with_probs in (("propose", False), ("propose_probs", True)):
+                steps.append(Step(name, propose[with_probs],
+                                  lambda: (draft.params, draft.kv_cache, runner.slot_state, runner.sampling_table),
+                                  assign(draft, "kv_cache"), self._propose_examples,
+                                  forwards=("draft_tokens", "draft_probs")))
+        return steps
+
+    # -- a step's decode batch -----------------------------------------------------------------------------
+
+    def verify_inputs(self, seqs: list[Sequence]) -> VerifyInputs | None:
+        """The verify call for this step's decodes, or None when no sequence has drafts (a plain decode then)."""
+        if not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
+            return None  # constrained rows decode without drafts (the verify sampler applies no token mask)
+        drafts = None
+        if self.ngram is not None:
+            drafts = []
+            for seq in seqs:
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(self.ngram.prompt_lookup_min, self.ngram.prompt_lookup_max)
+                drafts.append(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead) if seq.num_lookahead else [])
+            if not any(drafts):
+                return None
+        return verify_inputs(seqs, drafts, self.runner.engine_config, self.k)
+
+    def mirror_prefill(self, batch: PrefillBatch) -> None:
+        """Writes a target prefill call's chunks into the draft model's pool too (no-op without a draft model)."""
+        if self.draft is not None:
+            self.runner.steps.run("draft_prefill", batch)
+
+    def verify(self, inputs: VerifyInputs) -> SampleResult:
+        """Proposes (a draft model, on the device) and verifies K drafts per row in one forward of the target; each
+        row's output tokens, still on the device (`SampleResult.num_accepted`)."""
+        runner, batch = self.runner, inputs.batch
+        rows = len(inputs.seqs)
+        plain = runner.slot_params.is_plain_greedy(batch.slots, inputs.output_index, rows)
+        proposal = None
+        if self.draft is not None:
+            runner.send_sampling_table()
+            proposal = runner.steps.run("propose" if plain else "propose_probs", ProposeInputs(
+                batch.slots, batch.positions, inputs.last_tokens, batch.pages, batch.num_draft, batch.active,
+                inputs.output_index))
+            batch = batch.replace(draft_tokens=proposal.draft_tokens)
+        forward = runner.steps.run("verify", batch)
+        if plain:
+            return forward.greedy
+        runner.send_sampling_table()
+        return runner.steps.run("verify_sample", VerifySamplerInputs(
+            forward.logits, batch.draft_tokens, batch.num_draft, proposal.draft_probs if proposal else None,
+            batch.slots, inputs.output_index, batch.active))
+
+    def verified(self, rows: list[tuple[int, Sequence]], result: SampleResult,
+                 num_draft: np.ndarray) -> list[SampledToken]:
+        """A verify call's output tokens, row by row: the accepted drafts, then the token sampled after them."""
+        accepted = np.minimum(result.num_accepted, num_draft)
+        self.counters.count(num_draft[:len(rows)], accepted[:len(rows)])
+        tokens = result.tokens.tolist()
+        sampled = []
+        for row, seq in rows:
+            count = int(accepted[row])
+            for i in range(count + 1):
+                sample = (SampledToken(seq, tokens[row][i]) if seq.params.logprobs is None
+                          else sampled_token(seq, result, (row, i)))
+                sample.accepted_draft = i < count
+                sampled.append(sample)
+        return sampled
+
+    # -- warm-up examples: every batch bucket's shapes -------------------------------------------------------
+
+    def _zeros_on_device(self, shape: tuple[int, ...], dtype) -> jax.Array:
+        return jnp.zeros(shape, dtype, device=NamedSharding(self.runner.mesh, REPLICATED))
+
+    def _drafts(self, rows: int):
+        """Example drafts: a draft model's come from its proposal, on the device."""
+        shape = (rows, self.k)
+        return self._zeros_on_device(shape, jnp.int32) if self.draft is not None else np.zeros(shape, np.int32)
+
+    def _verify_examples(self) -> Iterator[VerifyBatch]:
+        for rows in self.runner.engine_config.decode_batch_buckets:
+            zeros = np.zeros(rows, np.int32)
+            yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, np.zeros((rows, self.k + 1), np.int32),
+                              np.zeros(rows, bool))
+
+    def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:
+        vocab = self.runner.config.vocab_size
+        for rows in self.runner.engine_config.decode_batch_buckets:
+            zeros = np.zeros(rows, np.int32)
+            # a draft model's rows that sample have its distributions (its greedy rows skip this sampler)
+            probs = None if self.draft is None else self._zeros_on_device((rows, self.k, vocab), jnp.float32)
+            yield VerifySamplerInputs(self._zeros_on_device((rows, self.k + 1, vocab), jnp.float32),
+                                      self._drafts(rows), zeros, probs, zeros, zeros, np.zeros(rows, bool))
+
+    def _draft_prefill_examples(self) -> Iterator[PrefillBatch]:
+        ec = self.runner.engine_config
+        for rows, tokens in ec.prefill_shapes:
+            yield empty_prefill(rows, tokens, ec.pages_per_seq)
+
+    def _propose_examples(self) -> Iterator[ProposeInputs]:
+        for rows in self.runner.engine_config.decode_batch_buckets:
+            zeros = np.zeros(rows, np.int32)
+            yield ProposeInputs(zeros, zeros, np.zeros((rows, 2), np.int32), np.zeros((rows, self.k + 1), np.int32),
+                                zeros, np.zeros(rows, bool), zeros)
