@@ -209,7 +209,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
 
 def _attended_tokens(config: Any, pages_per_seq: int) -> int:
     """K/V tokens per sequence the decode step attends over: its pages, read in whole `DECODE_BLOCK_TOKENS` blocks."""
-    from jaxserve.layers.attention import DECODE_BLOCK_TOKENS
+    from jaxserve.layers.attention_xla import DECODE_BLOCK_TOKENS
 
     tokens = pages_per_seq * config.page_size
     return -(-tokens // DECODE_BLOCK_TOKENS) * DECODE_BLOCK_TOKENS

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata
+from jaxserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, make_attention_backend
 
 # Every backend this machine runs: "pallas" compiles Triton kernels (a GPU), "pallas-tpu" Mosaic TPU ones (a TPU).
 NEEDS = {"pallas": "gpu", "pallas-tpu": "tpu"}
@@ -106,8 +106,9 @@ def make_step(rng: np.random.Generator, rows: list[tuple[int, int]], num_tokens:
                 table, slots, positions)
 
 
-def reference(step: Step, sliding_window: int | None = None) -> np.ndarray:
-    """float64 causal attention of each real query token over its row's owned keys; zeros elsewhere."""
+def reference(step: Step, sliding_window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
+    """float64 causal attention of each real query token over its row's owned keys (logits capped as
+    `soft_cap * tanh(x / soft_cap)` when set); zeros elsewhere."""
     batch, num_tokens, q_heads, head_dim = step.q.shape
     kv_heads = step.k_new.shape[2]
     group = q_heads // kv_heads
@@ -126,24 +127,26 @@ def reference(step: Step, sliding_window: int | None = None) -> np.ndarray:
             for h in range(q_heads):
                 k, v = keys[h // group, lo:pos + 1], values[h // group, lo:pos + 1]
                 logits = k @ step.q[b, j, h].astype(np.float64) / math.sqrt(head_dim)
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
                 p = np.exp(logits - logits.max())
                 out[b, j, h] = p @ v / p.sum()
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "sliding_window"))
-def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, *, backend, sliding_window):
-    attention = AttentionBackend(backend)
+@functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "soft_cap"))
+def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, *, backend, sliding_window, soft_cap=None):
+    attention = make_attention_backend(backend)
     k_pool, v_pool = attention.write_kv(k_pool, v_pool, k_new, v_new, meta.slot_mapping)
     return attention.attend(q, k_pool, v_pool, meta, sm_scale=1 / math.sqrt(q.shape[-1]),
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-def attend(backend: str, step: Step, sliding_window: int | None = None) -> np.ndarray:
+def attend(backend: str, step: Step, sliding_window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
     """write_kv then attend, jitted together as in the model; returns float64 [B, T, q_heads, D]."""
     out = _write_and_attend(jnp.asarray(step.q), jnp.asarray(step.k_pool), jnp.asarray(step.v_pool),
                             jnp.asarray(step.k_new), jnp.asarray(step.v_new), step.meta(), backend=backend,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, soft_cap=soft_cap)
     assert out.shape == step.q.shape and out.dtype == jnp.float32
     return np.asarray(out, np.float64)
 
@@ -215,8 +218,41 @@ def test_pallas_prefill_is_one_kernel_call():
     step = make_step(rng, [(3, 3), (5, 9), (0, 0), (1, 12)], 5, poison="nan")
     meta = step.meta()
     pools = jnp.asarray(step.k_pool), jnp.asarray(step.v_pool)
-    closed = jax.make_jaxpr(lambda q, k, v, meta: AttentionBackend("pallas-interpret").attend(
+    closed = jax.make_jaxpr(lambda q, k, v, meta: make_attention_backend("pallas-interpret").attend(
         q, k, v, meta, sm_scale=0.25, sliding_window=None))(jnp.asarray(step.q), *pools, meta)
     assert _count_primitive(closed.jaxpr, "pallas_call") == 1
     # The text alone cannot tell: jax prints a jaxpr shared by several call sites once.
     assert str(closed).count("pallas_call") == 1
+
+
+@pytest.mark.parametrize("name,kind", [("xla", "XlaAttention"), ("pallas", "TritonAttention"),
+                                       ("pallas-interpret", "TritonAttention"), ("pallas-tpu", "MosaicTpuAttention"),
+                                       ("pallas-tpu-interpret", "MosaicTpuAttention")])
+def test_the_backend_is_chosen_once_by_name_and_keeps_it(name, kind):
+    attention = make_attention_backend(name, kv_cache_dtype="int8")
+    assert type(attention.backend).__name__ == kind and attention.name == name
+    assert isinstance(attention.backend, AttentionBackend)
+    assert attention.quantized and hash(attention) == hash(make_attention_backend(name, kv_cache_dtype="int8"))
+
+
+def test_an_unknown_backend_is_a_value_error_listing_the_backends():
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \('xla', 'pallas'.*got 'cuda'"):
+        make_attention_backend("cuda")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_xla_soft_cap_matches_the_reference(sliding_window):
+    rng = np.random.default_rng(53)
+    step = make_step(rng, [(3, 3), (5, 9), (0, 0), (1, 12)], 5, poison="nan")
+    step.q *= 4  # scores well past the cap, so capping changes the output
+    expected = reference(step, sliding_window, soft_cap=1.5)
+    assert_matches(attend("xla", step, sliding_window, soft_cap=1.5), expected, step.real(), "xla soft-cap")
+    assert np.abs(reference(step, sliding_window) - expected)[step.real()].max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["pallas-interpret", "pallas-tpu-interpret"])
+def test_kernel_backends_refuse_a_soft_cap_by_name(backend):
+    step = make_step(np.random.default_rng(59), [(1, 4)], 1)
+    with pytest.raises(ValueError, match=f"attention_backend '{backend}' does not support an attention-logit "
+                                         "soft-cap"):
+        attend(backend, step, soft_cap=30.0)

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
-from jaxserve.layers import quant_dense
+from jaxserve.layers import matmul_blocks
 from jaxserve.layers.awq import awq_matmul
 from jaxserve.loading import load_model
 from jaxserve.loading.awq import (AWQ_ORDER, pack_awq, quantize_rtn_int4, unpack_awq,
@@ -148,13 +148,13 @@ def float_weight_buffers(hlo: str, params: dict) -> list[str]:
 def test_decode_step_never_materializes_a_float_weight(llama, monkeypatch):
     _, awq_dir, _ = llama
     # blocks of a real model's size (1 MiB of float) would hold a tiny model's whole weights
-    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (16 * 1024, 16 * 1024))
+    monkeypatch.setattr(matmul_blocks, "BLOCK_BYTES", (16 * 1024, 16 * 1024))
     llm = LLM(model=awq_dir, **SMALL)
     params = llm.llm_engine.runner.params
     for rows in (1, 4):
         assert float_weight_buffers(decode_hlo(llm, rows), params) == []
     # the check sees the bug it is for: on XLA:CPU the plain dequantize-then-dot writes a float copy of the weight
-    monkeypatch.setattr(quant_dense, "blocked_matmuls", lambda: False)
+    monkeypatch.setattr(matmul_blocks, "blocked_matmuls", lambda: False)
     unblocked = LLM(model=awq_dir, **SMALL)
     assert len(float_weight_buffers(decode_hlo(unblocked, 1), params)) >= 4
 
@@ -162,7 +162,7 @@ def test_decode_step_never_materializes_a_float_weight(llama, monkeypatch):
 @pytest.mark.parametrize("shards", [1, 2, 4])
 @pytest.mark.parametrize("block_bytes", [1024, 4096, 1 << 20])  # part of a group, one group, several per block
 def test_blocked_matmul_matches_numpy(shards, block_bytes, monkeypatch):
-    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (block_bytes, block_bytes))
+    monkeypatch.setattr(matmul_blocks, "BLOCK_BYTES", (block_bytes, block_bytes))
     rng = np.random.default_rng(shards)
     q, z = rng.integers(0, 16, (128, 48)), rng.integers(0, 16, (8, 48))
     s = rng.random((8, 48)).astype(np.float32)
@@ -185,25 +185,25 @@ def config_only_copy(source: str, target: Path, **quantization_config) -> str:
 def test_bad_input_is_a_value_error_before_any_weight_is_read(llama, tmp_path):
     float_dir, awq_dir, _ = llama
     with pytest.raises(ValueError, match=r"quantization='awq' needs an AutoAWQ checkpoint.*no quantization_config"):
-        EngineConfig(model=float_dir, quantization="awq")
+        EngineConfig(model=float_dir, quantization="awq").resolve(2048)
     with pytest.raises(ValueError, match=r"quantization='awq' needs an AutoAWQ checkpoint.*default model"):
-        EngineConfig(quantization="awq")
+        EngineConfig(quantization="awq").resolve(2048)
     with pytest.raises(ValueError, match=r"quantization='int8' does not match .* AutoAWQ checkpoint"):
-        EngineConfig(model=awq_dir, quantization="int8")
+        EngineConfig(model=awq_dir, quantization="int8").resolve(2048)
     with pytest.raises(ValueError, match=r"quantization='awq' needs an AutoAWQ checkpoint"):
         load_model(float_dir, quantization="awq")
     odd_group = config_only_copy(awq_dir, tmp_path / "group64", group_size=64)
     with pytest.raises(ValueError, match=r"group_size 64 does not divide hidden_size .* = 96"):
-        EngineConfig(model=odd_group)
+        EngineConfig(model=odd_group).resolve(2048)
     with pytest.raises(ValueError, match=r"group_size 64 does not divide hidden_size"):
         load_model(odd_group)
     split_group = config_only_copy(awq_dir, tmp_path / "group32", group_size=32)
-    EngineConfig(model=split_group)  # 32 divides 96 and 160 ...
+    EngineConfig(model=split_group).resolve(2048)  # 32 divides 96 and 160 ...
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: q_size .* = 96 split 2 ways is not whole groups"):
-        EngineConfig(model=split_group, tensor_parallel_size=2)  # ... but not their halves
+        EngineConfig(model=split_group, tensor_parallel_size=2).resolve(2048)  # ... but not their halves
     with pytest.raises(ValueError, match=r"4-bit GEMM .*'bits': 8"):
-        EngineConfig(model=config_only_copy(awq_dir, tmp_path / "bits8", bits=8))
+        EngineConfig(model=config_only_copy(awq_dir, tmp_path / "bits8", bits=8)).resolve(2048)
     with pytest.raises(ValueError, match=r"4-bit GEMM .*'version': 'gemv'"):
-        EngineConfig(model=config_only_copy(awq_dir, tmp_path / "gemv", version="gemv"))
+        EngineConfig(model=config_only_copy(awq_dir, tmp_path / "gemv", version="gemv")).resolve(2048)
     with pytest.raises(ValueError, match=r"quant_method 'gptq'.*cannot load"):
-        EngineConfig(model=config_only_copy(awq_dir, tmp_path / "gptq", quant_method="gptq"))
+        EngineConfig(model=config_only_copy(awq_dir, tmp_path / "gptq", quant_method="gptq")).resolve(2048)

@@ -462,10 +462,10 @@ def test_random_model_has_the_default_models_shapes(tmp_path):
 
     import transformers
 
-    from jaxserve.config import ModelConfig
+    from jaxserve.models import config_from_hf
 
-    described = ModelConfig.from_hf(gguf_hf_config(gguf.GGUFReader(default_gguf_path())))
-    stand_in = ModelConfig.from_hf(transformers.LlamaConfig(**random_model.DEFAULT_MODEL_SHAPES))
+    described = config_from_hf(gguf_hf_config(gguf.GGUFReader(default_gguf_path())))
+    stand_in = config_from_hf(transformers.LlamaConfig(**random_model.DEFAULT_MODEL_SHAPES))
     assert stand_in.rms_norm_eps == pytest.approx(described.rms_norm_eps)  # the GGUF stores it as float32
     same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0.0)  # the stand-in has no tokenizer
     assert dataclasses.replace(stand_in, **same) == dataclasses.replace(described, **same)

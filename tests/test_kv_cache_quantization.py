@@ -21,7 +21,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
-from jaxserve.layers.attention import AttentionBackend, QuantizedPages, quantize_kv
+from jaxserve.layers.attention import make_attention_backend
+from jaxserve.layers.paged_kv import QuantizedPages, quantize_kv
 from tests.conftest import random_prompts, shard_shapes
 from tests.test_attention import BACKENDS, DECODE_ROWS, PREFILL_ROWS, make_step, reference
 
@@ -93,7 +94,7 @@ def test_attend_over_quantized_pages_matches_float64_reference(shape, backend, k
         step = make_step(rng, PREFILL_ROWS, 8, page_size=8, head_dim=16)
     (k_pool, v_pool), (k_new, v_new) = _quantized_step(step, kv_cache_dtype)
     assert np.isnan(np.asarray(k_pool.scales[:, 0])).all(), "the scratch page's scales must be poisoned"
-    attention = AttentionBackend(backend, kv_cache_dtype=kv_cache_dtype)
+    attention = make_attention_backend(backend, kv_cache_dtype=kv_cache_dtype)
     out = _write_and_attend(jnp.asarray(step.q), k_pool, v_pool, jnp.asarray(k_new), jnp.asarray(v_new),
                             step.meta(), backend=attention)
     out = np.asarray(out, np.float64)
@@ -123,7 +124,7 @@ def test_xla_path_converts_per_block_never_the_whole_pool(kv_cache_dtype):
                      pages_per_seq=32, kv_heads=heads)
     values = jnp.zeros((heads, pages, page_size, head_dim), {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype])
     pool = QuantizedPages(values, jnp.zeros((heads, pages, page_size), jnp.float32))
-    backend = AttentionBackend("xla", kv_cache_dtype=kv_cache_dtype)
+    backend = make_attention_backend("xla", kv_cache_dtype=kv_cache_dtype)
     closed = jax.make_jaxpr(lambda q, k, v, meta: backend.attend(q, k, v, meta, sm_scale=0.25, sliding_window=None))(
         jnp.asarray(step.q), pool, pool, step.meta())
     row_tokens = 32 * page_size  # one row's whole page table
@@ -216,7 +217,7 @@ def test_an_unknown_kv_cache_dtype_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8', 'fp8'\), got 'int4'"):
         EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        AttentionBackend("xla", kv_cache_dtype="float8")
+        make_attention_backend("xla", kv_cache_dtype="float8")
 
 
 def test_default_model_keeps_16_of_32_greedy_tokens_with_int8_and_fp8_pages(tmp_path):

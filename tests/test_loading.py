@@ -24,7 +24,7 @@ from conftest import TINY_DIMS, save_tiny_tokenizer
 from jaxserve.config import ModelConfig
 from jaxserve.loading import load_model, restore_gguf_cached
 from jaxserve.loading.store import CorruptCheckpointError, restore_store, save_store
-from jaxserve.models import checkpoint_shapes, fuse_params
+from jaxserve.models import checkpoint_shapes, config_from_hf, fuse_params
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BF16 = np.dtype(jnp.bfloat16)
@@ -145,7 +145,7 @@ def test_safetensors_load_in_bfloat16_holds_the_params_plus_one_tensor(tmp_path,
     model_dir = save_hf_model(tmp_path / "model", config, torch.bfloat16)
     small_dir = save_hf_model(tmp_path / "small", transformers.LlamaConfig(**TINY_DIMS), torch.bfloat16)
     result = peak_while_loading(small_dir, model_dir)
-    shapes = checkpoint_shapes(ModelConfig.from_hf(config))
+    shapes = checkpoint_shapes(config_from_hf(config))
     params_bytes = sum(2 * s.size for s in jax.tree.leaves(shapes))
     bound = params_bytes + 4 * 2 * max(s.size for s in jax.tree.leaves(shapes)) + 8 * MiB
     assert bound < 1.5 * params_bytes
@@ -153,7 +153,7 @@ def test_safetensors_load_in_bfloat16_holds_the_params_plus_one_tensor(tmp_path,
 
 
 def store_with_random_params(path: Path, dims: dict) -> ModelConfig:
-    config = ModelConfig.from_hf(transformers.LlamaConfig(**dims))
+    config = config_from_hf(transformers.LlamaConfig(**dims))
     rng = np.random.default_rng(0)
     save_store(path, config, jax.tree.map(lambda s: rng.standard_normal(s.shape, dtype=np.float32),
                                           checkpoint_shapes(config)), None)

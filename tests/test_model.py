@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.attention import AttentionMetadata, make_attention_backend
 from jaxserve.loading import load_model
 from jaxserve.models import forward, fuse_params
 
@@ -21,7 +21,7 @@ def full_forward_logits(params, cfg, token_ids: list[int], backend: str = "xla")
     """Logits of every position of one sequence, computed through the paged cache (pages 1.., page 0 scratch).
 
     `params` are in the serving layout (`fuse_params` of what the loader returns)."""
-    attn = AttentionBackend(backend)
+    attn = make_attention_backend(backend)
     num_tokens = len(token_ids)
     num_pages = -(-num_tokens // PAGE_SIZE)
     shape = attn.pool_shape(num_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)

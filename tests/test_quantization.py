@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
-from jaxserve.layers import quant_dense
+from jaxserve.layers import matmul_blocks, quant_dense
 from jaxserve.layers.quant_dense import is_quantized, quantize_params
 from jaxserve.loading import load_model
 from jaxserve.models import fuse_params
@@ -85,14 +85,14 @@ def float_weight_buffers(hlo: str, params: dict) -> list[str]:
 
 def test_decode_step_never_materializes_a_float_weight(odd_dims_dir, monkeypatch):
     # blocks of a real model's size (1 MiB of float) would hold a tiny model's whole weights
-    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (16 * 1024, 16 * 1024))
+    monkeypatch.setattr(matmul_blocks, "BLOCK_BYTES", (16 * 1024, 16 * 1024))
     llm = LLM(model=odd_dims_dir, quantization="int8", **SMALL)
     params = llm.llm_engine.runner.params
     assert is_quantized(params) and params["embed"]["embedding"].dtype == jnp.int8
     for rows in (1, 4):
         assert float_weight_buffers(decode_hlo(llm, rows), params) == []
     # the check sees the bug it is for: on XLA:CPU a plain convert-then-dot writes a float copy of the weight
-    monkeypatch.setattr(quant_dense, "blocked_matmuls", lambda: False)
+    monkeypatch.setattr(matmul_blocks, "blocked_matmuls", lambda: False)
     unblocked = LLM(model=odd_dims_dir, quantization="int8", **SMALL)
     assert len(float_weight_buffers(decode_hlo(unblocked, 1), params)) >= 5
 
@@ -137,7 +137,7 @@ def test_an_unknown_quantization_is_a_value_error():
 @pytest.mark.parametrize("shards", [1, 2, 4])
 def test_blocked_matmuls_match_numpy_for_any_device_split(shards, monkeypatch):
     """The CPU loop's block and device-axis bookkeeping (a row-parallel kernel, a vocabulary-split tied LM head)."""
-    monkeypatch.setattr(quant_dense, "BLOCK_BYTES", (4 * 1024, 4 * 1024))  # several blocks per device
+    monkeypatch.setattr(matmul_blocks, "BLOCK_BYTES", (4 * 1024, 4 * 1024))  # several blocks per device
     rng = np.random.default_rng(shards)
     x = rng.standard_normal((3, 2, 64)).astype(np.float32)
     kernel = rng.integers(-127, 128, (64, 48)).astype(np.int8)

@@ -1,1 +1,2 @@
-"""Running past one device: the tensor-parallel layout, the sharding table, and multi-host coordination."""
+"""Running past one device: the tensor-parallel layout, the sharding vocabulary (each model family's table is in its
+spec, `jaxserve.models`), and multi-host coordination."""

@@ -13,11 +13,12 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 
 MODEL_AXIS = "model"  # the mesh axis the weights, heads and KV pages are split over
+REPLICATED = P()  # on every device whole
 
 
 @dataclasses.dataclass(frozen=True)

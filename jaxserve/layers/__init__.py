@@ -1,1 +1,3 @@
-"""Building blocks shared by the models: rotary embeddings, RMSNorm, paged attention backends, the sampler."""
+"""Building blocks the models share: paged attention and its backends (`attention`, `paged_kv`), rotary embeddings
+(`rotary`), float/int8/AWQ linear layers (`quant_dense`, `awq`), the sampler and prompt scoring. Norms and the
+decoder blocks live with their model family (`jaxserve.models`)."""

@@ -1,51 +1,62 @@
-"""The `pallas-tpu` and `pallas-tpu-interpret` attention backends' glue to the Mosaic TPU kernels.
+"""The `pallas-tpu` and `pallas-tpu-interpret` attention backends: our Mosaic TPU kernels (`pallas_kernels.tpu`), the
+default on TPU; `pallas-tpu-interpret` runs the same kernels in Pallas' TPU interpreter (`pltpu.InterpretParams()`),
+which works on a CPU.
 
-`pallas_kernels.tpu` writes the step's new K/V with per-token DMAs and attends with one ragged paged attention
-call over the whole step (decode rows and prefill chunks alike). The pool layout is the one all backends share,
-`[kv_heads, num_pages, page_size, head_dim]`: one page of one head is a contiguous `[page_size, head_dim]` tile,
-the kernel's unit of DMA, lane-dense at head_dim 128; tensor parallelism splits the leading heads axis; and
-quantized pools keep their `[kv_heads, num_pages, page_size]` scales. `pallas-tpu-interpret` runs the same
-kernels in Pallas' TPU interpreter (`pltpu.InterpretParams()`), which works on a CPU.
+`write_kv` writes a step's new K/V with per-token DMAs; `attend` runs one ragged paged attention call over the
+step's rows (the engine's prefill and decode steps are separate calls, each through this one kernel). The kernel
+reads the pool layout all backends share: one page of one head is a contiguous `[page_size, head_dim]` tile, its
+unit of DMA, lane-dense at head_dim 128; quantized pools keep their `[kv_heads, num_pages, page_size]` scales. The
+kernels take no attention-logit soft-cap yet, so a soft-capped model is refused when its step is traced.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.layers.attention import QuantizedPages, quantize_kv
+from jaxserve.layers.paged_kv import AttentionMetadata, QuantizedPages, quantize_kv, reject_soft_cap, split_quantized
 from pallas_kernels.tpu import ragged_paged_attention, write_to_pages
 
 
-def interpret_params(backend_name: str) -> pltpu.InterpretParams | None:
-    """`InterpretParams` for the interpreted backend, None (compile with Mosaic) for `pallas-tpu`."""
-    return pltpu.InterpretParams() if backend_name == "pallas-tpu-interpret" else None
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuAttention:
+    """Our Mosaic TPU kernels; `interpret` runs them in Pallas' TPU interpreter. One device's heads per call."""
 
+    interpret: bool = False
 
-def tpu_write_kv(k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, kv_cache_dtype: str,
-                 interpret) -> tuple:
-    """One device's write of `k, v: [B, T, kv_heads, head_dim]` into their slots (padding -> scratch page,
-    skipped); quantizes each new token's heads first when the pools are `QuantizedPages`."""
-    heads, head_dim = k.shape[2:]
-    k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1)  # [kv_heads, tokens, head_dim]
-    v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1)
-    slots = slot_mapping.reshape(-1)
-    if kv_cache_dtype == "auto":
-        return write_to_pages((k_pool, v_pool), (k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)), slots,
-                              interpret=interpret)
-    (k_values, k_scales), (v_values, v_scales) = quantize_kv(k_new, kv_cache_dtype), quantize_kv(v_new, kv_cache_dtype)
-    pools = write_to_pages((k_pool.values, k_pool.scales, v_pool.values, v_pool.scales),
-                           (k_values, k_scales, v_values, v_scales), slots, interpret=interpret)
-    return QuantizedPages(*pools[:2]), QuantizedPages(*pools[2:])
+    @property
+    def name(self) -> str:
+        return "pallas-tpu-interpret" if self.interpret else "pallas-tpu"
 
+    def interpret_params(self) -> pltpu.InterpretParams | None:
+        """`InterpretParams` for the interpreted backend, None (compile with Mosaic) otherwise."""
+        return pltpu.InterpretParams() if self.interpret else None
 
-def tpu_paged_attention(q: jax.Array, k_pool, v_pool, meta, *, sm_scale: float, sliding_window: int | None,
-                        interpret) -> jax.Array:
-    """One device's ragged paged attention of `q: [B, T, q_heads, head_dim]` (see `AttentionBackend.attend`)."""
-    scales = {}
-    if isinstance(k_pool, QuantizedPages):
-        scales = dict(k_scales=k_pool.scales, v_scales=v_pool.scales)
-        k_pool, v_pool = k_pool.values, v_pool.values
-    # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
-    return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
-                                  sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, **scales)
+    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+                 kv_cache_dtype: str) -> tuple:
+        """Writes `k, v: [B, T, kv_heads, head_dim]` into their slots (padding -> scratch page, skipped); quantizes
+        each new token's heads first when the pools are `QuantizedPages`."""
+        heads, head_dim = k.shape[2:]
+        k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1)  # [kv_heads, tokens, head_dim]
+        v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1)
+        slots = slot_mapping.reshape(-1)
+        interpret = self.interpret_params()
+        if kv_cache_dtype == "auto":
+            return write_to_pages((k_pool, v_pool), (k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)), slots,
+                                  interpret=interpret)
+        (k_values, k_scales), (v_values, v_scales) = quantize_kv(k_new, kv_cache_dtype), quantize_kv(v_new,
+                                                                                                     kv_cache_dtype)
+        pools = write_to_pages((k_pool.values, k_pool.scales, v_pool.values, v_pool.scales),
+                               (k_values, k_scales, v_values, v_scales), slots, interpret=interpret)
+        return QuantizedPages(*pools[:2]), QuantizedPages(*pools[2:])
+
+    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+        reject_soft_cap(self.name, soft_cap)
+        k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
+        # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
+        return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
+                                      sm_scale=sm_scale, sliding_window=sliding_window,
+                                      interpret=self.interpret_params(), **scales)

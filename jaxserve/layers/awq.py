@@ -9,7 +9,7 @@ As for int8 (`quant_dense.int8_matmul`), how the dequantization reaches the dot 
 
 * elsewhere than XLA:CPU, the plain expression (dequantize the weight, one dot), left to XLA to fuse;
 * XLA:CPU does not fuse a convert into a dot, so the matmul runs as a `fori_loop` over blocks of input rows
-  (`quant_dense.BLOCK_BYTES` of float each, cache-resident): each iteration dequantizes one block and multiplies
+  (`matmul_blocks.BLOCK_BYTES` of float each, cache-resident): each iteration dequantizes one block and multiplies
   it, so no float copy of a whole weight exists. A block is whole groups, or, when one group's float rows exceed
   the block size, an equal part of one group; its zeros and scales are its groups' rows.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.layers import quant_dense
+from jaxserve.layers import matmul_blocks
 
 
 def dequantize(q: jax.Array, zeros: jax.Array, scales: jax.Array, dtype) -> jax.Array:
@@ -33,10 +33,10 @@ def dequantize(q: jax.Array, zeros: jax.Array, scales: jax.Array, dtype) -> jax.
 def block_layout(groups: int, group_size: int, fan_out: int, itemsize: int, rows: int) -> tuple[int, int]:
     """`(groups per block, blocks per group)` for one device's `groups` groups: whole groups per block while a
     group's float rows fit in a block, else each group cut into equal parts (one of the two counts is 1)."""
-    budget = quant_dense.BLOCK_BYTES[rows > 16]
+    budget = matmul_blocks.block_budget(rows)
     if group_size * fan_out * itemsize <= budget:
-        return groups // quant_dense._num_blocks(groups, group_size * fan_out, itemsize, rows), 1
-    return 1, quant_dense._num_blocks(group_size, fan_out, itemsize, rows)
+        return groups // matmul_blocks.num_blocks(groups, group_size * fan_out, itemsize, rows), 1
+    return 1, matmul_blocks.num_blocks(group_size, fan_out, itemsize, rows)
 
 
 def awq_matmul(x: jax.Array, kernel: jax.Array, zeros: jax.Array, scales: jax.Array,
@@ -50,7 +50,7 @@ def awq_matmul(x: jax.Array, kernel: jax.Array, zeros: jax.Array, scales: jax.Ar
     groups, fan_out = scales.shape
     size = fan_in // groups
     rows = x.reshape(-1, fan_in)
-    if not quant_dense.blocked_matmuls():
+    if not matmul_blocks.blocked_matmuls():
         w = dequantize(kernel.reshape(groups, size, fan_out), zeros[:, None], scales[:, None], x.dtype)
         y = jnp.dot(rows, w.reshape(fan_in, fan_out), preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*lead, fan_out)

@@ -21,8 +21,8 @@ The int8 matmul reads the int8 kernel from memory and applies the scale to the o
   and neither `--xla_cpu_use_xnnpack`, the xnn/ynn/onednn `..._fusion_type=LIBRARY_FUSION_TYPE_DOT,..._ELTWISE`
   flags nor `sum(x[..., None] * w)` (a reduce fusion: 13 ms) changes that. So on CPU the matmul runs as a
   `fori_loop` over contiguous blocks of the kernel's major axis (input rows of a `[in, out]` kernel, vocabulary
-  rows of the embedding used as an LM head): each iteration converts one block (BLOCK_BYTES of float,
-  cache-resident) and multiplies it, so no float buffer of a whole weight ever exists (tests/test_quantization.py
+  rows of the embedding used as an LM head): each iteration converts one block (`matmul_blocks.BLOCK_BYTES` of
+  float, cache-resident) and multiplies it, so no float buffer of a whole weight ever exists (tests/test_quantization.py
   checks the compiled decode step). A Python-unrolled version compiled 12x slower and ran slower. The layers'
   blocked matmuls run at about float32's speed at batch 1 (the int8->float convert, not memory, is the limit);
   the blocked LM head is 3x faster than the float one, whose `x @ embedding.T` XLA:CPU runs slowly.
@@ -40,9 +40,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxserve.layers import matmul_blocks
+from jaxserve.layers.awq import awq_matmul
+
 QUANTIZE_EMBEDDING = True  # the embedding table (and so a tied LM head) too; benchmarks/quality.py measures both
-BLOCK_BYTES = (256 << 10, 1 << 20)  # float bytes of one converted block in the CPU loop: up to 16 rows, more rows
-MAX_BLOCKS = 64  # more iterations than this cost more in loop overhead than the blocks save
 
 
 def quantize_int8(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -88,22 +89,6 @@ def is_quantized(params: dict) -> bool:
     return any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params))
 
 
-def blocked_matmuls() -> bool:
-    """Whether int8 matmuls run as a loop over blocks (XLA:CPU, which does not fuse a convert into a dot)."""
-    return jax.default_backend() == "cpu"
-
-
-def _num_blocks(length: int, other: int, itemsize: int, rows: int) -> int:
-    """How many equal blocks to cut `length` rows of `other` columns into: the fewest whose float size is at
-    most BLOCK_BYTES (for a matmul of `rows` activation rows), at most MAX_BLOCKS (the count must divide `length`)."""
-    fewest = -(-length * other * itemsize // BLOCK_BYTES[rows > 16])
-    for blocks in range(max(1, fewest), min(length, MAX_BLOCKS) + 1):
-        if length % blocks == 0:
-            return blocks
-    divisors = [d for d in range(1, min(length, MAX_BLOCKS) + 1) if length % d == 0]
-    return max(divisors)
-
-
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: int = 1) -> jax.Array:
     """`x [..., in] @ (kernel int8 [in, out] * scale [out])` in `x.dtype`, float32 accumulation.
 
@@ -112,11 +97,11 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: in
     lead, fan_in = x.shape[:-1], x.shape[-1]
     fan_out = kernel.shape[1]
     rows = x.reshape(-1, fan_in)
-    if not blocked_matmuls():
+    if not matmul_blocks.blocked_matmuls():
         y = jnp.dot(rows, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
     else:
         n = in_shards if fan_in % in_shards == 0 else 1
-        k = _num_blocks(fan_in // n, fan_out, jnp.dtype(x.dtype).itemsize, rows.shape[0])
+        k = matmul_blocks.num_blocks(fan_in // n, fan_out, jnp.dtype(x.dtype).itemsize, rows.shape[0])
         r = fan_in // (n * k)
         xb = rows.reshape(rows.shape[0], n, k, r)
         wb = kernel.reshape(n, k, r, fan_out)
@@ -138,11 +123,11 @@ def int8_matmul_transposed(x: jax.Array, table: jax.Array, scale: jax.Array, out
     lead, fan_in = x.shape[:-1], x.shape[-1]
     fan_out = table.shape[0]
     rows = x.reshape(-1, fan_in)
-    if not blocked_matmuls():
+    if not matmul_blocks.blocked_matmuls():
         y = jnp.dot(rows, table.astype(x.dtype).T, preferred_element_type=jnp.float32)
     else:
         n = out_shards if fan_out % out_shards == 0 else 1
-        k = _num_blocks(fan_out // n, fan_in, jnp.dtype(x.dtype).itemsize, rows.shape[0])
+        k = matmul_blocks.num_blocks(fan_out // n, fan_in, jnp.dtype(x.dtype).itemsize, rows.shape[0])
         v = fan_out // (n * k)
         wb = table.reshape(n, k, v, fan_in)
 
@@ -173,8 +158,6 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "zeros"):
-            from jaxserve.layers.awq import awq_matmul  # (imports this module)
-
             y = awq_matmul(x.astype(self.dtype), *(self.get_variable("params", name)
                                                    for name in ("kernel", "zeros", "scales")), self.in_shards)
         elif self.has_variable("params", "scale"):

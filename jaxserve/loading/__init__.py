@@ -33,8 +33,11 @@ from jaxserve.loading.awq import check_quantization
 from jaxserve.loading.dummy import check_load_format, dummy_params
 from jaxserve.loading.generation_config import (generation_config_file, generation_eos_token_ids,
                                                 read_generation_config, sampling_defaults)
+from jaxserve.loading.hf import convert_hf_state_dict, load_hf_checkpoint
+from jaxserve.loading.hf_files import hf_model_config
 from jaxserve.loading.store import (CorruptCheckpointError, is_store, read_store_config, restore_store, save_store,
                                    verify_store)
+from jaxserve.models import config_from_hf
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -86,11 +89,10 @@ def default_gguf_path() -> str:
 
 def convert_gguf(gguf_path: str, store_path: Path) -> None:
     from jaxserve.loading.gguf_convert import read_gguf
-    from jaxserve.loading.hf import convert_hf_state_dict
 
     started = time.perf_counter()
     hf_config, state, tokenizer = read_gguf(gguf_path)
-    config = ModelConfig.from_hf(hf_config)
+    config = config_from_hf(hf_config)
     save_store(store_path, config, convert_hf_state_dict(state, config), tokenizer)
     logger.info("converted %s -> %s in %.1fs", gguf_path, store_path, time.perf_counter() - started)
 
@@ -131,7 +133,7 @@ def gguf_model_config(gguf_path: str) -> ModelConfig:
 
     from jaxserve.loading.gguf_convert import gguf_hf_config
 
-    return ModelConfig.from_hf(gguf_hf_config(GGUFReader(gguf_path)))
+    return config_from_hf(gguf_hf_config(GGUFReader(gguf_path)))
 
 
 def model_config(source: ModelSource) -> ModelConfig:
@@ -145,8 +147,6 @@ def model_config(source: ModelSource) -> ModelConfig:
             return read_store_config(source.directory)
         except CorruptCheckpointError:  # not converted yet (or damaged: rebuilt when the weights are loaded)
             return gguf_model_config(str(source.weights))
-    from jaxserve.loading.hf import hf_model_config
-
     return hf_model_config(str(source.weights))
 
 
@@ -162,8 +162,6 @@ def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None
         return restore_gguf_cached(str(source.weights), source.directory, dtype, mesh)
     if source.kind == "store":
         return restore_store(source.directory, dtype, mesh)
-    from jaxserve.loading.hf import load_hf_checkpoint
-
     return load_hf_checkpoint(str(source.weights), dtype, mesh)
 
 

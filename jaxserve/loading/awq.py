@@ -34,10 +34,14 @@ from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import path_name
+from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
+from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, read_hf_slice,
+                                       tensor_files)
+from jaxserve.models import checkpoint_shapes, model_spec, param_shardings
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing: nibble i holds column AWQ_ORDER[i] of eight
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j is in nibble AWQ_REVERSE_ORDER[j]
-AWQ_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_TENSORS = {"kernel": "qweight", "zeros": "qzeros", "scales": "scales"}  # our leaf -> the checkpoint's tensor
 
 
@@ -52,15 +56,6 @@ def unpack_awq(packed: np.ndarray) -> np.ndarray:
     """AutoAWQ's int32 `[rows, cols / 8]` -> uint8 `[rows, cols]` in [0, 15], in the natural column order."""
     nibbles = (packed.view(np.uint32)[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
     return nibbles[:, :, AWQ_REVERSE_ORDER].astype(np.uint8).reshape(packed.shape[0], -1)
-
-
-def checkpoint_quantization_config(model: str | os.PathLike | None) -> dict | None:
-    """config.json's `quantization_config` of the HF checkpoint directory `model`; None if it has none or
-    `model` is not such a directory (the default model, a GGUF file, a converted store)."""
-    if model is None or not (Path(model) / "config.json").is_file():
-        return None
-    with open(Path(model) / "config.json") as handle:
-        return json.load(handle).get("quantization_config")
 
 
 def awq_group_size(quantization_config: dict, config: ModelConfig, tp_size: int) -> int:
@@ -115,23 +110,22 @@ def check_quantization(model: str | os.PathLike | None, quantization: str | None
         if quantization not in (None, "awq"):
             raise ValueError(f"quantization={quantization!r} does not match model {model!r}, an AutoAWQ "
                              "checkpoint (quant_method 'awq'): use quantization='awq' or leave it unset")
-        from jaxserve.loading.hf import hf_model_config
-
         awq_group_size(qc, hf_model_config(str(model)), tp_size)
         return "awq"
     return quantization
 
 
-def is_awq_leaf(path: str) -> bool:
-    """Whether our checkpoint-layout `path` ("layers_0/attn/q_proj/kernel") is an AWQ-quantized leaf."""
+def is_awq_leaf(path: str, linears: tuple[str, ...]) -> bool:
+    """Whether our checkpoint-layout `path` ("layers_0/attn/q_proj/kernel") is an AWQ-quantized leaf of one of the
+    model's quantizable `linears`."""
     parts = path.split("/")
-    return parts[0].startswith("layers_") and parts[-2] in AWQ_LINEARS and parts[-1] in AWQ_TENSORS
+    return parts[0].startswith("layers_") and parts[-2] in linears and parts[-1] in AWQ_TENSORS
 
 
 def awq_checkpoint_shapes(config: ModelConfig, dtype: DTypeLike, group: int) -> dict:
     """`models.checkpoint_shapes(config, dtype)` with every decoder linear's kernel as AWQ leaves: uint4 `kernel`
     `[in, out]`, uint4 `zeros` and `dtype` `scales` `[in / group, out]` (biases stay)."""
-    from jaxserve.models import checkpoint_shapes
+    linears = model_spec(config.model_type).quantizable_linears
 
     def linear(module: dict) -> dict:
         fan_in, fan_out = module["kernel"].shape
@@ -141,7 +135,7 @@ def awq_checkpoint_shapes(config: ModelConfig, dtype: DTypeLike, group: int) -> 
                 "scales": jax.ShapeDtypeStruct(per_group, dtype)}
 
     def walk(tree: dict, group_name: str) -> dict:
-        return {name: linear(value) if group_name.startswith("layers_") and name in AWQ_LINEARS
+        return {name: linear(value) if group_name.startswith("layers_") and name in linears
                 else walk(value, group_name) if isinstance(value, dict) else value for name, value in tree.items()}
 
     return {name: walk(value, name) for name, value in checkpoint_shapes(config, dtype).items()}
@@ -163,21 +157,20 @@ def load_awq_params(path: str, config: ModelConfig, group: int, shardings: dict,
     array placed with its sharding from `shardings`; each device's slice is read and unpacked on its own."""
     from safetensors import safe_open
 
-    from jaxserve.distributed.shardings import path_name
-    from jaxserve.loading.hf import check_shape, hf_source, read_hf_slice, tensor_files
-
     dtype, files = np.dtype(dtype), tensor_files(path)
+    spec = model_spec(config.model_type)
 
     def load(key_path, expected: jax.ShapeDtypeStruct, sharding) -> jax.Array:
         ours = path_name(key_path)
-        awq = is_awq_leaf(ours)
+        awq = is_awq_leaf(ours, spec.quantizable_linears)
         if awq:
             module, leaf = ours.rsplit("/", 1)
-            name = hf_source(f"{module}/kernel")[0].removesuffix(".weight") + "." + AWQ_TENSORS[leaf]
+            name = spec.checkpoint_source(f"{module}/kernel").names[0].removesuffix(".weight") + "." + AWQ_TENSORS[leaf]
             rows, cols = expected.shape
             stored = (rows, cols // 8) if leaf != "scales" else (rows, cols)
         else:
-            name, transposed = hf_source(ours)
+            source = spec.checkpoint_source(ours)
+            (name,), transposed = source.names, source.transposed
         if name not in files:
             raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
         with safe_open(files[name], framework="np") as reader:
@@ -197,9 +190,6 @@ def load_awq_params(path: str, config: ModelConfig, group: int, shardings: dict,
 def load_awq_checkpoint(path: str, config: ModelConfig, quantization_config: dict, dtype: DTypeLike,
                         mesh: Mesh | None = None) -> dict:
     """The params of the AutoAWQ checkpoint `path` on `mesh`, after `awq_group_size`'s checks."""
-    from jaxserve.distributed.shardings import param_shardings
-    from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
-
     mesh = make_mesh(1) if mesh is None else mesh
     tp = TensorParallel(mesh.size)
     tp.check(config)
@@ -226,10 +216,11 @@ def write_awq_checkpoint(directory: str | os.PathLike, state: Mapping[str, np.nd
     the checkpoint holds as a float32 state dict (HF names and orientation; the linears dequantized)."""
     from safetensors.numpy import save_file
 
+    linears = model_spec(hf_config["model_type"]).quantizable_linears
     tensors, dequantized = {}, {}
     for name, value in state.items():
         prefix, _, kind = name.rpartition(".")
-        if kind == "weight" and prefix.split(".")[-1] in AWQ_LINEARS:
+        if kind == "weight" and prefix.split(".")[-1] in linears:
             q, z, s = quantize_rtn_int4(np.asarray(value, np.float32).T, group)
             tensors |= {f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(z),
                         f"{prefix}.scales": np.ascontiguousarray(s)}

@@ -21,6 +21,9 @@ from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import path_name
+from jaxserve.loading.placement import checkpoint_shardings
+from jaxserve.models import checkpoint_shapes, dummy_fan_in
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: random weights (this module)
 LEVELS_STD = ((256**2 - 1) / 12) ** 0.5  # the standard deviation of the integers 0..255, equally likely
@@ -31,15 +34,15 @@ def check_load_format(load_format: str) -> None:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
 
 
-def random_leaf(name: str, shape: jax.ShapeDtypeStruct, key: jax.Array) -> jax.Array:
-    """One checkpoint-layout parameter: kernels `[in, out]` N(0, 1/in), the embedding `[vocab, hidden]`
-    N(0, 1/hidden), norm scales 1, biases 0."""
+def random_leaf(config: ModelConfig, name: str, shape: jax.ShapeDtypeStruct, key: jax.Array) -> jax.Array:
+    """One checkpoint-layout parameter: matrices of variance 1/fan-in (the model's spec says which axis: `[in, out]`
+    kernels `in`, the embedding `[vocab, hidden]` `hidden`), norm scales 1, biases 0."""
     leaf = name.rsplit("/", 1)[-1]
     if leaf == "scale":
         return jnp.ones(shape.shape, shape.dtype)
     if leaf == "bias":
         return jnp.zeros(shape.shape, shape.dtype)
-    fan_in = shape.shape[1] if leaf == "embedding" else shape.shape[0]
+    fan_in = dummy_fan_in(config, name, shape.shape)
     return uniform_levels(key, shape.shape, fan_in ** -0.5).astype(shape.dtype)
 
 
@@ -56,22 +59,17 @@ def uniform_levels(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Ar
     return (levels.astype(jnp.float32) - 127.5) * (std / LEVELS_STD)
 
 
-def random_group(shapes: dict, key: jax.Array) -> dict:
+def random_group(config: ModelConfig, shapes: dict, key: jax.Array) -> dict:
     """A parameter group (a tree of ShapeDtypeStructs) drawn from `key`, one split key per leaf."""
-    from jaxserve.distributed.shardings import path_name
-
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([random_leaf(path_name(path), leaf, k) for (path, leaf), k in zip(leaves, keys)])
+    return treedef.unflatten([random_leaf(config, path_name(path), leaf, k) for (path, leaf), k in zip(leaves, keys)])
 
 
 def dummy_params(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None, seed: int = 0) -> dict:
     """Random checkpoint-layout params of `config` in `dtype`, each group drawn on the devices with its sharding
     from the table (one compiled draw serves every decoder layer); ValueError if the heads do not split over
     `mesh`."""
-    from jaxserve.loading.placement import checkpoint_shardings
-    from jaxserve.models import checkpoint_shapes
-
     shapes = checkpoint_shapes(config, dtype)
     shardings = checkpoint_shardings(config, dtype, mesh)
     key = jax.random.key(seed)
@@ -80,6 +78,6 @@ def dummy_params(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None
     for index, (name, group) in enumerate(shapes.items()):
         kind = "layer" if name.startswith("layers_") else name
         if kind not in draws:
-            draws[kind] = jax.jit(functools.partial(random_group, group), out_shardings=shardings[name])
+            draws[kind] = jax.jit(functools.partial(random_group, config, group), out_shardings=shardings[name])
         params[name] = draws[kind](jax.random.fold_in(key, index))
     return params

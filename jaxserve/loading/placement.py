@@ -1,25 +1,27 @@
 """Where loaded weights go: the sharding of every checkpoint-layout parameter on the device mesh.
 
-Every loader places each parameter with its `NamedSharding` from the sharding table
-(`distributed/shardings.py`) as it reads it, so each device receives only its shard. The head counts are
-checked against the mesh (`TensorParallel.check`) before anything is read.
+Every loader places each parameter with its `NamedSharding` from the model spec's sharding rules
+(`models.param_shardings`) as it reads it, so each device receives only its shard. The head counts are checked
+against the mesh (`TensorParallel.check`) before anything is read.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.shardings import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
+from jaxserve.layers.quant_dense import cast_floats, serving_weights
+from jaxserve.models import checkpoint_shapes, fuse_layer, param_shardings
 
 
 def checkpoint_shardings(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None) -> dict:
     """The tree of `NamedSharding`s of `checkpoint_shapes(config, dtype)` on `mesh` (default: one device);
     ValueError if `config`'s heads cannot be split `mesh.size` ways."""
-    from jaxserve.models import checkpoint_shapes
-
     mesh = make_mesh(1) if mesh is None else mesh
     tp = TensorParallel(mesh.size)
     tp.check(config)
@@ -31,13 +33,6 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
     """The serving-layout params on `mesh` from the checkpoint-layout tree `params` (numpy or jax arrays, placed
     anywhere; consumed group by group, so the device never holds both copies): floats cast to `dtype`, each
     layer's projections fused on its own devices, and weights quantized as `quantization` says."""
-    import functools
-
-    import jax
-
-    from jaxserve.layers.quant_dense import cast_floats, serving_weights
-    from jaxserve.models import fuse_layer
-
     def to_serving(kind: str, group: dict) -> dict:
         group = cast_floats(group, dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
         group = fuse_layer(group, config, tp) if kind == "layer" else group

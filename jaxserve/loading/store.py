@@ -27,6 +27,9 @@ from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import path_name
+from jaxserve.loading.placement import checkpoint_shardings
+from jaxserve.models import checkpoint_shapes
 
 logger = logging.getLogger(__name__)
 MANIFEST = "jaxserve_manifest.json"
@@ -105,9 +108,6 @@ def read_store_config(path: str | os.PathLike) -> ModelConfig:
 def check_stored_layout(checkpointer, params_dir: Path, config: ModelConfig) -> None:
     """`CorruptCheckpointError` unless the saved tree is exactly the checkpoint layout of `config` (same parameter
     paths and shapes). Orbax's partial restore would return a placeholder, not an error, for a missing parameter."""
-    from jaxserve.distributed.shardings import path_name
-    from jaxserve.models import checkpoint_shapes
-
     metadata = checkpointer.metadata(params_dir)
     metadata = getattr(metadata, "item_metadata", metadata)
     stored = {path_name(key): tuple(leaf.shape) for key, leaf in jax.tree_util.tree_flatten_with_path(metadata)[0]}
@@ -138,9 +138,6 @@ def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32,
     whole model's.
     """
     import orbax.checkpoint as ocp
-
-    from jaxserve.loading.placement import checkpoint_shardings
-    from jaxserve.models import checkpoint_shapes
 
     path = Path(path).absolute()
     verify_store(path)

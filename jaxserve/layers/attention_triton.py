@@ -1,0 +1,71 @@
+"""The `pallas` and `pallas-interpret` attention backends: our Triton Pallas kernels (`pallas_kernels`), the default
+on GPU; `pallas-interpret` runs the same kernels in Pallas' interpreter, for tests on CPU.
+
+New K/V go in by the XLA scatter (`paged_kv.scatter_kv`). A decode step (one query token per row) runs the decode
+kernel; any other step runs all its rows through one ragged-kernel call, the rows packed back to back
+(`to_ragged`, `from_ragged`). Quantized pools go to the kernels as stored, with their per-token scales. The kernels
+take no attention-logit soft-cap yet, so a soft-capped model is refused when its step is traced (at start-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from jaxserve.layers.paged_kv import AttentionMetadata, reject_soft_cap, scatter_kv, split_quantized
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttention:
+    """Our Triton Pallas kernels; `interpret` runs them in Pallas' interpreter. One device's heads per call."""
+
+    interpret: bool = False
+
+    @property
+    def name(self) -> str:
+        return "pallas-interpret" if self.interpret else "pallas"
+
+    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+                 kv_cache_dtype: str) -> tuple:
+        return scatter_kv(k_pool, v_pool, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
+
+    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+        reject_soft_cap(self.name, soft_cap)
+        k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
+        batch, num_tokens = q.shape[:2]
+        if num_tokens == 1:
+            out = pallas_kernels.paged_attention(q[:, 0], k_pool, v_pool, meta.context_lens, meta.page_tables,
+                                                 sm_scale=sm_scale, sliding_window=sliding_window,
+                                                 interpret=self.interpret, **scales)
+            return out[:, None]
+        query_lens = jnp.clip(meta.query_lens, 0, num_tokens).astype(jnp.int32)
+        cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
+        out = pallas_kernels.ragged_paged_attention(
+            to_ragged(q, cu_q_lens), k_pool, v_pool, meta.context_lens, meta.page_tables, cu_q_lens,
+            jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, interpret=self.interpret, **scales)
+        return from_ragged(out, cu_q_lens, query_lens, num_tokens)
+
+
+def to_ragged(q: jax.Array, cu_q_lens: jax.Array) -> jax.Array:
+    """`[B, T, ...]` -> `[B * T, ...]` with row b's real tokens at `cu_q_lens[b]:cu_q_lens[b + 1]`.
+
+    Entries from `cu_q_lens[B]` on are the ragged kernel's padding: they hold copies of other tokens, and the
+    kernel neither reads them for other rows nor writes anything but zeros for them.
+    """
+    batch, num_tokens = q.shape[:2]
+    index = jnp.arange(batch * num_tokens, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], index, side="right"), 0, batch - 1)
+    column = jnp.clip(index - cu_q_lens[row], 0, num_tokens - 1)
+    return q.reshape(batch * num_tokens, *q.shape[2:])[row * num_tokens + column]
+
+
+def from_ragged(out: jax.Array, cu_q_lens: jax.Array, query_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Inverse of `to_ragged`: `[B * T, ...]` -> `[B, T, ...]`, zeros at padded query tokens."""
+    column = jnp.arange(num_tokens, dtype=jnp.int32)
+    index = jnp.minimum(cu_q_lens[:-1, None] + column, out.shape[0] - 1)  # [B, T]
+    real = (column < query_lens[:, None]).reshape(*index.shape, *(1,) * (out.ndim - 1))
+    return jnp.where(real, out[index], 0)

@@ -1,0 +1,35 @@
+"""How the CPU's weight-only matmuls (int8 in `quant_dense`, AWQ int4 in `awq`) cut a weight into blocks.
+
+XLA:CPU does not fuse a convert into a dot, so there the quantized matmuls run as a `fori_loop` over blocks of
+the weight, each dequantized and multiplied on its own (`blocked_matmuls`); a block holds at most `BLOCK_BYTES` of
+float (cache-resident) and there are at most `MAX_BLOCKS` of them (`num_blocks`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+BLOCK_BYTES = (256 << 10, 1 << 20)  # float bytes of one converted block in the CPU loop: up to 16 rows, more rows
+MAX_BLOCKS = 64  # more iterations than this cost more in loop overhead than the blocks save
+
+
+def blocked_matmuls() -> bool:
+    """Whether quantized matmuls run as a loop over blocks (XLA:CPU, which does not fuse a convert into a dot)."""
+    return jax.default_backend() == "cpu"
+
+
+def block_budget(rows: int) -> int:
+    """The float bytes of one block for a matmul of `rows` activation rows."""
+    return BLOCK_BYTES[rows > 16]
+
+
+def num_blocks(length: int, other: int, itemsize: int, rows: int) -> int:
+    """How many equal blocks to cut `length` rows of `other` columns into: the fewest whose float size is at
+    most the block budget (for a matmul of `rows` activation rows), at most MAX_BLOCKS (the count must divide
+    `length`)."""
+    fewest = -(-length * other * itemsize // block_budget(rows))
+    for blocks in range(max(1, fewest), min(length, MAX_BLOCKS) + 1):
+        if length % blocks == 0:
+            return blocks
+    divisors = [d for d in range(1, min(length, MAX_BLOCKS) + 1) if length % d == 0]
+    return max(divisors)

@@ -1,0 +1,115 @@
+"""The paged KV cache every attention backend shares: the step's metadata, the pool layout, its quantized form,
+and the plain scatter that writes new tokens into it.
+
+One layout per layer's page pool: `[kv_heads, num_pages, page_size, head_dim]`; one page of one head is a
+contiguous `[page_size, head_dim]` tile. With a quantized KV cache (`kv_cache_dtype` "int8" or "fp8") each pool is
+a `QuantizedPages` pytree instead: int8 or float8_e4m3fn values in that layout plus float32 per-token scales
+`[kv_heads, num_pages, page_size]` (one per token and head: value = stored * scale). Under tensor parallelism the
+pool (and its scales) is split on the heads axis (`KV_POOL`, `KV_SCALES`), and so are the queries (`HEADS`).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.distributed.tensor_parallel import MODEL_AXIS
+
+KV_POOL = P(MODEL_AXIS)  # [pool_heads, pages, page_size, head_dim]
+KV_SCALES = P(MODEL_AXIS)  # quantized pools' per-token scales [pool_heads, pages, page_size]: split like their pages
+HEADS = P(None, None, MODEL_AXIS, None)  # q, k, v and the output: [B, T, heads, head_dim]
+# kv_cache_dtype -> (stored dtype, largest magnitude the scale maps a token's max|x| to). "auto": the model dtype.
+QUANTIZED_KV = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+KV_SCALE_BYTES = 4  # one float32 scale per token and head
+
+
+@flax.struct.dataclass
+class QuantizedPages:
+    """One layer's K (or V) pool stored quantized: `values` [kv_heads, num_pages, page_size, head_dim] (int8 or
+    float8_e4m3fn) and `scales` float32 [kv_heads, num_pages, page_size]; a token's head vector is
+    `values[h, page, offset] * scales[h, page, offset]`. A pytree, so the pool stays one donated argument."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def is_deleted(self) -> bool:
+        return self.values.is_deleted() and self.scales.is_deleted()
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """Where a step's query tokens sit in the paged cache. `B` sequences, `T` query tokens each (padded)."""
+
+    positions: jax.Array  # int32 [B, T]: absolute position of each query token
+    slot_mapping: jax.Array  # int32 [B, T]: flat KV slot (page * page_size + offset) each token's K/V is written to
+    page_tables: jax.Array  # int32 [B, P]: pages of each sequence, in order; unused entries point at the scratch page
+    context_lens: jax.Array  # int32 [B]: KV length of each sequence after this step's tokens (0 = inactive row)
+    query_lens: jax.Array  # int32 [B]: real (unpadded) query tokens of each sequence in this step
+
+
+def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (num_kv_heads, num_pages, page_size, head_dim)
+
+
+def split_quantized(k_pool, v_pool) -> tuple[jax.Array, jax.Array, dict]:
+    """`(k values, v values, scales)` for a kernel call: a quantized pool's stored values and its
+    `k_scales`/`v_scales` keyword arguments, or a float pool as it is with no scales."""
+    if isinstance(k_pool, QuantizedPages):
+        return k_pool.values, v_pool.values, dict(k_scales=k_pool.scales, v_scales=v_pool.scales)
+    return k_pool, v_pool, {}
+
+
+def quantize_kv(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+    """Symmetric per-vector quantization over the last axis: `(values, float32 scales)`, x ~ values * scales.
+
+    scale = max|x| / 127 (int8, rounded to nearest) or max|x| / 448 (fp8 e4m3's largest finite value, rounded
+    by the cast); an all-zero vector gets scale 0 and zeros."""
+    dtype, largest = QUANTIZED_KV[kv_cache_dtype]
+    x = x.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(x), axis=-1) / largest
+    scaled = x / jnp.where(scales > 0, scales, 1.0)[..., None]
+    if dtype == jnp.int8:
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, -largest, largest).astype(dtype), scales
+
+
+def scatter_kv(k_pool, v_pool, k, v, slot_mapping, *, kv_cache_dtype: str = "auto"):
+    """One device's write of `k, v: [B, T, kv_heads, head_dim]` into their slots by an XLA scatter (padding tokens
+    target the scratch page); quantizes each new token's heads first when `kv_cache_dtype` says so."""
+    slots = slot_mapping.reshape(-1)
+    if slots.shape[0] == 1:
+        # XLA rewrites a one-row scatter as a dynamic-update-slice fusion that copies the whole donated
+        # pool every step, slow for a large pool; writing the row twice keeps it a scatter.
+        slots = jnp.concatenate([slots, slots])
+        k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
+    heads, pages, page_size, head_dim = k_pool.shape
+    k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1)  # [heads, tokens, head_dim]
+    v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1)
+    flat_shape = (heads, pages * page_size, head_dim)
+
+    def scatter(pool, new):
+        if kv_cache_dtype == "auto":
+            return pool.reshape(flat_shape).at[:, slots].set(new.astype(pool.dtype)).reshape(pool.shape)
+        values, scales = quantize_kv(new, kv_cache_dtype)
+        return QuantizedPages(
+            values=pool.values.reshape(flat_shape).at[:, slots].set(values).reshape(pool.shape),
+            scales=pool.scales.reshape(flat_shape[:2]).at[:, slots].set(scales).reshape(pool.shape[:3]))
+
+    return scatter(k_pool, k_new), scatter(v_pool, v_new)
+
+
+def reject_soft_cap(backend: str, soft_cap: float | None) -> None:
+    """ValueError for a soft-capped model on a backend whose kernels cannot cap the logits yet."""
+    if soft_cap is not None:
+        raise ValueError(f"attention_backend {backend!r} does not support an attention-logit soft-cap "
+                         f"(got {soft_cap}); use attention_backend='xla'")

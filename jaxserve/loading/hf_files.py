@@ -1,0 +1,71 @@
+"""A Hugging Face checkpoint directory's files: its config.json (the `ModelConfig`, the quantization config), which
+safetensors file holds each tensor, and reading one slice of a tensor in our orientation."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import config_from_hf, model_spec
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def hf_model_config(path: str) -> ModelConfig:
+    """The `ModelConfig` of the HF checkpoint directory `path` (its config.json; no weights read); ValueError
+    listing the supported model types for any other."""
+    from transformers import AutoConfig
+
+    with open(Path(path) / "config.json") as handle:  # the model type first: transformers may not know it
+        model_type = json.load(handle).get("model_type")
+    model_spec(model_type)
+    return config_from_hf(AutoConfig.from_pretrained(path))
+
+
+def checkpoint_quantization_config(model: str | os.PathLike | None) -> dict | None:
+    """config.json's `quantization_config` of the HF checkpoint directory `model`; None if it has none or
+    `model` is not such a directory (the default model, a GGUF file, a converted store)."""
+    if model is None or not (Path(model) / "config.json").is_file():
+        return None
+    with open(Path(model) / "config.json") as handle:
+        return json.load(handle).get("quantization_config")
+
+
+def tensor_files(path: str) -> dict[str, str]:
+    """Which `*.safetensors` file of directory `path` holds each tensor (from the index file, else the headers)."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}")
+    located = {}
+    for file in files:
+        with safe_open(file, framework="np") as reader:
+            located.update(dict.fromkeys(reader.keys(), file))
+    return located
+
+
+def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype) -> np.ndarray:
+    """Our `index` of the HF tensor `tensor` (a safetensors slice) in `dtype`: for a transposed kernel our
+    `[i0, i1]` is their `[i1, i0]`, read and then transposed."""
+    index = tuple(index) + (slice(None),) * (len(tensor.get_shape()) - len(index))
+    if transposed:
+        return np.ascontiguousarray(tensor[index[1], index[0]].T, dtype=dtype)
+    return np.ascontiguousarray(tensor[index], dtype=dtype)
+
+
+def check_shape(name: str, ours: tuple, expected: tuple, where: str) -> None:
+    """ValueError if HF tensor `name`, in our orientation `ours`, is not the shape the config implies."""
+    if tuple(ours) != tuple(expected):
+        raise ValueError(f"checkpoint {where!r}: tensor {name!r} has shape {tuple(ours)} in our layout, "
+                         f"the model config implies {tuple(expected)}")

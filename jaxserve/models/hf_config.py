@@ -1,0 +1,42 @@
+"""Readers of the Hugging Face config fields that several model families spell alike: rope parameters, per-layer
+sliding windows, head sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """`(rope_theta, rope_scaling)` from a transformers config, in the v4 (`rope_theta`, `rope_scaling`) or v5
+    (`rope_parameters`) spelling; scaling None for the default rope, else its sorted items with `rope_type`."""
+    rope_params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_theta = rope_params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; jaxserve supports {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return float(rope_theta), None
+    rope_params["rope_type"] = rope_type
+    rope_params.pop("type", None)
+    return float(rope_theta), tuple(sorted(rope_params.items()))
+
+
+def layer_windows(hf_config: Any, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: global attention).
+
+    `sliding_window` applies to the layers `layer_types` marks "sliding_attention", or to every layer when the
+    config has no `layer_types` (Mistral); `use_sliding_window: false` (Qwen2, Qwen3) turns it off, and a config
+    without that flag (Gemma) is read by its `layer_types` alone."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return [window] * num_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

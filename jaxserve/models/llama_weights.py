@@ -1,0 +1,132 @@
+"""The Llama family's parameters: their checkpoint layout, the Hugging Face tensor each is read from, how a layer
+fuses into the serving layout, and where each lives on the device mesh.
+
+Checkpoint layout (what loaders produce): q/k/v and gate/up projections apart, as in Hugging Face checkpoints.
+Serving layout (what `llama.LlamaModel` reads): q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`, each
+device's columns together. Fusing halves the number of matmuls per layer, which matters at small batch where each
+launch is bandwidth-bound. The sharding rules are Megatron-style: q/k/v, gate and up split on their output
+features, o and down on their input features (XLA inserts the all-reduce after them); the embedding and LM head on
+the vocabulary; int8 scales and AWQ zeros/scales like their kernel's features; norms replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from numpy.typing import DTypeLike
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.models.spec import TensorSource
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the decoder's linears
+GLOBAL_TENSORS = {"embed/embedding": "model.embed_tokens.weight", "final_norm/scale": "model.norm.weight",
+                  "lm_head/kernel": "lm_head.weight"}
+LAYER_MODULES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "attn": "self_attn", "mlp": "mlp"}
+# (pattern on "group/module/leaf", `shardings.SPEC_KINDS` name); the first match wins. Both layouts: the checkpoint's
+# q/k/v, gate/up and the serving layout's fused qkv_proj, gate_up_proj. int8 scales are per output channel (split
+# with the kernel's output features, replicated where it splits on its input features); AWQ layers' per-group
+# zeros and scales ([in / group, out]) split exactly like their kernel (whole groups per device, `loading/awq.py`).
+SHARDING_RULES: tuple[tuple[str, str], ...] = (
+    (r"embed/embedding", "vocab_rows"),
+    (r"embed/scale", "vocab_vector"),
+    (r"lm_head/kernel", "vocab_columns"),
+    (r"lm_head/scale", "vocab_vector"),
+    (r"attn/(qkv|q)_proj/(kernel|zeros|scales)$", "columns"),
+    (r"attn/(qkv|q)_proj/(bias|scale)", "vector"),
+    (r"attn/[kv]_proj/(kernel|zeros|scales)$", "kv_columns"),
+    (r"attn/[kv]_proj/(bias|scale)", "kv_vector"),
+    (r"attn/o_proj/(kernel|zeros|scales)$", "rows"),
+    (r"attn/o_proj/scale", "replicated"),
+    (r"mlp/(gate_up|gate|up)_proj/(kernel|zeros|scales)$", "columns"),
+    (r"mlp/(gate_up|gate|up)_proj/scale", "vector"),
+    (r"mlp/down_proj/(kernel|zeros|scales)$", "rows"),
+    (r"mlp/down_proj/scale", "replicated"),
+    (r"(norm|_norm)/scale", "replicated"),
+)
+
+
+def checkpoint_source(path: str) -> TensorSource:
+    """The HF tensor of our checkpoint-layout parameter at `path` ("layers_0/attn/q_proj/kernel", ...).
+
+    Kernels are transposed (HF `[out, in]`); the embedding, norms and biases are not.
+    """
+    if path in GLOBAL_TENSORS:
+        return TensorSource((GLOBAL_TENSORS[path],), path.endswith("/kernel"))
+    group, module, *inner, leaf = path.split("/")
+    if not group.startswith("layers_") or module not in LAYER_MODULES:
+        raise KeyError(f"no Hugging Face tensor for parameter {path!r}")
+    name = ".".join(["model.layers", group.removeprefix("layers_"), LAYER_MODULES[module], *inner,
+                     "bias" if leaf == "bias" else "weight"])
+    return TensorSource((name,), leaf == "kernel")
+
+
+def dummy_fan_in(path: str, shape: tuple[int, ...]) -> int:
+    """A dummy weight's fan-in: the embedding's hidden size, a kernel's input features."""
+    return shape[1] if path.endswith("embedding") else shape[0]
+
+
+def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> dict:
+    """The checkpoint-layout parameter tree (as ShapeDtypeStructs) that loaders produce for `config`."""
+    cfg = config
+
+    def dense(fan_in: int, fan_out: int, bias: bool = False) -> dict:
+        leaf = {"kernel": jax.ShapeDtypeStruct((fan_in, fan_out), dtype)}
+        return leaf | ({"bias": jax.ShapeDtypeStruct((fan_out,), dtype)} if bias else {})
+
+    def norm(width: int) -> dict:
+        return {"scale": jax.ShapeDtypeStruct((width,), dtype)}
+
+    def layer() -> dict:
+        attn = {"q_proj": dense(cfg.hidden_size, cfg.q_size, cfg.qkv_bias),
+                "k_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
+                "v_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
+                "o_proj": dense(cfg.q_size, cfg.hidden_size)}
+        if cfg.qk_norm:
+            attn |= {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)}
+        mlp = {"gate_proj": dense(cfg.hidden_size, cfg.intermediate_size),
+               "up_proj": dense(cfg.hidden_size, cfg.intermediate_size),
+               "down_proj": dense(cfg.intermediate_size, cfg.hidden_size)}
+        return {"input_norm": norm(cfg.hidden_size), "attn": attn, "post_attention_norm": norm(cfg.hidden_size),
+                "mlp": mlp}
+
+    params = {"embed": {"embedding": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype)}}
+    params |= {f"layers_{i}": layer() for i in range(cfg.num_layers)}
+    params["final_norm"] = norm(cfg.hidden_size)
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = dense(cfg.hidden_size, cfg.vocab_size)
+    return params
+
+
+def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
+    """One decoder layer's checkpoint-layout params -> serving layout: q/k/v into `qkv_proj` and gate/up into
+    `gate_up_proj`, each device's columns together (all their leaves: an AWQ layer's zeros and scales too). Jit it
+    with the serving shardings as `out_shardings` and every device builds its own columns from its own shards (k/v
+    replicated when the KV heads are)."""
+    cfg, n = config, tp.size
+    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+    sources = jnp.asarray(tp.pool_head_sources(cfg))
+
+    def per_device(array, heads: int, kv: bool):  # [..., heads * head_dim] -> [..., n, per-device columns]
+        lead = array.shape[:-1]
+        array = array.reshape(*lead, heads, cfg.head_dim)
+        if kv:
+            array = jnp.take(array, sources, axis=-2)  # the pool's heads: each KV head where its queries are
+        return array.reshape(*lead, n, -1)
+
+    def fused(leaf: str) -> jax.Array:
+        q, k, v = (attn[f"{name}_proj"][leaf] for name in "qkv")
+        parts = [per_device(q, cfg.num_q_heads, False), per_device(k, cfg.num_kv_heads, True),
+                 per_device(v, cfg.num_kv_heads, True)]
+        return jnp.concatenate(parts, axis=-1).reshape(*q.shape[:-1], -1)
+
+    # every leaf along the output features: kernel, bias, and an AWQ layer's per-group zeros and scales
+    qkv = {leaf: fused(leaf) for leaf in attn["q_proj"]}
+    for name in "qkv":
+        del attn[f"{name}_proj"]
+    gate, up = (mlp.pop(name) for name in ("gate_proj", "up_proj"))
+    gate_up = {leaf: jnp.concatenate([gate[leaf].reshape(*gate[leaf].shape[:-1], n, -1),
+                                      up[leaf].reshape(*up[leaf].shape[:-1], n, -1)], axis=-1)
+               .reshape(*gate[leaf].shape[:-1], -1) for leaf in gate}
+    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": {"gate_up_proj": gate_up, **mlp}}

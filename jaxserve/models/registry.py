@@ -1,0 +1,109 @@
+"""The model registry: `model_type -> ModelSpec`, and the functions the engine and the loaders call for any model.
+
+A `ModelSpec` is everything jaxserve knows about one family (one module each, `models/llama.py` so far): how its
+Hugging Face config becomes a `ModelConfig`, its Flax module, its checkpoint-layout parameters and the checkpoint
+tensors each comes from, how a layer's parameters fuse into the serving layout, where each parameter lives on the
+mesh, which linears a 4-bit checkpoint stores quantized, and the fan-ins of dummy weights. A new family adds one
+module with its spec and one line to `FAMILIES`.
+
+Two parameter layouts, kernels stored `[in_features, out_features]` in both: the checkpoint layout (what loaders
+produce, `checkpoint_shapes`) and the serving layout (what the model reads, `fuse_params`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from numpy.typing import DTypeLike
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import path_name, spec_from_rules
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.layers.attention import AttentionMetadata, PagedAttention
+from jaxserve.models import llama
+from jaxserve.models.spec import ModelSpec
+
+KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
+
+
+FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC,)
+MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
+SUPPORTED_MODEL_TYPES = tuple(MODELS)
+
+
+def model_spec(model_type: str) -> ModelSpec:
+    """The spec serving `model_type`; ValueError listing the supported ones otherwise."""
+    if model_type not in MODELS:
+        raise ValueError(f"model_type {model_type!r} is not supported; jaxserve serves "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return MODELS[model_type]
+
+
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """The `ModelConfig` of a transformers config (v4 or v5 spelling), by its family's parser."""
+    return model_spec(hf_config.model_type).parse_config(hf_config)
+
+
+def forward(params, config: ModelConfig, backend: PagedAttention, token_ids, kv_cache: KVCache,
+            meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel(),
+            with_hidden: bool = False):
+    """The pure forward function the engine jits: params (serving layout) and cache in, float32 logits and new
+    cache out. With `logits_indices [B]`, one token per row gets logits ([B, vocab]); without, every token
+    ([B, T, vocab]). `with_hidden`: the logits are the pair (logits, the last layer's output [B, T, hidden])."""
+    spec = model_spec(config.model_type)
+    hidden, new_cache = spec.module(config, backend, dtype, tp).apply({"params": params}, token_ids, kv_cache, meta)
+    x = hidden
+    if logits_indices is not None:
+        x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]
+    logits = spec.compute_logits(params, config, x, dtype, tp)
+    return ((logits, hidden) if with_hidden else logits), new_cache
+
+
+def head_logits(params, config: ModelConfig, hidden, dtype=jnp.float32, tp: TensorParallel = TensorParallel()):
+    """The final norm and LM head over a forward's last-layer output `hidden [B, T, hidden]`: float32 logits of every
+    position `[B, T, vocab]`, as the forward computes them for its own logits."""
+    return model_spec(config.model_type).compute_logits(params, config, hidden, dtype, tp)
+
+
+def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> dict:
+    """The checkpoint-layout parameter tree (as ShapeDtypeStructs) that loaders produce for `config`."""
+    return model_spec(config.model_type).checkpoint_shapes(config, dtype)
+
+
+def checkpoint_sources(config: ModelConfig) -> dict:
+    """The checkpoint-layout tree of `config` with a `TensorSource` per parameter."""
+    source = model_spec(config.model_type).checkpoint_source
+    return jax.tree_util.tree_map_with_path(lambda path, _: source(path_name(path)), checkpoint_shapes(config))
+
+
+def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
+    """One decoder layer's checkpoint-layout params -> serving layout (all their leaves: an AWQ layer's zeros and
+    scales too). Jit it with the serving shardings as `out_shardings` and every device builds its own columns."""
+    return model_spec(config.model_type).fuse_layer(layer, config, tp)
+
+
+def fuse_params(params: dict, config: ModelConfig, tp: TensorParallel = TensorParallel()) -> dict:
+    """The whole checkpoint-layout tree -> serving layout (see `fuse_layer`), for tests and one-device use."""
+    return {name: fuse_layer(group, config, tp) if name.startswith("layers_") else group
+            for name, group in params.items()}
+
+
+def param_specs(params, config: ModelConfig, tp: TensorParallel):
+    """The tree of `PartitionSpec`s for a parameter tree (either layout; leaves may be arrays or shapes)."""
+    rules = model_spec(config.model_type).sharding_rules
+    return jax.tree_util.tree_map_with_path(lambda path, _: spec_from_rules(path_name(path), rules, config, tp),
+                                            params)
+
+
+def param_shardings(params, config: ModelConfig, tp: TensorParallel, mesh: Mesh):
+    """The tree of `NamedSharding`s for a parameter tree on `mesh`."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, config, tp),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def dummy_fan_in(config: ModelConfig, path: str, shape: tuple[int, ...]) -> int:
+    """The fan-in a random dummy weight at `path` of `shape` is scaled by."""
+    return model_spec(config.model_type).dummy_fan_in(path, shape)

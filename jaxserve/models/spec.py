@@ -1,0 +1,41 @@
+"""`ModelSpec`, what one model family tells the registry (`models/registry.py`), and `TensorSource`, where one
+checkpoint-layout parameter is read from."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+from numpy.typing import DTypeLike
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """The checkpoint tensor(s) one checkpoint-layout parameter is read from: one name, or several stacked on a
+    new leading axis (e.g. one tensor per expert); `transposed` when stored `[out, in]` (HF linears)."""
+
+    names: tuple[str, ...]
+    transposed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model family: everything between its Hugging Face checkpoint and the engine."""
+
+    model_types: tuple[str, ...]  # the config.json `model_type`s it serves
+    parse_config: Callable[[Any], ModelConfig]  # a transformers PretrainedConfig -> ModelConfig
+    # (config, attention, dtype, tp) -> a module `(token_ids, kv_cache, meta) -> (last hidden [B, T, H], cache)`
+    module: type[nn.Module]
+    # (params, config, x [..., H], dtype, tp) -> float32 logits: the final norm and LM head, a plain function
+    compute_logits: Callable[..., jax.Array]
+    checkpoint_shapes: Callable[[ModelConfig, DTypeLike], dict]  # the checkpoint-layout tree of ShapeDtypeStructs
+    checkpoint_source: Callable[[str], TensorSource]  # a checkpoint-layout path -> the tensors it is read from
+    fuse_layer: Callable[[dict, ModelConfig, TensorParallel], dict]  # one layer, checkpoint -> serving layout
+    sharding_rules: tuple[tuple[str, str], ...]  # (regex on the path, `shardings.SPEC_KINDS` name); first wins
+    quantizable_linears: tuple[str, ...]  # checkpoint-layout linears a 4-bit (AWQ) checkpoint stores quantized
+    dummy_fan_in: Callable[[str, tuple[int, ...]], int]  # (path, shape) -> fan-in of a random dummy weight

@@ -1,0 +1,85 @@
+"""The model registry: model types, per-layer specs read from Hugging Face configs, the checkpoint sources."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+import transformers
+
+from jaxserve.config import LayerSpec, ModelConfig
+from jaxserve.loading import hf, load_model
+from jaxserve.models import SUPPORTED_MODEL_TYPES, TensorSource, config_from_hf, model_spec
+from jaxserve.models.hf_config import layer_windows
+from tests.conftest import TINY_DIMS, tiny_hf_config
+
+
+def test_supported_model_types_are_the_llama_family():
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
+    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 1
+
+
+def test_an_unsupported_model_type_is_a_value_error_listing_the_supported_ones_before_any_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 8}))
+    listed = r"model_type 'gemma2' is not supported; jaxserve serves llama, mistral, qwen2, qwen3, smollm, smollm2"
+    with pytest.raises(ValueError, match=listed):
+        load_model(str(tmp_path))  # no weights in the directory: the error comes first
+    with pytest.raises(ValueError, match=listed):
+        config_from_hf(types.SimpleNamespace(model_type="gemma2"))
+
+
+def test_sliding_windows_per_layer():
+    qwen2 = dict(TINY_DIMS, sliding_window=16, max_window_layers=1)
+    assert config_from_hf(tiny_hf_config("mistral")).layer_sliding_windows == (16, 16)  # applies directly
+    assert config_from_hf(transformers.Qwen2Config(**qwen2, use_sliding_window=False)).layer_sliding_windows == (
+        None, None)
+    assert config_from_hf(transformers.Qwen2Config(**qwen2, use_sliding_window=True)).layer_sliding_windows == (
+        None, 16)
+    assert config_from_hf(tiny_hf_config("llama")).layer_sliding_windows == (None, None)
+    # a config with layer types and no use_sliding_window flag (as Gemma's) is read by its layer types
+    gemma_like = types.SimpleNamespace(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert layer_windows(gemma_like, 4) == [4, None, 4, None]
+    # an HF config whose window is off but still spelled out (older transformers kept Qwen2's 4096)
+    assert layer_windows(types.SimpleNamespace(sliding_window=4096, use_sliding_window=False,
+                                               layer_types=["sliding_attention"]), 1) == [None]
+
+
+def test_every_layer_carries_its_rope():
+    config = config_from_hf(tiny_hf_config("llama"))
+    assert all(layer == LayerSpec(None, config.rope_theta, config.rope_scaling) for layer in config.layers)
+    assert dict(config.rope_scaling)["rope_type"] == "llama3"
+
+
+def test_a_store_config_from_before_layer_specs_still_reads():
+    config = config_from_hf(tiny_hf_config("mistral"))
+    assert ModelConfig.from_json(config.to_json()) == config
+    old = json.loads(config.to_json())
+    old["layer_sliding_windows"] = [layer["sliding_window"] for layer in old.pop("layers")]
+    del old["attn_logit_softcap"]
+    assert ModelConfig.from_json(json.dumps(old)) == config
+
+
+def test_a_parameter_stacked_from_several_tensors(tmp_path, monkeypatch):
+    """A `TensorSource` of several names (one tensor per expert) loads stacked on a new leading axis, each device
+    reading its own experts, from safetensors and from a state dict alike."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.distributed.tensor_parallel import make_mesh
+
+    rng = np.random.default_rng(0)
+    state = {f"experts.{e}.weight": rng.standard_normal((3, 2)).astype(np.float32) for e in range(4)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    source = TensorSource(tuple(state), transposed=True)
+    monkeypatch.setattr(hf, "checkpoint_sources", lambda config: {"w": source})
+    monkeypatch.setattr(hf, "checkpoint_shapes", lambda config, dtype=np.float32: {
+        "w": jax.ShapeDtypeStruct((4, 2, 3), dtype)})
+    expected = np.stack([w.T for w in state.values()])
+    np.testing.assert_array_equal(hf.convert_hf_state_dict(state, None)["w"], expected)
+    mesh = make_mesh(2)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
+    loaded = hf.load_hf_params(str(tmp_path), None, {"w": sharding}, np.float32)["w"]
+    assert [shard.data.shape for shard in loaded.addressable_shards] == [(2, 2, 3)] * 2
+    np.testing.assert_array_equal(np.asarray(loaded), expected)
