@@ -36,13 +36,13 @@ def test_outputs_equal_inline_detokenization(tiny_llama_dir, workload, loop):
     options = dict(async_scheduling=loop == "async")
     inline, expected = run(tiny_llama_dir, PROMPTS, params, detokenizer_process=False, **options)
     engine, got = run(tiny_llama_dir, PROMPTS, params, detokenizer_process=True, **options)
-    assert engine.detokenizer_process is not None and inline.detokenizer_process is None
+    assert engine.outputs.detokenizer_process is not None and inline.outputs.detokenizer_process is None
     assert_same(completions(got), completions(expected))
     for a, b in zip(got, expected):
         assert [c.cumulative_logprob for c in a.outputs] == pytest.approx([c.cumulative_logprob for c in b.outputs])
     assert engine.stats().generation_tokens == inline.stats().generation_tokens
     assert engine.stats().request_success == inline.stats().request_success
-    assert not engine.requests and not engine._texts and not engine.scheduler.running
+    assert not engine.outputs.requests and not engine.outputs._texts and not engine.scheduler.running
     assert engine.page_manager.num_free_pages == engine.page_manager.num_usable_pages
 
 
@@ -103,14 +103,14 @@ def test_a_stop_string_read_after_the_length_limit_still_ends_the_completion(tin
     (expected,) = inline.generate([prompt], params, use_tqdm=False)
     assert expected.outputs[0].finish_reason == "stop" and 8 < len(expected.outputs[0].token_ids) < 40
     engine = LLM(tiny_llama_dir, **ENGINE_OPTIONS, detokenizer_process=True).llm_engine
-    worker = engine.detokenizer_process
+    worker = engine.outputs.detokenizer_process
     read = worker.answers
     monkeypatch.setattr(worker, "answers", lambda timeout=0.0: [])
     request_id = engine.add_request(None, prompt, params)
     seq = None
     while seq is None or not seq.is_finished:
         engine.step()
-        seq = engine.requests[request_id].seqs[0]
+        seq = engine.outputs.requests[request_id].seqs[0]
     assert seq.finish_reason == "length" and seq.num_output_tokens == 40
     monkeypatch.setattr(worker, "answers", read)
     outputs = []  # cumulative outputs: one per step in which answers arrived (how many is up to the worker)
@@ -136,13 +136,13 @@ def test_abort_while_texts_are_pending(tiny_llama_dir):
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals[aborted].outputs[0].finish_reason == "abort"
     assert finals[kept].outputs[0].finish_reason == "length" and len(finals[kept].outputs[0].token_ids) == 5
-    assert not engine._texts
+    assert not engine.outputs._texts
 
 
 def test_a_dead_worker_is_an_error_that_names_it(tiny_llama_dir):
     engine = LLM(tiny_llama_dir, **ENGINE_OPTIONS, detokenizer_process=True).llm_engine
-    engine.detokenizer_process._process.kill()
-    engine.detokenizer_process._process.wait()
+    engine.outputs.detokenizer_process._process.kill()
+    engine.outputs.detokenizer_process._process.wait()
     engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     with pytest.raises(RuntimeError, match="detokenizer process died"):
         while engine.has_unfinished_requests():
@@ -153,6 +153,6 @@ def test_off_by_default_and_a_server_flag(tiny_llama_dir):
     from jaxserve.server.cli_args import build_parser, engine_config
 
     llm = LLM(tiny_llama_dir, **ENGINE_OPTIONS)
-    assert llm.llm_engine.config.detokenizer_process is False and llm.llm_engine.detokenizer_process is None
+    assert llm.llm_engine.config.detokenizer_process is False and llm.llm_engine.outputs.detokenizer_process is None
     args = build_parser().parse_args(["--model", tiny_llama_dir, "--detokenizer-process"])
     assert engine_config(args).detokenizer_process is True

@@ -13,8 +13,13 @@ def make_seq(tokens, request_id="r"):
     return Sequence(request_id, 0, tokens, SamplingParams(), seed=0, arrival_time=0.0)
 
 
+def admit(manager: PageManager, seq: Sequence, pages: list[int]) -> None:
+    """Admits `seq` onto `pages` as the scheduler does: the page manager's cached tokens become its counters."""
+    seq.num_computed_tokens = seq.num_cached_tokens = manager.admit(seq, pages)
+
+
 def run_to_completion(manager: PageManager, seq: Sequence) -> None:
-    manager.admit(seq, manager.match_prefix(seq))
+    admit(manager, seq, manager.match_prefix(seq))
     assert manager.allocate(seq, len(seq))
     manager.record_lookup(seq)
     seq.num_computed_tokens = len(seq)
@@ -39,7 +44,7 @@ def test_prefix_hit_shares_pages_and_leaves_one_token_to_compute():
     second = make_seq(list(range(8)) + [99, 98])
     hit = manager.match_prefix(second)
     assert hit == first.page_table[:2]
-    manager.admit(second, hit)
+    admit(manager, second, hit)
     manager.record_lookup(second)
     assert second.num_computed_tokens == 8 and manager.ref_counts[hit[0]] == 2
     # a prompt that is entirely cached still leaves its last token to compute
@@ -86,12 +91,12 @@ def test_same_prefix_computed_twice_keeps_one_exact_chain():
     tokens = list(range(12)) + [99]
     a, b = make_seq(tokens, "a"), make_seq(tokens, "b")
     for seq in (a, b):  # admitted together: neither hits, both compute the whole prompt
-        manager.admit(seq, manager.match_prefix(seq))
+        admit(manager, seq, manager.match_prefix(seq))
         assert manager.allocate(seq, len(seq))
     for seq in (a, b):
         seq.num_computed_tokens = len(seq)
         manager.commit_full_pages(seq)
-    assert b.page_serials == a.page_serials and None not in a.page_serials
+    assert manager.page_serials(b) == manager.page_serials(a) and None not in manager.page_serials(a)
     assert manager.match_prefix(make_seq(tokens)) == a.page_table[:3]
 
 
@@ -104,7 +109,7 @@ def test_freed_cached_pages_survive_until_evicted_tail_first():
     assert manager.match_prefix(make_seq(list(range(13)))) == pages[:3]
     # the unhashed partial page goes first, then the tail of the cached prefix
     other = make_seq([50, 51, 52])
-    manager.admit(other, [])
+    admit(manager, other, [])
     assert manager.allocate(other, 3) and other.page_table == [pages[3]]
     assert manager.allocate(other, 7) and other.page_table[1] == pages[2]
     assert manager.match_prefix(make_seq(list(range(13)))) == pages[:2]

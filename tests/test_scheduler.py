@@ -9,7 +9,7 @@ from jaxserve.sampling_params import SamplingParams
 
 def make_scheduler(budget: int = 64, num_pages: int = 200, prefix_caching: bool = False) -> Scheduler:
     config = EngineConfig(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=budget)
-    config.resolve(256)
+    config = config.resolve(256)
     assert config.prefill_buckets == (16, 32, 64)
     return Scheduler(config, PageManager(num_pages=num_pages, page_size=8, enable_prefix_caching=prefix_caching))
 
@@ -69,7 +69,7 @@ def test_prefix_lookups_count_once_per_admission():
         assert waiting not in plan.admitted
     manager = scheduler.page_manager
     assert manager.num_prefix_queries == 32
-    scheduler.finish(first)
+    scheduler.finish(first, "stop")
     plan = run_step(scheduler)
     assert plan.admitted == [waiting] and manager.num_prefix_queries == 62
 

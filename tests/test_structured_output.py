@@ -147,7 +147,7 @@ def test_bitmask_matches_llguidance_reference():
 def test_bad_grammars_are_value_errors_and_the_engine_keeps_serving(llm, kind, message):
     with pytest.raises(ValueError, match=message):
         llm.generate("hi", SamplingParams(max_tokens=4, guided_decoding=kind), use_tqdm=False)
-    assert not llm.llm_engine.requests and not llm.llm_engine.scheduler.waiting  # nothing was queued
+    assert not llm.llm_engine.outputs.requests and not llm.llm_engine.scheduler.waiting  # nothing was queued
     assert llm.generate("hi", SamplingParams(temperature=0, max_tokens=4, guided_decoding=guided(choice=["ok"])),
                         use_tqdm=False)[0].outputs[0].text == "ok"
 

@@ -1,4 +1,7 @@
-"""`EngineConfig`: every engine option (vLLM's names where one exists), with checks and derived defaults."""
+"""`EngineConfig`: every engine option (vLLM's names where one exists), frozen. Constructing one checks its values
+and nothing else; `resolve()` returns the complete config an engine runs with: the defaults that depend on the
+platform and the model filled in, the speculative config parsed, and the quantization checked against the
+checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.loading.awq import check_quantization
 from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.spec_decode.config import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
@@ -30,7 +34,7 @@ def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None  # a tokenizer directory to use instead of the model's
@@ -65,11 +69,6 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
 
     def __post_init__(self) -> None:
-        platform = jax.default_backend()
-        if self.dtype is None:
-            self.dtype = "float32" if platform == "cpu" else "bfloat16"
-        if self.attention_backend is None:
-            self.attention_backend = {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
         checks = [
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
@@ -77,40 +76,46 @@ class EngineConfig:
              "must be a power of two"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 16, "must be >= 16"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-            ("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
+            ("dtype", self.dtype in (None, "float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "must be 'fcfs' or 'priority'"),
             ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
             ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
+            ("decode_batch_buckets", self.decode_batch_buckets is None or max(self.decode_batch_buckets, default=0)
+             >= self.max_num_seqs, f"must reach max_num_seqs ({self.max_num_seqs})"),
         ]
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
-        self.speculative_config = SpeculativeConfig.parse(
-            self.speculative_config, CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None)
-        if self.speculative_config is not None and self.async_scheduling:
+
+    def resolve(self, model_max_len: int, platform: str | None = None) -> "EngineConfig":
+        """The complete config for a model of context `model_max_len` on `platform` (default: jax's backend):
+        dtype and attention backend defaults, max_model_len, decode buckets, the parsed speculative config (which
+        turns async scheduling off), and the quantization an AWQ checkpoint sets. Resolving twice changes nothing."""
+        platform = platform or jax.default_backend()
+        dtype = self.dtype or ("float32" if platform == "cpu" else "bfloat16")
+        if dtype == "bfloat16" and platform == "cpu":
+            logger.warning("dtype=bfloat16 on a CPU: XLA:CPU runs bfloat16 elementwise work and one-row matmuls "
+                           "slowly (measured about 7x slower offline, 30x single-stream); float32 is the CPU dtype")
+        speculative = SpeculativeConfig.parse(self.speculative_config,
+                                              CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None)
+        async_scheduling = self.async_scheduling
+        if speculative is not None and async_scheduling:
             # as vLLM for n-gram proposals: a step's drafts need the previous step's tokens on the host
             logger.info("speculative decoding runs its steps synchronously: async scheduling is off")
-            self.async_scheduling = False
-        # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
-        from jaxserve.loading.awq import check_quantization
-
-        self.quantization = check_quantization(self.model, self.quantization, self.tensor_parallel_size)
-
-    def resolve(self, model_max_len: int) -> None:
-        """Fills the defaults that depend on the model."""
-        if self.max_model_len is None:
-            self.max_model_len = min(model_max_len, 2048)
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.decode_batch_buckets is None:
-            # a step costs about its bucket's rows, while each bucket adds one forward to compile at start-up
-            # (benchmarks/RESULTS.md has the measurements behind this list)
-            self.decode_batch_buckets = tuple(sorted({min(b, self.max_num_seqs) for b in DECODE_BATCH_BUCKETS}
-                                                     | {self.max_num_seqs}))
-        if max(self.decode_batch_buckets) < self.max_num_seqs:
-            raise ValueError(f"decode_batch_buckets {self.decode_batch_buckets} must reach max_num_seqs "
-                             f"({self.max_num_seqs})")
+            async_scheduling = False
+        max_model_len = self.max_model_len or min(model_max_len, 2048)
+        # a step costs about its bucket's rows, while each bucket adds one forward to compile at start-up
+        # (benchmarks/RESULTS.md has the measurements behind this list)
+        buckets = self.decode_batch_buckets or tuple(sorted({min(b, self.max_num_seqs) for b in DECODE_BATCH_BUCKETS}
+                                                            | {self.max_num_seqs}))
+        return dataclasses.replace(
+            self, dtype=dtype, attention_backend=self.attention_backend or {"gpu": "pallas", "tpu": "pallas-tpu"}.get(
+                platform, "xla"), speculative_config=speculative, async_scheduling=async_scheduling,
+            max_model_len=max_model_len, decode_batch_buckets=buckets,
+            # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
+            quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
 
     @property
     def num_speculative_tokens(self) -> int:

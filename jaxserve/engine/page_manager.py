@@ -9,6 +9,9 @@ very page matched one step before (each registration has a serial number that is
 A colliding key is a miss, never a wrong page. Freed pages keep their contents and stay findable
 until they are reallocated; the free list is LRU ordered and a sequence frees its pages tail first,
 so the longest prefixes' tails are evicted first.
+
+The manager owns the prefix-cache chain of every sequence holding pages (the key and registration serial of each
+of its full pages); a sequence's page table is the list it extends. Token counters are the scheduler's.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class PageManager:
         self.cached: dict[int, CachedPage] = {}  # page -> its registration
         self.page_of_key: dict[bytes, int] = {}
         self._serials = itertools.count()
+        self._chains: dict[int, tuple[list[bytes], list[int | None]]] = {}  # seq_id -> its pages' keys, serials
         self.num_prefix_queries = 0  # prompt tokens looked up by admitted sequences
         self.num_prefix_hits = 0  # of those, tokens found in the cache
 
@@ -97,15 +101,18 @@ class PageManager:
             parent_key, parent_serial = key, entry.serial
         return pages
 
-    def admit(self, seq: Sequence, cached_pages: list[int]) -> None:
-        """Gives `seq` the cached prefix pages, taking a reference on each."""
+    def admit(self, seq: Sequence, cached_pages: list[int]) -> int:
+        """Gives `seq` the cached prefix pages, taking a reference on each; returns the tokens they hold."""
         for page in cached_pages:
             self._take(page)
         seq.page_table = list(cached_pages)
-        seq.page_keys = [self.cached[page].key for page in cached_pages]
-        seq.page_serials = [self.cached[page].serial for page in cached_pages]
-        seq.num_computed_tokens = len(cached_pages) * self.page_size
-        seq.num_cached_tokens = seq.num_computed_tokens
+        self._chains[seq.seq_id] = ([self.cached[page].key for page in cached_pages],
+                                    [self.cached[page].serial for page in cached_pages])
+        return len(cached_pages) * self.page_size
+
+    def page_serials(self, seq: Sequence) -> list[int | None]:
+        """The cache registration holding each of `seq`'s full pages' prefix, in order (None: not held exactly)."""
+        return list(self._chains.get(seq.seq_id, ((), ()))[1])
 
     def record_lookup(self, seq: Sequence) -> None:
         """Counts an admitted sequence's prefix lookup (once it has its pages, so failed admissions do not count)."""
@@ -132,12 +139,13 @@ class PageManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size  # token ids known to the host
-        for index in range(len(seq.page_keys), num_full):
+        keys, serials = self._chains.setdefault(seq.seq_id, ([], []))
+        for index in range(len(keys), num_full):
             tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
-            key = self.hash_fn(seq.page_keys[-1] if seq.page_keys else b"", tokens)
-            parent_serial = seq.page_serials[-1] if seq.page_serials else None
-            seq.page_keys.append(key)
-            seq.page_serials.append(self._register(seq.page_table[index], key, tokens, index, parent_serial))
+            key = self.hash_fn(keys[-1] if keys else b"", tokens)
+            parent_serial = serials[-1] if serials else None
+            keys.append(key)
+            serials.append(self._register(seq.page_table[index], key, tokens, index, parent_serial))
 
     def _register(self, page: int, key: bytes, tokens: tuple[int, ...], index: int,
                   parent_serial: int | None) -> int | None:
@@ -161,9 +169,7 @@ class PageManager:
         for page in reversed(seq.page_table):
             self._release(page)
         seq.page_table = []
-        seq.page_keys = []
-        seq.page_serials = []
-        seq.num_computed_tokens = 0
+        self._chains.pop(seq.seq_id, None)
 
     def trim(self, seq: Sequence) -> None:
         """Releases the pages past those holding `seq`'s tokens (the room a speculative step made for drafts that

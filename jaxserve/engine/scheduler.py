@@ -12,17 +12,28 @@ waits at most one budget's worth of prefill. In order:
 2. running sequences still prefilling get the next chunk of their tokens;
 3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
    longest cached prefix (none for a sequence that must score its prompt), while budget, slots and pages last.
+
+The scheduler owns every sequence's state: `update_after_dispatch` advances a dispatched plan's sequences (KV
+computed, tokens pending on the device), and `update_from_output` applies the tokens a step sampled (appended,
+grammar advanced, token stop rules and length limits, full pages committed to the prefix cache, the room made for
+rejected drafts released), as vLLM v1's `update_from_output`. Stop strings are the output processor's: it finishes
+a sequence through `finish`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
+from typing import NamedTuple
 
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.step_output import SampledToken
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -58,10 +69,20 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+class AppendedToken(NamedTuple):
+    """A token `update_from_output` appended to its sequence: the sequence's output tokens with it, and whether it
+    ended the sequence as an EOS or stop token (such a token has no text)."""
+
+    sample: SampledToken
+    num_output_tokens: int
+    stopped: bool
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, page_manager: PageManager):
+    def __init__(self, config: EngineConfig, page_manager: PageManager, eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
         self.page_manager = page_manager
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
@@ -78,14 +99,78 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Retires `seq` at once: its slot and pages are free for the next step."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retires `seq` at once with its finish reason: its slot and pages are free for the next step."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def update_after_dispatch(self, plan: SchedulerOutput) -> None:
+        """Advances a dispatched plan's sequences: their chunks' and decodes' KV is computed once the step runs, and
+        each final chunk and decode has a sampled token pending on the device."""
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if chunk.scored:  # read by the runner's dispatch: each prompt token is scored once, recompute or not
+                seq.num_scored = chunk.scored.stop - 1
+            seq.num_computed_tokens += chunk.num_tokens
+            seq.num_pending += chunk.is_final
+            self.page_manager.commit_full_pages(seq)
+        for seq in plan.decodes:
+            seq.num_computed_tokens += 1
+            seq.num_pending += 1
+
+    def update_from_output(self, sampled: list[SampledToken]) -> tuple[list[AppendedToken], set[str]]:
+        """Applies a step's sampled tokens; a sequence that finished meanwhile drops its token. Returns the tokens
+        appended, in order, and the ids of the requests that changed. vLLM's stop rules: none is checked before
+        min_tokens outputs; EOS (unless ignore_eos) and stop_token_ids end a sequence, then max_tokens and
+        max_model_len do (a stop string the output processor finds in the same token still wins)."""
+        appended, touched = [], set()
+        caches_prefixes, max_model_len = self.page_manager.enable_prefix_caching, self.config.max_model_len
+        for sample in sampled:
+            seq = sample.seq
+            if sample.accepted_draft:  # a verify step wrote its KV; the sequence's sampled token comes after it
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens += 1
+            else:
+                seq.num_pending -= 1
+                if seq.is_finished:
+                    continue
+            touched.add(seq.request_id)
+            if seq.max_output_tokens == 0:  # only scores its prompt: the prefill's sample is no output
+                self.finish(seq, "length")
+                continue
+            stopped = self._append(seq, sample.token, max_model_len)
+            appended.append(AppendedToken(sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
+            if caches_prefixes and seq.page_table:
+                self.page_manager.commit_full_pages(seq)
+        if self.config.speculative_config is not None:
+            for seq in {sample.seq for sample in sampled if sample.seq.num_lookahead}:  # the room made for drafts
+                if not seq.is_finished:  # that were rejected (or not proposed) goes back to the pool
+                    self.page_manager.trim(seq)
+        return appended, touched
+
+    def _append(self, seq: Sequence, token: int, max_model_len: int) -> bool:
+        """Appends `token` and applies the token stop rules and length limits; True if it is a stop token."""
+        seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            logger.warning("request %s: token %d does not fit its grammar: %s", seq.request_id, token,
+                           seq.grammar.get_error())
+        params = seq.params
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, "stop")
+                return True
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.finish(seq, "stop", token)
+                return True
+        if seq.at_length_limit(max_model_len):
+            self.finish(seq, "length")
+        return False
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -116,10 +201,12 @@ class Scheduler:
             if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
                 break
             looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
-            self.page_manager.admit(seq, self.page_manager.match_prefix(seq) if looks_up else [])
+            cached = self.page_manager.admit(seq, self.page_manager.match_prefix(seq) if looks_up else [])
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
             if not self.page_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
                 self.page_manager.free(seq)
+                seq.num_computed_tokens = 0
                 break
             if looks_up:
                 self.page_manager.record_lookup(seq)
@@ -187,6 +274,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.page_manager.free(seq)
+        seq.num_computed_tokens = 0
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None

@@ -15,6 +15,7 @@ class SequenceStatus(enum.Enum):
 
 
 _admission_counter = itertools.count()
+_seq_ids = itertools.count()
 
 
 class Sequence:
@@ -28,6 +29,7 @@ class Sequence:
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, arrival_time: float, priority: int = 0):
+        self.seq_id = next(_seq_ids)  # unique in the process, unlike request ids, which may be reused
         self.request_id = request_id
         self.index = index  # which of the request's n completions
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -42,9 +44,7 @@ class Sequence:
         self.num_pending = 0  # tokens sampled on the device that token_ids does not hold yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.num_scored = 0  # prompt_logprobs: prompt tokens 1..num_scored are scored by dispatched prefills
-        self.page_table: list[int] = []
-        self.page_keys: list[bytes] = []  # prefix-cache keys of this sequence's full pages, in order
-        self.page_serials: list[int | None] = []  # the cache registration holding each full page's prefix
+        self.page_table: list[int] = []  # written by the PageManager
         self.slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use

@@ -1,0 +1,121 @@
+"""`InputProcessor`: a request's way in, on the caller's thread — tokenize, validate (a `ValueError` naming the
+problem), compile its grammar, take its id, and build its `Request`: one `Sequence` and one text state per
+completion. It also owns the ids of unfinished requests, so an id in use is refused at once."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.detokenizer import DetokenizedText, IncrementalDetokenizer
+from jaxserve.engine.request import Request
+from jaxserve.engine.sequence import Sequence
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import GrammarCompiler
+
+PromptType = str | list[int] | dict[str, Any]
+SEED_STRIDE = 0x9E3779B1  # completion i of a request samples with seed + i * SEED_STRIDE (mod 2**32)
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """vLLM's rule: a request priority other than 0 needs scheduling_policy="priority"."""
+    if not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority {priority} is set, but priority scheduling is not enabled "
+                         "(scheduling_policy='priority', --scheduling-policy priority)")
+
+
+class InputProcessor:
+    """`texts_in_process`: the completions' text comes from a detokenizer process (`DetokenizedText` mirrors)
+    instead of an `IncrementalDetokenizer` each."""
+
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, grammars: GrammarCompiler,
+                 texts_in_process: bool = False):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.grammars = grammars
+        self.texts_in_process = texts_in_process
+        self._ids_lock = threading.Lock()
+        self._live_ids: set[str] = set()  # ids accepted and not yet finished
+        self._request_counter = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+
+    def make_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                     arrival_time: float | None = None) -> Request:
+        """Validates a request and builds it (ValueError naming the problem: then nothing is taken)."""
+        prompt_text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids, params)
+        check_priority(priority, self.config.scheduling_policy)
+        # the grammar compiles here (cached by its text), before the id is taken; each sequence gets its own copy
+        grammar = self.grammars.matcher(params.guided_decoding) if params.guided_decoding is not None else None
+        with self._ids_lock:
+            if request_id is None:
+                request_id = next(str(i) for i in self._request_counter if str(i) not in self._live_ids)
+            elif request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+            self._live_ids.add(request_id)
+        arrival_time = arrival_time or time.monotonic()
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        seqs, texts = [], []
+        for index in range(params.n):
+            seq = Sequence(request_id, index, token_ids, params, (base_seed + SEED_STRIDE * index) % 2**32,
+                           arrival_time, priority)
+            if grammar is not None:
+                seq.grammar = grammar.deep_copy()
+            seqs.append(seq)
+            texts.append(DetokenizedText(params.stop) if self.texts_in_process else
+                         IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                                                params.include_stop_str_in_output))
+        return Request(request_id, prompt_text, token_ids, params, seqs, texts, arrival_time)
+
+    def release(self, request_id: str) -> None:
+        """A finished request's id may be used again."""
+        with self._ids_lock:
+            self._live_ids.discard(request_id)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), [int(t) for t in ids]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return self.tokenize({"prompt_token_ids": list(prompt)})
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, but max_model_len is {max_len}")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({max_len})")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def validate_guided_decoding(self, params: SamplingParams) -> None:
+        """Compiles a request's grammar (cached by its text); ValueError with llguidance's message if it fails."""
+        if params.guided_decoding is not None:
+            self.grammars.compile(params.guided_decoding)

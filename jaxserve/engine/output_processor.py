@@ -1,0 +1,187 @@
+"""`OutputProcessor`: a request's way out, on the stepping thread — the live requests, their prompt scores, the
+text of every appended token (detokenized inline, or by a detokenizer process), stop strings, token latencies,
+and snapshot `RequestOutput`s, after which finished requests are forgotten.
+
+The scheduler appends tokens and applies the token stop rules (`Scheduler.update_from_output`); a stop string is
+found here, and ends its completion at the token that completed it through the scheduler's `finish`: tokens the
+same step appended after it are dropped, and a stop string wins over a length limit reached by the same token.
+With a detokenizer process (`detokenizer_process=True`) the token ids go to a worker process whose texts, and stop
+strings, come back a step or two later (`detokenizer_process.py`): a completion then shows only the tokens whose
+text is in, and a late stop string drops the tokens computed after it. It is off by default: on a CPU the loop
+shares its cores with XLA's threads and the worker gained nothing (benchmarks/RESULTS.md); kept as an option for
+accelerators, where the stepping thread's time is the bottleneck, until it is measured there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable
+
+from jaxserve.engine.detokenizer_process import DetokenizerProcess
+from jaxserve.engine.prompt_logprobs import ScoredPrompt, TokenTexts, prompt_logprob_entries
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import AppendedToken
+from jaxserve.engine.sequence import Sequence
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import RequestOutputKind
+
+TEXT_WAIT_SECONDS = 1.0  # an idle step's wait for the detokenizer process's answers
+Finish = Callable[[Sequence, str, "int | str | None"], None]
+
+
+class OutputProcessor:
+    """`finish(seq, reason, stop_reason)` ends a sequence (the scheduler's); `release(request_id)` frees a retired
+    request's id (the input processor's)."""
+
+    def __init__(self, tokenizer, finish: Finish, release: Callable[[str], None], detokenizer_process: bool = False):
+        self.tokenizer = tokenizer
+        self._finish = finish
+        self._release = release
+        self.token_texts = TokenTexts(tokenizer)  # prompt_logprobs' decoded_token
+        self.requests: dict[str, Request] = {}
+        self.detokenizer_process = (DetokenizerProcess(tokenizer)
+                                    if detokenizer_process and tokenizer is not None else None)
+        self._texts: dict[int, tuple[Request, int]] = {}  # detokenizer process: key -> (request, completion index)
+        self._text_keys = itertools.count()
+        self.num_generation_tokens = 0
+        self.finished_reasons: dict[str, int] = {}
+        self.first_token_latencies: list[float] = []  # of the latest step
+        self.inter_token_latencies: list[float] = []
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        if self.detokenizer_process is None:
+            return
+        params = request.params
+        request.text_keys = [next(self._text_keys) for _ in request.seqs]
+        for index, key in enumerate(request.text_keys):
+            self._texts[key] = (request, index)
+            self.detokenizer_process.open(key, request.prompt_token_ids, params.stop, params.skip_special_tokens,
+                                          params.include_stop_str_in_output, params.min_tokens)
+
+    def start_step(self) -> None:
+        self.first_token_latencies, self.inter_token_latencies = [], []
+
+    def add_prompt_scores(self, scored: list[ScoredPrompt]) -> None:
+        """The prompt tokens a step's prefills scored (prompt_logprobs), joined to their requests."""
+        for scores in scored:
+            request = self.requests.get(scores.seq.request_id)
+            if request is not None and not scores.seq.is_finished:
+                request.add_prompt_logprobs(scores.first, prompt_logprob_entries(scores, request.prompt_token_ids,
+                                                                                 self.token_texts))
+
+    def process(self, appended: list[AppendedToken]) -> None:
+        """Logprobs, latencies and text of the tokens a step appended; a stop string ends its completion there."""
+        now = time.monotonic()
+        stopped: dict[Sequence, int] = {}  # completions a stop string ended: tokens of this step to drop
+        for sample, num_output_tokens, stop_token in appended:
+            seq = sample.seq
+            if seq in stopped:
+                stopped[seq] += 1
+                continue
+            request = self.requests[seq.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.first_token_latencies.append(now - request.arrival_time)
+            elif request.last_token_time < now:  # once per request and step, though its n completions share it
+                self.inter_token_latencies.append(now - request.last_token_time)
+            request.last_token_time = now
+            self.num_generation_tokens += 1
+            if seq.logprobs is not None:
+                seq.cumulative_logprob += sample.logprob
+                seq.logprobs.append(sample.top_logprobs)
+            if stop_token:
+                continue
+            if self.detokenizer_process is not None:  # its stop strings come back a step or two later
+                self.detokenizer_process.feed(request.text_keys[seq.index], sample.token)
+                request.num_fed[seq.index] += 1
+            elif self.tokenizer is not None:
+                stop = request.detokenizers[seq.index].add_token(sample.token, num_output_tokens >= seq.params.min_tokens)
+                if stop is not None:
+                    self._stop(seq, stop)
+                    stopped[seq] = 0
+        for seq, extra in stopped.items():
+            if extra:
+                del seq.token_ids[-extra:]
+
+    def read_texts(self, timeout: float = 0.0) -> set[str]:
+        """Applies the detokenizer process's answers: new text, and stop strings, which end their completion at
+        the token that completed it (tokens computed after it are dropped). Returns the requests that changed."""
+        if self.detokenizer_process is None:
+            return set()
+        touched = set()
+        for key, new_text, length, stop, num_fed in self.detokenizer_process.answers(timeout):
+            located = self._texts.get(key)
+            if located is None:  # retired meanwhile (aborted)
+                continue
+            request, index = located
+            text = request.detokenizers[index]
+            if new_text:
+                text.append(new_text)
+            if length < len(text):
+                text.cut(length)
+            request.num_detokenized[index] = num_fed
+            if stop is not None:
+                self._stop_late(request, index, stop, num_fed)
+            touched.add(request.request_id)
+        return touched
+
+    def end_step(self, idle: bool) -> set[str]:
+        """Sends the step's tokens to the detokenizer process; an `idle` engine waits there for their texts."""
+        if self.detokenizer_process is None:
+            return set()
+        self.detokenizer_process.flush()
+        if idle and self.detokenizer_process.num_unanswered:
+            return self.read_texts(TEXT_WAIT_SECONDS)  # nothing else to do: wait for the texts
+        return set()
+
+    def _stop_late(self, request: Request, index: int, stop: str, num_output_tokens: int) -> None:
+        """Ends completion `index` with stop string `stop`, completed by its output token `num_output_tokens`."""
+        seq = request.seqs[index]
+        if seq.finish_reason == "abort":
+            return
+        extra = seq.num_output_tokens - num_output_tokens
+        if extra > 0:
+            if seq.logprobs is not None:
+                for token, top in zip(seq.token_ids[-extra:], seq.logprobs[-extra:]):
+                    seq.cumulative_logprob -= top[token]
+                del seq.logprobs[-extra:]
+            del seq.token_ids[-extra:]
+            self.num_generation_tokens -= extra
+        request.num_fed[index] = num_output_tokens
+        self._stop(seq, stop)
+
+    def _stop(self, seq: Sequence, stop: str) -> None:
+        """A stop string ends `seq`, or, if a later token (EOS, a length limit) already did, becomes its reason."""
+        if seq.is_finished:
+            if seq.finish_reason != "abort":
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        else:
+            self._finish(seq, "stop", stop)
+
+    def outputs(self, touched: set[str]) -> list[RequestOutput]:
+        """A snapshot of every request in `touched` that has something to report; finished ones are forgotten."""
+        outputs = []
+        for request_id in touched:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.finished:
+                self._retire(request)
+            elif request.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _retire(self, request: Request) -> None:
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+        for key in request.text_keys:
+            del self._texts[key]
+            self.detokenizer_process.close(key)
+        self._release(request.request_id)
+        reason = request.finish_reason
+        self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
