@@ -135,12 +135,13 @@ def test_decode_inputs_are_one_value_per_row(tiny_llama_dir):
     engine.add_request("r", PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    seq = engine.requests["r"].seqs[0]
+    seq = engine.outputs.requests["r"].seqs[0]
     inputs = decode_inputs([seq], engine.config)
-    arrays = [inputs.slots, inputs.positions, inputs.pages, inputs.output_index, inputs.active]
+    batch = inputs.batch
+    arrays = [batch.slots, batch.positions, batch.pages, inputs.output_index, batch.active]
     assert all(a.shape == (1,) for a in arrays)
     position = seq.num_tokens - 1
-    assert (inputs.positions[0], inputs.pages[0]) == (position, seq.page_table[position // engine.config.page_size])
-    assert np.array_equal(inputs.active, [True])
+    assert (batch.positions[0], batch.pages[0]) == (position, seq.page_table[position // engine.config.page_size])
+    assert np.array_equal(batch.active, [True])
     while engine.has_unfinished_requests():
         engine.step()

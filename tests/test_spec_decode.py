@@ -213,7 +213,7 @@ def test_large_batches_decode_without_drafts(tiny_llama_dir):
 ])
 def test_bad_configs_name_the_key(config, key):
     with pytest.raises(ValueError, match=key):
-        EngineConfig(speculative_config=config)
+        EngineConfig(speculative_config=config).resolve(2048)
 
 
 def test_a_draft_must_share_the_vocabulary_and_cover_max_model_len(tiny_llama_dir, tmp_path):
@@ -231,9 +231,9 @@ def test_parse_accepts_vllm_json_and_infers_the_method():
     config = SpeculativeConfig.parse('{"model": "draft-dir", "num_speculative_tokens": 3}')
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "draft-dir", 3)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).method == "ngram"
-    cpu_default = EngineConfig(speculative_config={"num_speculative_tokens": 2})
+    cpu_default = EngineConfig(speculative_config={"num_speculative_tokens": 2}).resolve(2048)
     assert cpu_default.async_scheduling is False and cpu_default.speculative_config.disable_by_batch_size == 2
-    explicit = EngineConfig(speculative_config={"num_speculative_tokens": 2, "disable_by_batch_size": None})
+    explicit = EngineConfig(speculative_config={"num_speculative_tokens": 2, "disable_by_batch_size": None}).resolve(2048)
     assert explicit.speculative_config.disable_by_batch_size is None
 
 
