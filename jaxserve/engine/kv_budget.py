@@ -1,11 +1,12 @@
 """How many pages the KV pool gets: vLLM's `gpu_memory_utilization` on an accelerator, enough pages for every
-slot (up to a fixed budget) on a CPU."""
+slot (up to a fixed budget) on a CPU; what one page takes, and the pool itself."""
 
 from __future__ import annotations
 
 import os
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.config import EngineConfig
 
 DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
@@ -43,3 +44,17 @@ def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fract
     limit = memory_stats["bytes_limit"]
     budget = min(utilization * limit / allocator_fraction, limit) - memory_stats.get("bytes_in_use", 0)
     return max(2, int(budget - activation_bytes) // page_bytes)
+
+
+def page_bytes(config: ModelConfig, tp: TensorParallel, backend, page_size: int, dtype) -> int:
+    """Bytes of one page of a model's pool over all layers and all devices (K and V; a quantized cache's scales
+    included)."""
+    return 2 * config.num_layers * page_size * tp.pool_heads(config) * backend.token_bytes(config.head_dim, dtype)
+
+
+def empty_pool(config: ModelConfig, tp: TensorParallel, backend, num_pages: int, page_size: int,
+               dtype) -> tuple[list, tuple[int, ...]]:
+    """A model's page pool, one (K, V) pair per layer (arrays, or QuantizedPages: values + per-token scales for an
+    int8/fp8 cache), and the shape of each."""
+    shape = backend.pool_shape(num_pages, page_size, tp.pool_heads(config), config.head_dim)
+    return [tuple(backend.empty_pool(shape, dtype) for _ in "kv") for _ in range(config.num_layers)], shape

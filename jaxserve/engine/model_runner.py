@@ -22,12 +22,11 @@ over the mesh. The steps are pure functions (`engine/steps.py`): each forward ma
 (logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is
 plain (greedy, no penalties, no pending min_tokens, no logprobs, no grammar) takes the argmax; any other runs the
 sampler, a second small jitted function (penalty state, logits, sampling parameters, token bitmask) -> (tokens,
-new penalty state) with the penalty state donated. One forward per shape serves both, so start-up compiles each
-forward once, and every shape a step can have is compiled at start-up (`warmup`). Each jitted call is one `Step`
-record in the runner's `steps` registry (`engine/step_registry.py`: its function, state, examples). A prefill
-also returns its last layer's output; after a call holding a chunk that scores its prompt tokens
-(prompt_logprobs), a small jitted step runs the LM head over it and scores every position (`PromptScores`); other
-calls skip it.
+new penalty state) with the penalty state donated. One forward per shape serves both. A prefill also returns its
+last layer's output; after a call holding a chunk that scores its prompt tokens (prompt_logprobs), a small jitted
+step runs the LM head over it and scores every position (`PromptScores`). Each jitted call is one `Step` record in
+the runner's `steps` registry (`engine/step_registry.py`), with examples of every shape it can have, all compiled
+at start-up (`warmup`).
 """
 
 from __future__ import annotations
@@ -49,18 +48,16 @@ from jaxserve.engine import startup
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
     prefill_inputs
-from jaxserve.engine.kv_budget import kv_pages
-from jaxserve.engine.prompt_logprobs import ScoredPrompt
+from jaxserve.engine.kv_budget import empty_pool, kv_pages, page_bytes
+from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.speculator import Speculator
 from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
 from jaxserve.engine.step_output import InFlightStep, PendingSample, SampledToken, sampled_token
-from jaxserve.engine.step_registry import Step, StepRegistry, assign, jit_step
-from jaxserve.engine.steps import (BanInputs, ResetInputs, SamplerInputs, ScoreInputs, SlotState, ban_step,
-                                   decode_step, prefill_step, prompt_scores_step, reset_penalties_step, sample_step,
-                                   send_table_step)
+from jaxserve.engine.step_registry import StepRegistry, jit_step
+from jaxserve.engine.steps import BanInputs, ResetInputs, SamplerInputs, ScoreInputs, SlotState
 from jaxserve.layers.attention import make_attention_backend
 from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
@@ -95,26 +92,19 @@ class ModelRunner:
         self.slot_state = SlotState.empty(slots, engine_config.pages_per_seq, replicated)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
-        draft = self.speculator.draft if self.speculator is not None else None
-        self.spec_counters = (self.speculator.counters if self.speculator is not None
-                              else SpecDecodeCounters(engine_config.num_speculative_tokens))
+        self.spec_counters = self.speculator.counters if self.speculator is not None else SpecDecodeCounters(0)
         self.num_pages = engine_config.num_kv_pages or kv_pages(self.mesh.local_devices[0], config, engine_config,
                                                                  self.page_bytes, self.device_page_bytes)
-        if draft is not None:
-            draft.allocate_pool(self.num_pages)
-        pool_shape = self.backend.pool_shape(self.num_pages, self.page_size, self.tp.pool_heads(config),
-                                             config.head_dim)
-        # one (K, V) pair per layer: arrays, or QuantizedPages (values + per-token scales) for an int8/fp8 cache
-        self.kv_cache = [tuple(self.backend.empty_pool(pool_shape, self.dtype) for _ in "kv")
-                         for _ in range(config.num_layers)]
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.allocate_pool(self.num_pages)
+        self.kv_cache, pool_shape = empty_pool(config, self.tp, self.backend, self.num_pages, self.page_size,
+                                                self.dtype)
         self.sampling_table = jax.device_put(self.slot_params.table(), replicated)  # every slot's sampling params
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
-        self._all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
+        self.all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
                              for rows in startup.sampler_rows(engine_config)}
         self.steps = StepRegistry()
-        self.steps.add(self._steps())
-        if self.speculator is not None:
-            self.steps.add(self.speculator.steps())
+        self.steps.add(startup.runner_steps(self) + (self.speculator.steps() if self.speculator is not None else []))
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
                     "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
@@ -123,42 +113,13 @@ class ModelRunner:
                     self.backend.name, pool_shape, self.tp.size)
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
-        """A forward step of the target (`engine/steps.py`) jitted over the mesh: params and pool sharded, the
-        pool and slot state donated."""
+        """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
         pool = self.backend.pool_shardings()
         kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(self.mesh, REPLICATED)
         params_in = param_shardings(self.params, self.config, self.tp, self.mesh)
         static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
         return jit_step(functools.partial(step_fn, *static, **options), self.mesh, (params_in, kv_in, replicated),
                         (kv_in, replicated), donate=(1, 2))
-
-    def _steps(self) -> list[Step]:
-        ec, mesh, replicated = self.engine_config, self.mesh, NamedSharding(self.mesh, REPLICATED)
-        vocab = self.config.vocab_size
-        params_in = param_shardings(self.params, self.config, self.tp, mesh)
-        penalties = (lambda: (self.penalties,)), assign(self, "penalties")
-        on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
-                               donate=(0,))
-        return [
-            Step("prefill", self.jit_forward(prefill_step, with_hidden=True), self.forward_state,
-                 self.keep_forward_state, functools.partial(startup.prefill_examples, ec), forwards=("logits", "hidden")),
-            Step("score", jit_step(functools.partial(prompt_scores_step, self.config, self.tp, self.dtype), mesh,
-                                   (params_in,), (), donate=()),
-                 lambda: (self.params,), assign(self), functools.partial(
-                     startup.score_examples, ec, self.config.hidden_size, self.dtype, replicated),
-                 forwarded=("hidden",)),
-            Step("decode", self.jit_forward(decode_step), self.forward_state, self.keep_forward_state,
-                 functools.partial(startup.decode_examples, ec), forwards=("logits",)),
-            Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
-                 assign(self, "sampling_table"), functools.partial(startup.table_examples, ec)),
-            Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
-                 self.sampler_state, self.keep_sampler_state, functools.partial(
-                     startup.sample_examples, ec, vocab, self._all_allowed, replicated), forwarded=("logits",)),
-            Step("reset", jit_step(functools.partial(reset_penalties_step, vocab), **on_every_device), *penalties,
-                 functools.partial(startup.reset_examples, ec)),
-            Step("ban", jit_step(functools.partial(ban_step, vocab), **on_every_device), *penalties,
-                 functools.partial(startup.ban_examples, ec)),
-        ]
 
     # -- the state the steps read and write --------------------------------------------------------------------
 
@@ -195,11 +156,9 @@ class ModelRunner:
     def page_bytes(self) -> int:
         """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included; a draft
         model's page too)."""
-        cfg = self.config
-        draft = self.speculator.draft if self.speculator is not None else None
-        draft_bytes = draft.page_bytes if draft is not None else 0  # the draft's pool has as many pages
-        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
-                * self.backend.token_bytes(cfg.head_dim, self.dtype)) + draft_bytes
+        draft = self.speculator.draft if self.speculator is not None else None  # its pool has as many pages
+        return (page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype)
+                + (draft.page_bytes if draft is not None else 0))
 
     @property
     def kv_storage_dtype(self) -> str:
@@ -250,7 +209,7 @@ class ModelRunner:
         """Waits for a dispatched plan's tokens and prompt scores (one transfer for the whole step)."""
         results, scores = jax.device_get(([result for _, result in step.calls], [s for _, _, s in step.scores]))
         self.phases.lap("wait")
-        scored = [_scored(seq, tokens, int(starts[row]), call_scores, row)
+        scored = [scored_prompt(seq, tokens, int(starts[row]), call_scores, row)
                   for (rows, starts, _), call_scores in zip(step.scores, scores) for row, seq, tokens in rows]
         sampled = []
         for (rows, _), result in zip(step.calls, results):
@@ -316,7 +275,7 @@ class ModelRunner:
         if self.slot_params.is_plain_greedy(slots, output_index, rows):
             return SampleResult(tokens=forward.greedy, logprobs=None, top_ids=None, top_logprobs=None)
         return self._run_sampler(SamplerInputs(forward.logits, slots, output_index, counted,
-                                               self._all_allowed[len(slots)]))
+                                               self.all_allowed[len(slots)]))
 
     def _run_sampler(self, inputs: SamplerInputs) -> SampleResult:
         self.send_sampling_table()
@@ -335,17 +294,7 @@ class ModelRunner:
                 if not seq.grammar.is_accepting():
                     for eos in self.eos_token_ids:
                         words[row, eos // 32] &= ~np.uint32(1 << (eos % 32))
-            device_mask = jax.device_put(bitmask, self._all_allowed[len(pending.slots)].sharding)
+            device_mask = jax.device_put(bitmask, self.all_allowed[len(pending.slots)].sharding)
             step.calls[index] = (rows, self._run_sampler(SamplerInputs(pending.logits, pending.slots,
                                                                        pending.output_index, pending.counted,
                                                                        device_mask)))
-
-
-def _scored(seq: Sequence, tokens: range, start: int, scores: PromptScores, row: int) -> ScoredPrompt:
-    """The scores of prompt `tokens` from one row of a scoring prefill whose chunk starts at `start` (token j is
-    predicted at position j - 1)."""
-    k = seq.params.prompt_logprobs
-    positions = slice(tokens.start - 1 - start, tokens.stop - 1 - start)
-    return ScoredPrompt(seq, tokens.start, scores.logprobs[row, positions].tolist(),
-                        scores.ranks[row, positions].tolist(), scores.top_ids[row, positions, :k].tolist(),
-                        scores.top_logprobs[row, positions, :k].tolist())

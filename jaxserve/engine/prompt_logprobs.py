@@ -7,6 +7,7 @@ import dataclasses
 from typing import Callable
 
 from jaxserve.engine.sequence import Sequence
+from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.outputs import Logprob
 
 MAX_CACHED_TEXTS = 200_000
@@ -23,6 +24,16 @@ class ScoredPrompt:
     ranks: list[int]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+
+
+def scored_prompt(seq: Sequence, tokens: range, start: int, scores: PromptScores, row: int) -> ScoredPrompt:
+    """The scores of prompt `tokens` from one row of a scoring prefill whose chunk starts at `start` (token j is
+    predicted at position j - 1)."""
+    k = seq.params.prompt_logprobs
+    positions = slice(tokens.start - 1 - start, tokens.stop - 1 - start)
+    return ScoredPrompt(seq, tokens.start, scores.logprobs[row, positions].tolist(),
+                        scores.ranks[row, positions].tolist(), scores.top_ids[row, positions, :k].tolist(),
+                        scores.top_logprobs[row, positions, :k].tolist())
 
 
 class TokenTexts:

@@ -6,7 +6,7 @@ pool, and the acceptance counters. The pure parts live in `spec_decode/` (n-gram
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +17,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.engine.kv_budget import empty_pool, page_bytes
 from jaxserve.engine.input_batch import VerifyInputs, empty_prefill, verify_inputs
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.stats import SpecDecodeCounters
 from jaxserve.engine.step_output import SampledToken, sampled_token
-from jaxserve.engine.step_registry import Step, assign, jit_step
+from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
 from jaxserve.engine.steps import (PrefillBatch, SlotState, VerifyBatch, VerifySamplerInputs, prefill_step,
                                    verify_sample_step, verify_step)
 from jaxserve.layers.attention import PagedAttention
@@ -31,9 +32,6 @@ from jaxserve.loading.placement import serving_params
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import ProposeInputs, propose_step
 from jaxserve.spec_decode.ngram import NgramIndex
-
-if TYPE_CHECKING:
-    from jaxserve.engine.model_runner import ModelRunner
 
 
 class DraftModel:
@@ -54,15 +52,10 @@ class DraftModel:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of the draft's pool over all layers and devices (K and V)."""
-        cfg = self.config
-        return (2 * cfg.num_layers * self.page_size * self.tp.pool_heads(cfg)
-                * self.backend.token_bytes(cfg.head_dim, self.dtype))
+        return page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype)
 
     def allocate_pool(self, num_pages: int) -> None:
-        cfg = self.config
-        pool_shape = self.backend.pool_shape(num_pages, self.page_size, self.tp.pool_heads(cfg), cfg.head_dim)
-        self.kv_cache = [tuple(self.backend.empty_pool(pool_shape, self.dtype) for _ in "kv")
-                         for _ in range(cfg.num_layers)]
+        self.kv_cache, _ = empty_pool(self.config, self.tp, self.backend, num_pages, self.page_size, self.dtype)
 
     def jitted(self, mesh: Mesh) -> tuple:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
@@ -84,7 +77,7 @@ class Speculator:
     `keep_forward_state` and `sampler_state` / `keep_sampler_state`, and runs its steps through the runner's
     `steps` registry (which it adds them to)."""
 
-    def __init__(self, runner: ModelRunner, spec: SpeculativeConfig, draft_config: ModelConfig | None):
+    def __init__(self, runner: RunnerState, spec: SpeculativeConfig, draft_config: ModelConfig | None):
         ec = runner.engine_config
         self.runner = runner
         self.k = ec.num_speculative_tokens

@@ -1,20 +1,60 @@
-"""The shapes start-up compiles for the runner's own steps: for each, example inputs of every shape it can have,
-writing only to the scratch page and to no slot (`Step.examples`; warm-up compiles and runs each once)."""
+"""The runner's own steps as `Step` records (`runner_steps`), and the shapes start-up compiles for them: for each,
+example inputs of every shape it can have, writing only to the scratch page and to no slot (`Step.examples`;
+warm-up compiles and runs each once)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.models import param_shardings
 
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.input_batch import empty_prefill
 from jaxserve.engine.slot_params import SlotSamplingParams
-from jaxserve.engine.steps import BanInputs, DecodeBatch, PrefillBatch, ResetInputs, SamplerInputs, ScoreInputs
+from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
+from jaxserve.engine.steps import (BanInputs, DecodeBatch, PrefillBatch, ResetInputs, SamplerInputs, ScoreInputs,
+                                   ban_step, decode_step, prefill_step, prompt_scores_step, reset_penalties_step,
+                                   sample_step, send_table_step)
 from jaxserve.layers.sampler import SamplingBatch
 
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
+
+
+def runner_steps(runner: RunnerState) -> list[Step]:
+    """The runner's own steps: its forwards read and write its params, pool and slot state, its samplers the
+    penalty state, slot state and device sampling table (`forward_state`, `sampler_state`)."""
+    ec, mesh, replicated = runner.engine_config, runner.mesh, NamedSharding(runner.mesh, REPLICATED)
+    vocab = runner.config.vocab_size
+    params_in = param_shardings(runner.params, runner.config, runner.tp, mesh)
+    penalties = (lambda: (runner.penalties,)), assign(runner, "penalties")
+    on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
+                           donate=(0,))
+    return [
+        Step("prefill", runner.jit_forward(prefill_step, with_hidden=True), runner.forward_state,
+             runner.keep_forward_state, functools.partial(prefill_examples, ec), forwards=("logits", "hidden")),
+        Step("score", jit_step(functools.partial(prompt_scores_step, runner.config, runner.tp, runner.dtype), mesh,
+                               (params_in,), (), donate=()),
+             lambda: (runner.params,), assign(runner), functools.partial(
+                 score_examples, ec, runner.config.hidden_size, runner.dtype, replicated),
+             forwarded=("hidden",)),
+        Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
+             functools.partial(decode_examples, ec), forwards=("logits",)),
+        Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
+             assign(runner, "sampling_table"), functools.partial(table_examples, ec)),
+        Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
+             runner.sampler_state, runner.keep_sampler_state, functools.partial(
+                 sample_examples, ec, vocab, runner.all_allowed, replicated), forwarded=("logits",)),
+        Step("reset", jit_step(functools.partial(reset_penalties_step, vocab), **on_every_device), *penalties,
+             functools.partial(reset_examples, ec)),
+        Step("ban", jit_step(functools.partial(ban_step, vocab), **on_every_device), *penalties,
+             functools.partial(ban_examples, ec)),
+    ]
 
 
 def sampler_rows(ec: EngineConfig) -> list[int]:

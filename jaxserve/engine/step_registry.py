@@ -15,12 +15,18 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.engine.steps import SlotState
+from jaxserve.layers.sampler import PenaltyState, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,32 @@ def jit_step(fn: Callable, mesh: Mesh, state_shardings: tuple, new_state_shardin
 def shape_key(inputs: Any) -> tuple:
     """The shapes and dtypes of a step's inputs: which executable serves them."""
     return tuple((leaf.shape, leaf.dtype.name) for leaf in jax.tree.leaves(inputs))
+
+
+class RunnerState(Protocol):
+    """What the step records of the runner (and of its `Speculator`) read off the runner: its configs, mesh and
+    device state, the accessors of the state its forwards and samplers donate, and its registry."""
+
+    engine_config: EngineConfig
+    config: ModelConfig
+    mesh: Mesh
+    tp: TensorParallel
+    backend: Any
+    dtype: Any
+    params: dict
+    penalties: PenaltyState
+    slot_state: SlotState
+    sampling_table: SamplingBatch
+    slot_params: SlotSamplingParams
+    all_allowed: dict[int, jax.Array]  # a sampler call's bitmask without constrained rows, per row count
+    steps: StepRegistry
+
+    def jit_forward(self, step_fn: Callable, **options) -> Callable: ...
+    def forward_state(self) -> tuple: ...
+    def keep_forward_state(self, kv_cache, slot_state: SlotState) -> None: ...
+    def sampler_state(self) -> tuple: ...
+    def keep_sampler_state(self, penalties: PenaltyState, slot_state: SlotState) -> None: ...
+    def send_sampling_table(self) -> None: ...
 
 
 class StepRegistry:

@@ -5,11 +5,11 @@ its config check (`draft_model_config`) and its proposal step; the runner holds 
 The draft has its own params and its own paged KV pool, with as many pages as the target's and the same page
 tables: page p of a sequence holds the same positions in both pools, so prefix caching, preemption and
 rollback of rejected tokens need no bookkeeping of their own. Every target prefill is mirrored into the draft
-pool (the engine's prefill step on the draft's params). A proposal (`propose_step`) first feeds the row's last two tokens (positions p-1 and p: the
-draft may lack the KV of p-1 when every draft of the previous step was accepted, and writing it again gives the
-same values), then K-1 single tokens, each sampled from the draft's own distribution with the row's sampling
-parameters (the argmax for greedy rows); the drafts and, for sampled rows, their distributions q stay on the
-device for the verify step.
+pool (the engine's prefill step on the draft's params). A proposal (`propose_step`) first feeds the row's last
+two tokens (positions p-1 and p: the draft may lack the KV of p-1 when every draft of the previous step was
+accepted, and writing it again gives the same values), then K-1 single tokens, each sampled from the draft's own
+distribution with the row's sampling parameters (the argmax for greedy rows); the drafts and, for sampled rows,
+their distributions q stay on the device for the verify step.
 """
 
 from __future__ import annotations
