@@ -8,6 +8,7 @@ import os
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.config import EngineConfig
+from jaxserve.layers.attention import PagedAttention
 
 DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
 CPU_POOL_BYTES = 4 * 2**30
@@ -46,13 +47,13 @@ def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fract
     return max(2, int(budget - activation_bytes) // page_bytes)
 
 
-def page_bytes(config: ModelConfig, tp: TensorParallel, backend, page_size: int, dtype) -> int:
+def page_bytes(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, page_size: int, dtype) -> int:
     """Bytes of one page of a model's pool over all layers and all devices (K and V; a quantized cache's scales
     included)."""
     return 2 * config.num_layers * page_size * tp.pool_heads(config) * backend.token_bytes(config.head_dim, dtype)
 
 
-def empty_pool(config: ModelConfig, tp: TensorParallel, backend, num_pages: int, page_size: int,
+def empty_pool(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, num_pages: int, page_size: int,
                dtype) -> tuple[list, tuple[int, ...]]:
     """A model's page pool, one (K, V) pair per layer (arrays, or QuantizedPages: values + per-token scales for an
     int8/fp8 cache), and the shape of each."""

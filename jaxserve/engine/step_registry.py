@@ -26,6 +26,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.steps import SlotState
+from jaxserve.layers.attention import PagedAttention
 from jaxserve.layers.sampler import PenaltyState, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class RunnerState(Protocol):
     config: ModelConfig
     mesh: Mesh
     tp: TensorParallel
-    backend: Any
+    backend: PagedAttention
     dtype: Any
     params: dict
     penalties: PenaltyState

@@ -16,6 +16,7 @@ its owner stores it (`engine/step_registry.py`).
   table, counting each sampled token for the penalties and writing it into the slot state (over the
   forward's argmax).
 * `reset_penalties_step` / `ban_step`: a newly admitted slot's penalty statistics and min_tokens bans.
+* `send_table_step`: every slot's sampling parameters from the host to the device (after admissions).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingB
 
 
 def send_table_step(table: SamplingBatch):
-    """Every slot's sampling parameters, host columns -> device copy (the new state: the device table)."""
+    """Every slot's sampling parameters, host columns -> device copy (its new state: the device table)."""
     return None, (table,)
 
 
