@@ -15,8 +15,9 @@ at once that the leader is gone (and the leader that a follower is), where a col
 Lifetimes: a follower exits as soon as the leader's connection closes (the leader stopped or crashed); the
 leader reports a follower whose connection closes (`on_lost`), and the server then fails in-flight
 requests with 503 and exits non-zero. Both leave with `os._exit`: jax.distributed's shutdown barrier
-would wait for a peer that is gone. The messages are pickles: followers trust their leader, as the hosts
-of one serving job trust each other's collectives.
+would wait for a peer that is gone. The messages are plain data, never pickles (`wire.py`): a follower runs a
+call only if it is one of its steps with inputs of a structure and shape its warm-up compiled, and exits on
+anything else.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import queue
 import socket
 import struct
@@ -34,9 +34,10 @@ from typing import Any, Callable
 
 import jax
 
+from jaxserve.distributed.wire import CallSignatures, encode_call, encode_stop
+
 logger = logging.getLogger(__name__)
 HEADER = struct.Struct("!Q")  # frame length
-STOP = "stop"  # the leader's last message, with its exit status: followers exit with the same
 CONNECT_TIMEOUT = 600.0  # seconds a follower retries reaching the leader, and the leader waits for followers
 
 
@@ -128,7 +129,12 @@ class PlanLeader:
             if hello is None:
                 sock.close()
                 continue
-            rank = int(hello)
+            try:
+                rank = int(hello)
+            except ValueError:
+                logger.warning("a connection to the plan channel sent %r instead of a follower rank", hello[:32])
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._followers[rank] = sock
             threading.Thread(target=self._watch, args=(rank, sock), name=f"jaxserve-follower-{rank}",
@@ -149,7 +155,7 @@ class PlanLeader:
 
     def send(self, kind: str, inputs: Any) -> None:
         """Tells every follower to run call `kind` on `inputs` (before the leader runs it)."""
-        payload = pickle.dumps((kind, inputs), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = encode_call(kind, inputs)
         for rank, sock in self._followers.items():
             try:
                 _send(sock, payload)
@@ -162,7 +168,7 @@ class PlanLeader:
         self._closing = True
         for sock in self._followers.values():
             try:
-                _send(sock, pickle.dumps((STOP, status)))
+                _send(sock, encode_stop(status))  # followers exit with the leader's status
                 sock.close()
             except OSError:
                 pass
@@ -172,6 +178,7 @@ class PlanLeader:
 def follow(runner, multihost: MultiHost) -> None:
     """A follower's life after its engine is built: connect to the leader, then run every call it sends, in
     order, until it says stop (exit with the leader's status) or its connection closes (exit 1). Never returns."""
+    signatures = CallSignatures(runner.steps.sent_examples())
     sock = _connect(multihost.plan_address)
     _send(sock, str(multihost.node_rank).encode())
     calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -181,8 +188,11 @@ def follow(runner, multihost: MultiHost) -> None:
             frame = _receive(sock)
             if frame is None:
                 _exit(1, f"the leader's connection closed; follower rank {multihost.node_rank} exits")
-            kind, inputs = pickle.loads(frame)
-            if kind == STOP:
+            try:
+                kind, inputs = signatures.decode(frame)
+            except ValueError as error:
+                _exit(1, f"follower rank {multihost.node_rank} got a call it cannot run ({error}); it exits")
+            if kind == "stop":
                 _exit(inputs, f"the leader stopped (status {inputs}); follower rank {multihost.node_rank} exits")
             calls.put((kind, inputs))
 

@@ -113,9 +113,8 @@ class StepRegistry:
         """Runs one call through jax's C++ dispatch path, keeps its new state and returns its outputs. After
         warm-up every shape is compiled: a miss is logged (it compiled while serving)."""
         step = self.steps[name]
-        if self.on_call is not None:  # device outputs of earlier calls stay behind: followers hold their own
-            on_device = {field: None for field in step.forwarded if isinstance(getattr(inputs, field), jax.Array)}
-            self.on_call(name, inputs.replace(**on_device) if on_device else inputs)
+        if self.on_call is not None:
+            self.on_call(name, self.as_sent(name, inputs))
         outputs, new_state = step.fn(*step.state(), inputs)
         step.store(*new_state)
         if self._warm and step.fn._cache_size() != self._cache_sizes[name]:
@@ -132,6 +131,18 @@ class StepRegistry:
         missing = {field: self._forwarded.get(field) for field in step.forwarded if getattr(inputs, field) is None}
         outputs = self.run(name, inputs.replace(**missing) if missing else inputs)
         self._forwarded.update({field: getattr(outputs, field) for field in step.forwards})
+
+    def as_sent(self, name: str, inputs: Any) -> Any:
+        """`inputs` as a multi-host leader sends them: device outputs of earlier calls stay behind (None), since
+        followers hold their own."""
+        on_device = {field: None for field in self.steps[name].forwarded
+                     if isinstance(getattr(inputs, field), jax.Array)}
+        return inputs.replace(**on_device) if on_device else inputs
+
+    def sent_examples(self) -> Iterator[tuple[str, Any]]:
+        """`(name, inputs)` for every shape of every step, as a leader sends them: what a follower may run."""
+        for name, inputs in self.examples():
+            yield name, self.as_sent(name, inputs)
 
     def examples(self) -> Iterator[tuple[str, Any]]:
         """`(name, inputs)` for every shape of every step."""
