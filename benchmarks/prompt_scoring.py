@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
             if kind == "score":  # reads the params only
                 step = runner.steps["score"]
                 jax.block_until_ready(step.fn(*step.state(), inputs))
-            else:  # donates the pool: replay keeps the runner's state current
-                runner.replay(kind, inputs)
+            else:  # donates the pool: run keeps the runner's state current
+                runner.steps.run(kind, inputs)
                 jax.block_until_ready(runner.kv_cache)
             seconds.append(time.perf_counter() - started)
         return seconds[0], statistics.median(seconds[1:])

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.sampling_params import GuidedDecodingParams
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -214,14 +215,15 @@ def test_abort_frees_slot_and_pages(llm):
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, tiny_llama_dir, caplog, tensor_parallel_size):
-    """A mixed workload — penalties, min_tokens with many stop ids, logprobs, n > 1, short and long prompts,
-    chunked prefill — runs only the executables compiled at start-up, on one device or split over two."""
+    """A mixed workload — penalties, min_tokens with many stop ids, logprobs, n > 1, a constrained request (its
+    token masks sent from the host), short and long prompts, chunked prefill — runs only the executables compiled
+    at start-up, on one device or split over two."""
     if tensor_parallel_size > 1:
         llm = LLM(tiny_llama_dir, enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size,
                   **ENGINE_OPTIONS)
     runner = llm.llm_engine.runner
     old_pool = runner.kv_cache[0][0]
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 500, 1, 200, seed=15)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(9, 500, 1, 200, seed=15)]
     many_stop_ids = list(range(400, 440))  # more than one chunk of banned ids
     params = [
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
@@ -233,6 +235,7 @@ def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, tiny_llama_dir, ca
                        stop_token_ids=many_stop_ids[:17]),
         SamplingParams(n=2, temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
         SamplingParams(temperature=0.9, max_tokens=50, seed=4, repetition_penalty=0.9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, guided_decoding=GuidedDecodingParams(regex="[a-z]{2,9}")),
     ]
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         llm.generate(prompts, params, use_tqdm=False)

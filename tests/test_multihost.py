@@ -41,6 +41,7 @@ ModelRunner.dispatch = never_dispatch
 
 
 SAMPLED = dict(temperature=0.8, seed=7, presence_penalty=0.5)
+REGEX = "[a-z]{2,5}( [a-z]{2,5}){1,3}"  # constrained: each step's sampler waits for its row's token mask
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,7 @@ def three_head_model(tmp_path_factory) -> str:
 def one_device(three_head_model) -> dict[str, list]:
     """What one device answers: the greedy and sampled texts, and PROMPTS[1]'s prompt logprobs."""
     from jaxserve import LLM, SamplingParams
+    from jaxserve.sampling_params import GuidedDecodingParams
 
     llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -61,7 +63,10 @@ def one_device(three_head_model) -> dict[str, list]:
     sampled = llm.generate(PROMPTS[0], SamplingParams(**SAMPLED, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    guided = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                     guided_decoding=GuidedDecodingParams(regex=REGEX)))[0]
     return {"texts": [output.outputs[0].text for output in outputs] + [sampled[0].outputs[0].text],
+            "guided": guided.outputs[0].text,
             "prompt_logprobs": [entry[token].logprob
                                 for token, entry in zip(scored.prompt_token_ids[1:], scored.prompt_logprobs[1:])]}
 
@@ -132,14 +137,17 @@ def complete(cluster: Cluster, prompt: str, **options) -> httpx.Response:
 
 
 def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, one_device):
-    """Greedy and seeded sampling with penalties (the followers run the sampler on their own logits) and prompt
-    scoring (they score their own prefill's last-layer output)."""
+    """Greedy and seeded sampling with penalties (the followers run the sampler on their own logits), prompt
+    scoring (they score their own prefill's last-layer output) and a constrained request (its samplers wait for
+    the token masks, and the followers take the logits each one's forward kept)."""
     cluster = start_cluster()
     texts = [complete(cluster, prompt).json()["choices"][0]["text"] for prompt in PROMPTS]
     texts.append(complete(cluster, PROMPTS[0], **SAMPLED).json()["choices"][0]["text"])
     assert texts == one_device["texts"]
     scored = complete(cluster, PROMPTS[1], max_tokens=0, echo=True, logprobs=1).json()["choices"][0]
     assert scored["logprobs"]["token_logprobs"][1:] == pytest.approx(one_device["prompt_logprobs"], abs=1e-4)
+    guided = complete(cluster, PROMPTS[1], ignore_eos=False, guided_regex=REGEX).json()["choices"][0]["text"]
+    assert guided == one_device["guided"] and guided
     cluster.processes[0].send_signal(signal.SIGTERM)
     assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.distributed.wire import CallSignatures, encode_call, encode_stop
+from jaxserve.distributed.wire import Call, CallSignatures, encode_call, encode_stop
 
 
 @flax.struct.dataclass
@@ -30,19 +30,20 @@ def signatures() -> CallSignatures:
 
 def test_a_call_round_trips_exactly(signatures):
     sent = Inputs(slots=np.arange(4, dtype=np.int32), tokens=np.arange(32, dtype=np.int32).reshape(4, 8), logits=None)
-    name, got = signatures.decode(encode_call("decode", sent))
+    name, got, keep, sources = signatures.decode(encode_call(Call("decode", sent, (7, ("logits",)), {"logits": 3})))
     assert name == "decode" and isinstance(got, Inputs) and got.logits is None
+    assert keep == (7, ("logits",)) and sources == {"logits": 3}
     np.testing.assert_array_equal(got.slots, sent.slots)
     np.testing.assert_array_equal(got.tokens, sent.tokens)
     assert got.tokens.dtype == np.int32 and got.tokens.flags.writeable
-    name, (table,) = signatures.decode(encode_call("table", (np.ones(3, np.float32),)))
-    assert name == "table" and table.tolist() == [1.0, 1.0, 1.0]
-    name, (slot, ids) = signatures.decode(encode_call("reset", (np.int32(5), np.arange(16, dtype=np.int32))))
+    name, (table,), keep, sources = signatures.decode(encode_call(Call("table", (np.ones(3, np.float32),))))
+    assert name == "table" and table.tolist() == [1.0, 1.0, 1.0] and keep is None and sources == {}
+    name, (slot, ids), _, _ = signatures.decode(encode_call(Call("reset", (np.int32(5), np.arange(16, dtype=np.int32)))))
     assert name == "reset" and slot.shape == () and slot.dtype == np.int32 and int(slot) == 5
     transposed = np.arange(32, dtype=np.int32).reshape(8, 4).T  # not C-contiguous: sent in its logical order
-    name, got = signatures.decode(encode_call("decode", Inputs(np.zeros(4, np.int32), transposed, None)))
+    got = signatures.decode(encode_call(Call("decode", Inputs(np.zeros(4, np.int32), transposed, None)))).inputs
     np.testing.assert_array_equal(got.tokens, transposed)
-    assert signatures.decode(encode_stop(3)) == ("stop", 3)
+    assert signatures.decode(encode_stop(3))[:2] == ("stop", 3)
 
 
 @pytest.mark.parametrize("name, inputs, message", [
@@ -54,13 +55,15 @@ def test_a_call_round_trips_exactly(signatures):
 ])
 def test_a_call_it_did_not_compile_is_refused(signatures, name, inputs, message):
     with pytest.raises(ValueError, match=message):
-        signatures.decode(encode_call(name, inputs))
+        signatures.decode(encode_call(Call(name, inputs)))
 
 
 def test_malformed_frames_are_refused(signatures):
-    frame = encode_call("decode", example(4))
+    frame = encode_call(Call("decode", example(4)))
     for bad, message in [(frame[:-1], "ends inside its arrays"), (frame + b"\0", "bytes after its arrays"),
                          (frame[:2], "truncated"), (encode_stop(0) + b"x", "after its header"),
-                         (pickle.dumps(("decode", example(4))), "not JSON|truncated|header")]:
+                         (pickle.dumps(("decode", example(4))), "not JSON|truncated|header"),
+                         (encode_call(Call("decode", example(4), sources={"slots": 1})), "not an input left out"),
+                         (encode_call(Call("decode", example(4), keep=("1", ("logits",)))), "keep is not")]:
         with pytest.raises(ValueError, match=message):
             signatures.decode(bad)

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxserve.distributed.wire import CallSignatures, encode_call, encode_stop
+from jaxserve.distributed.wire import Call, CallSignatures, encode_call, encode_stop
 
 logger = logging.getLogger(__name__)
 HEADER = struct.Struct("!Q")  # frame length
@@ -153,9 +153,9 @@ class PlanLeader:
                                f"plan channel within {timeout:.0f}s")
         logger.info("all %d followers connected", self.num_followers)
 
-    def send(self, kind: str, inputs: Any) -> None:
-        """Tells every follower to run call `kind` on `inputs` (before the leader runs it)."""
-        payload = encode_call(kind, inputs)
+    def send(self, call: Call) -> None:
+        """Tells every follower to run `call` (before the leader runs it)."""
+        payload = encode_call(call)
         for rank, sock in self._followers.items():
             try:
                 _send(sock, payload)
@@ -189,17 +189,21 @@ def follow(runner, multihost: MultiHost) -> None:
             if frame is None:
                 _exit(1, f"the leader's connection closed; follower rank {multihost.node_rank} exits")
             try:
-                kind, inputs = signatures.decode(frame)
+                call = signatures.decode(frame)
             except ValueError as error:
                 _exit(1, f"follower rank {multihost.node_rank} got a call it cannot run ({error}); it exits")
-            if kind == "stop":
-                _exit(inputs, f"the leader stopped (status {inputs}); follower rank {multihost.node_rank} exits")
-            calls.put((kind, inputs))
+            if call.step == "stop":
+                _exit(call.inputs, f"the leader stopped (status {call.inputs}); follower rank {multihost.node_rank} "
+                                   "exits")
+            calls.put(call)
 
     threading.Thread(target=read, name="jaxserve-plan-reader", daemon=True).start()
     logger.info("follower rank %d runs the leader's calls", multihost.node_rank)
     while True:
-        runner.replay(*calls.get())
+        try:
+            runner.steps.replay(calls.get())
+        except ValueError as error:  # a call that takes an output this host does not hold
+            _exit(1, f"follower rank {multihost.node_rank} cannot run the leader's call ({error}); it exits")
         jax.block_until_ready(runner.kv_cache)  # surfaces a failed call here, not several calls later
 
 

@@ -5,20 +5,34 @@ structure, dtypes and shapes one of those its warm-up compiled for that step (`C
 counts exact; anything else is a `ValueError` naming what did not match.
 
     frame = u32 header length | header JSON | leaf bytes, in order
-    header = {"step": NAME, "tree": TREEDEF, "leaves": [[DTYPE, SHAPE] | null, ...]}  or  {"stop": STATUS}
+    header = {"step": NAME, "tree": TREEDEF, "leaves": [[DTYPE, SHAPE] | null, ...],
+              "keep": [SERIAL, [FIELD, ...]] | null, "sources": {FIELD: SERIAL, ...}}  or  {"stop": STATUS}
+
+`keep` asks the follower to keep some of the call's outputs under a serial; `sources` names, for an input left out,
+the kept output it is (else it is the follower's latest output of that name): a sampler that waits for token
+masks takes its own forward's logits, though other forwards ran since.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import jax
 import numpy as np
 
 LENGTH = struct.Struct("!I")
 Signature = tuple[str, tuple[tuple[str, tuple[int, ...]] | None, ...]]
+
+
+class Call(NamedTuple):
+    """One step call as the plan channel carries it (`step` "stop": the leader's exit status in `inputs`)."""
+
+    step: str
+    inputs: Any
+    keep: tuple[int, tuple[str, ...]] | None = None  # (serial, output fields) a later call takes
+    sources: dict[str, int] = {}  # input field left out -> the serial of the kept output it is
 
 
 def _is_none(leaf: Any) -> bool:
@@ -47,10 +61,11 @@ def _frame(header: dict, body: Iterable[bytes] = ()) -> bytes:
     return b"".join((LENGTH.pack(len(text)), text, *body))
 
 
-def encode_call(name: str, inputs: Any) -> bytes:
-    leaves, tree = _flatten(inputs)
+def encode_call(call: Call) -> bytes:
+    leaves, tree = _flatten(call.inputs)
     arrays = [None if leaf is None else np.asarray(leaf) for leaf in leaves]  # tobytes() is C order
-    header = {"step": name, "tree": str(tree), "leaves": [_spec(array) for array in arrays]}
+    header = {"step": call.step, "tree": str(tree), "leaves": [_spec(array) for array in arrays],
+              "keep": None if call.keep is None else [call.keep[0], list(call.keep[1])], "sources": call.sources}
     return _frame(header, (array.tobytes() for array in arrays if array is not None))
 
 
@@ -76,8 +91,8 @@ class CallSignatures:
             raise ValueError(f"step {name!r} was sent inputs of a structure or shape it has not compiled: {sig}")
         return tree
 
-    def decode(self, frame: bytes) -> tuple[str, Any]:
-        """`("stop", status)` or `(step name, inputs)`; ValueError for a frame that is not one of these exactly."""
+    def decode(self, frame: bytes) -> Call:
+        """A step call, or `Call("stop", status)`; ValueError for a frame that is not one of these exactly."""
         if len(frame) < LENGTH.size:
             raise ValueError("truncated frame")
         (size,), offset = LENGTH.unpack_from(frame), LENGTH.size
@@ -91,8 +106,8 @@ class CallSignatures:
         if set(header) == {"stop"} and isinstance(header["stop"], int):
             if offset != len(frame):
                 raise ValueError("a stop frame carries bytes after its header")
-            return "stop", header["stop"]
-        if set(header) != {"step", "tree", "leaves"} or not isinstance(header["leaves"], list):
+            return Call("stop", header["stop"])
+        if set(header) != {"step", "tree", "leaves", "keep", "sources"} or not isinstance(header["leaves"], list):
             raise ValueError(f"the frame's header has keys {sorted(header)}")
         try:
             specs = tuple(None if spec is None else (str(spec[0]), tuple(int(n) for n in spec[1]))
@@ -115,4 +130,24 @@ class CallSignatures:
             offset = end
         if offset != len(frame):
             raise ValueError(f"the frame has {len(frame) - offset} bytes after its arrays")
-        return name, jax.tree.unflatten(tree, leaves)
+        inputs = jax.tree.unflatten(tree, leaves)
+        return Call(name, inputs, _keep(header["keep"]), _sources(header["sources"], inputs))
+
+
+def _keep(keep: Any) -> tuple[int, tuple[str, ...]] | None:
+    if keep is None:
+        return None
+    if (isinstance(keep, list) and len(keep) == 2 and isinstance(keep[0], int) and isinstance(keep[1], list)
+            and all(isinstance(field, str) for field in keep[1])):
+        return keep[0], tuple(keep[1])
+    raise ValueError(f"the frame's keep is not [serial, [field, ...]]: {keep!r}")
+
+
+def _sources(sources: Any, inputs: Any) -> dict[str, int]:
+    """Each source must name an input the leader left out (None)."""
+    if not isinstance(sources, dict) or not all(isinstance(serial, int) for serial in sources.values()):
+        raise ValueError(f"the frame's sources are not {{field: serial}}: {sources!r}")
+    for field in sources:
+        if getattr(inputs, field, 0) is not None:
+            raise ValueError(f"the frame's source {field!r} is not an input left out")
+    return sources

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -135,19 +135,6 @@ class ModelRunner:
     def keep_sampler_state(self, penalties: PenaltyState, slot_state: SlotState) -> None:
         self.penalties, self.slot_state = penalties, slot_state
 
-    @property
-    def on_call(self) -> Callable[[str, Any], None] | None:
-        """Multi-host leader: told every call (name, inputs) before it runs, so the followers run it too."""
-        return self.steps.on_call
-
-    @on_call.setter
-    def on_call(self, send: Callable[[str, Any], None] | None) -> None:
-        self.steps.on_call = send
-
-    def replay(self, kind: str, inputs: Any) -> None:
-        """Runs a leader's call on a multi-host follower (`StepRegistry.replay`)."""
-        self.steps.replay(kind, inputs)
-
     def warmup(self) -> float:
         """Compiles and runs every shape of every step once; returns its seconds."""
         return self.steps.warmup()
@@ -244,21 +231,21 @@ class ModelRunner:
         batch = inputs.batch
         if self.speculator is not None:
             self.speculator.mirror_prefill(batch)
-        forward = self.steps.run("prefill", batch)
+        guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
+                  if chunk.is_final and chunk.seq.grammar is not None]
+        forward = self.steps.run("prefill", batch, keep=("logits",) if guided else ())  # `sample_pending` takes them
         scores = None
         if inputs.scored:
             scores = self.steps.run("score", ScoreInputs(forward.hidden, batch.token_ids, batch.num_tokens,
                                                          batch.next_tokens))
-        guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
-                  if chunk.is_final and chunk.seq.grammar is not None]
         return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.is_final, len(inputs.chunks),
                                    guided), scores
 
     def decode(self, inputs: DecodeInputs) -> SampleResult:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
         batch = inputs.batch
-        forward = self.steps.run("decode", batch)
         guided = [(row, seq) for row, seq in enumerate(inputs.seqs) if seq.grammar is not None]
+        forward = self.steps.run("decode", batch, keep=("logits",) if guided else ())
         return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.active, len(inputs.seqs), guided)
 
     def send_sampling_table(self) -> None:
@@ -294,7 +281,6 @@ class ModelRunner:
                 if not seq.grammar.is_accepting():
                     for eos in self.eos_token_ids:
                         words[row, eos // 32] &= ~np.uint32(1 << (eos % 32))
-            device_mask = jax.device_put(bitmask, self.all_allowed[len(pending.slots)].sharding)
             step.calls[index] = (rows, self._run_sampler(SamplerInputs(pending.logits, pending.slots,
                                                                        pending.output_index, pending.counted,
-                                                                       device_mask)))
+                                                                       bitmask)))

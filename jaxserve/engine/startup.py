@@ -91,11 +91,13 @@ def table_examples(ec: EngineConfig) -> Iterator[SamplingBatch]:
 
 
 def sample_examples(ec: EngineConfig, vocab_size: int, all_allowed: dict, sharding) -> Iterator[SamplerInputs]:
-    """A sampler's logits are a forward's, on the device; its bitmask the all-allowed one of its row count."""
+    """A sampler's logits are a forward's, on the device; its bitmask the all-allowed one of its row count, kept on
+    the device, or a host array (constrained rows' masks, and every mask a multi-host follower is sent)."""
     for rows in sampler_rows(ec):
         zeros = np.zeros(rows, np.int32)
-        yield SamplerInputs(jnp.zeros((rows, vocab_size), jnp.float32, device=sharding), zeros, zeros,
-                            np.zeros(rows, bool), all_allowed[rows])
+        logits = jnp.zeros((rows, vocab_size), jnp.float32, device=sharding)
+        for bitmask in (all_allowed[rows], np.asarray(all_allowed[rows])):
+            yield SamplerInputs(logits, zeros, zeros, np.zeros(rows, bool), bitmask)
 
 
 def reset_examples(ec: EngineConfig) -> Iterator[ResetInputs]:

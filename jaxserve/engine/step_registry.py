@@ -5,13 +5,15 @@ one pytree of inputs, and returns `(outputs, new_state)`; the state is donated, 
 to the step's `store` before anything else can read the old. Every call goes through `run`: a multi-host leader
 tells its followers each call first (`on_call`), and after warm-up a call that compiles is logged. Inputs that are
 an earlier call's output on the device (a forward's logits, a draft model's proposal) are not sent: a follower
-takes its own copy, kept under the same field name (`replay`).
+takes its own latest output of the same name, or, for a call that takes an output after other calls ran (a sampler
+waiting for token masks takes its forward's logits), the output the earlier call was asked to keep (`replay`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -23,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.distributed.wire import Call
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.slot_params import SlotSamplingParams
 from jaxserve.engine.steps import SlotState
@@ -92,15 +95,18 @@ class RunnerState(Protocol):
 
 
 class StepRegistry:
-    """The runner's steps by name. `on_call(name, inputs)`, when set (a multi-host leader), hears every call before
-    it runs."""
+    """The runner's steps by name. `on_call(call)`, when set (a multi-host leader), hears every call before it
+    runs, as the follower is to run it (`Call`)."""
 
     def __init__(self):
         self.steps: dict[str, Step] = {}
-        self.on_call: Callable[[str, Any], None] | None = None
+        self.on_call: Callable[[Call], None] | None = None
         self._warm = False  # after warm-up, a jitted step's cache growing means a compile while serving
         self._cache_sizes: dict[str, int] = {}
         self._forwarded: dict[str, Any] = {}  # a follower's latest outputs that later calls take (`replay`)
+        self._serials = itertools.count()
+        self._kept_ids: dict[int, int] = {}  # leader: id of a kept output (alive until taken) -> its serial
+        self._kept: dict[int, dict[str, Any]] = {}  # follower: serial -> its own kept outputs
 
     def add(self, steps: Iterable[Step]) -> None:
         for step in steps:
@@ -109,40 +115,66 @@ class StepRegistry:
     def __getitem__(self, name: str) -> Step:
         return self.steps[name]
 
-    def run(self, name: str, inputs: Any) -> Any:
+    def run(self, name: str, inputs: Any, keep: tuple[str, ...] = ()) -> Any:
         """Runs one call through jax's C++ dispatch path, keeps its new state and returns its outputs. After
-        warm-up every shape is compiled: a miss is logged (it compiled while serving)."""
+        warm-up every shape is compiled: a miss is logged (it compiled while serving). `keep`: output fields a
+        later call takes after other calls of the step ran (a sampler waiting for token masks takes its forward's
+        logits), which a multi-host follower then keeps for it."""
         step = self.steps[name]
+        serial = None
         if self.on_call is not None:
-            self.on_call(name, self.as_sent(name, inputs))
+            inputs_sent, sources = self.as_sent(name, inputs)
+            serial = next(self._serials) if keep else None
+            self.on_call(Call(name, inputs_sent, (serial, keep) if keep else None, sources))
         outputs, new_state = step.fn(*step.state(), inputs)
         step.store(*new_state)
+        if serial is not None:
+            self._kept_ids.update({id(getattr(outputs, field)): serial for field in keep})
         if self._warm and step.fn._cache_size() != self._cache_sizes[name]:
             self._cache_sizes[name] = step.fn._cache_size()
             logger.warning("compiled a %s step for shapes %s while serving: warm-up missed it", name,
                            shape_key(inputs))
         return outputs
 
-    def replay(self, name: str, inputs: Any) -> None:
+    def replay(self, call: Call) -> None:
         """Runs one call as `run` does and keeps only its new state (and the outputs later calls take): how a
-        multi-host follower runs the leader's calls. An input the leader left out (None) is this host's latest
-        output of that name, from the leader's earlier call."""
-        step = self.steps[name]
-        missing = {field: self._forwarded.get(field) for field in step.forwarded if getattr(inputs, field) is None}
-        outputs = self.run(name, inputs.replace(**missing) if missing else inputs)
+        multi-host follower runs the leader's calls. An input the leader left out (None) is this host's kept output
+        the call names (`Call.sources`), else its latest output of that name; ValueError for one it does not hold."""
+        step = self.steps[call.step]
+        missing = {}
+        for field in step.forwarded:
+            if getattr(call.inputs, field) is not None:
+                continue
+            if field in call.sources:
+                kept = self._kept.pop(call.sources[field], {})
+                if field not in kept:
+                    raise ValueError(f"step {call.step!r} takes the {field} kept by call {call.sources[field]}, "
+                                     "which this host does not hold")
+                missing[field] = kept[field]
+            else:
+                missing[field] = self._forwarded.get(field)
+        outputs = self.run(call.step, call.inputs.replace(**missing) if missing else call.inputs)
         self._forwarded.update({field: getattr(outputs, field) for field in step.forwards})
+        if call.keep is not None:
+            serial, fields = call.keep
+            self._kept[serial] = {field: getattr(outputs, field) for field in fields if field in step.forwards}
 
-    def as_sent(self, name: str, inputs: Any) -> Any:
-        """`inputs` as a multi-host leader sends them: device outputs of earlier calls stay behind (None), since
-        followers hold their own."""
-        on_device = {field: None for field in self.steps[name].forwarded
-                     if isinstance(getattr(inputs, field), jax.Array)}
-        return inputs.replace(**on_device) if on_device else inputs
+    def as_sent(self, name: str, inputs: Any) -> tuple[Any, dict[str, int]]:
+        """`inputs` as a multi-host leader sends them, and their sources: device outputs of earlier calls stay
+        behind (None), since followers hold their own; one that a call was asked to keep is named by its serial."""
+        sent, left_out = self._leave_out(name, inputs)
+        ids = {field: id(getattr(inputs, field)) for field in left_out}
+        return sent, {field: self._kept_ids.pop(key) for field, key in ids.items() if key in self._kept_ids}
 
     def sent_examples(self) -> Iterator[tuple[str, Any]]:
         """`(name, inputs)` for every shape of every step, as a leader sends them: what a follower may run."""
         for name, inputs in self.examples():
-            yield name, self.as_sent(name, inputs)
+            yield name, self._leave_out(name, inputs)[0]
+
+    def _leave_out(self, name: str, inputs: Any) -> tuple[Any, list[str]]:
+        """`inputs` without their forwarded inputs that are device arrays, and those fields."""
+        left_out = [field for field in self.steps[name].forwarded if isinstance(getattr(inputs, field), jax.Array)]
+        return (inputs.replace(**dict.fromkeys(left_out)) if left_out else inputs), left_out
 
     def examples(self) -> Iterator[tuple[str, Any]]:
         """`(name, inputs)` for every shape of every step."""

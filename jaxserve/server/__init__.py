@@ -53,7 +53,7 @@ def serve_main(argv: list[str]) -> None:
         llm_engine = LLMEngine(config)
         if leader is not None:
             leader.wait_for_followers()
-            llm_engine.runner.on_call = leader.send
+            llm_engine.runner.steps.on_call = leader.send
         return llm_engine
 
     async_engine = AsyncEngine(build_engine, max_waiting=args.max_waiting)
