@@ -79,7 +79,7 @@ def test_server_flags_reach_the_settings():
 
 def test_speculative_config_flag_takes_vllm_json():
     config, _ = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
-    spec = config.speculative_config
+    spec = config.resolve(2048).speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (
         "ngram", 3, 5, 2)
     assert parse()[0].speculative_config is None

@@ -88,6 +88,7 @@ class EngineConfig:
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
+        SpeculativeConfig.parse(self.speculative_config)  # its checks; resolve() parses it with the platform's defaults
 
     def resolve(self, model_max_len: int, platform: str | None = None) -> "EngineConfig":
         """The complete config for a model of context `model_max_len` on `platform` (default: jax's backend):
