@@ -97,7 +97,8 @@ class OutputProcessor:
                 self.detokenizer_process.feed(request.text_keys[seq.index], sample.token)
                 request.num_fed[seq.index] += 1
             elif self.tokenizer is not None:
-                stop = request.detokenizers[seq.index].add_token(sample.token, num_output_tokens >= seq.params.min_tokens)
+                check_stop = num_output_tokens >= seq.params.min_tokens
+                stop = request.detokenizers[seq.index].add_token(sample.token, check_stop)
                 if stop is not None:
                     self._stop(seq, stop)
                     stopped[seq] = 0

@@ -32,7 +32,7 @@ def serve_main(argv: list[str]) -> None:
     except ValueError as err:
         parser.error(str(err))
     # vLLM's --gpu-memory-utilization is a fraction of the device: let jax's allocator (0.75 of it by default)
-    # reach it; this and jax.distributed must happen before jax starts its backend (the engine does, resolving its config)
+    # reach it; this and jax.distributed must happen before jax starts its backend (the engine resolving its config)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.gpu_memory_utilization))
     if hosts.enabled:
         hosts.initialize()
