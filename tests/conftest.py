@@ -9,6 +9,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# jax's persistent compilation cache: a fresh folder per test run (inherited by the servers and hosts tests start),
+# so no entry of an earlier or killed run is read
+if "JAXSERVE_CACHE_ROOT" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAXSERVE_CACHE_ROOT"] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXSERVE_CACHE_ROOT"], ignore_errors=True)
 
 import numpy as np
 import pytest

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import jax
@@ -22,6 +23,12 @@ PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = (None, "int8", "awq")  # awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # int8: per-token scales; fp8: e4m3 with per-token scales
+
+
+def default_cache_dir(name: str) -> str:
+    """`name` under jaxserve's cache root: $JAXSERVE_CACHE_ROOT if set (as vLLM's VLLM_CACHE_ROOT), else
+    ~/.cache/jaxserve."""
+    return os.path.join(os.environ.get("JAXSERVE_CACHE_ROOT") or "~/.cache/jaxserve", name)
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -66,7 +73,8 @@ class EngineConfig:
     # loop shares its cores with XLA's threads and gains nothing; not yet measured on a GPU; benchmarks/RESULTS.md)
     detokenizer_process: bool = False
     warmup: bool = True  # compile every shape at start-up
-    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # jax's persistent cache; None disables
+    # jax's persistent compilation cache (None disables it); default: $JAXSERVE_CACHE_ROOT/xla, ~/.cache/jaxserve/xla
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: default_cache_dir("xla"))
 
     def __post_init__(self) -> None:
         checks = [
