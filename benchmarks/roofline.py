@@ -169,7 +169,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     import numpy as np
 
     from benchmarks.timing import time_fn
-    from jaxserve.engine.input_batch import DecodeInputs, bucket_for
+    from jaxserve.engine.step_inputs import DecodeInputs, bucket_for
     from jaxserve.engine.steps import DecodeBatch
     from jaxserve.sampling_params import SamplingParams
 
@@ -193,13 +193,13 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     positions = np.full(rows, context - 1, np.int32)
     active = np.arange(rows) < batch
     for slot in slots:  # greedy rows: the step takes the forward's argmax, as a plain greedy batch does
-        runner.slot_params.set(int(slot), SamplingParams(temperature=0), seed=0)
-    state = runner.slot_state  # the device keeps each slot's page table and input token
-    runner.slot_state = state.replace(tokens=state.tokens.at[slots].set(tokens),
+        runner.batch.sampling.set(int(slot), SamplingParams(temperature=0), seed=0)
+    state = runner.batch.slot_state  # the device keeps each slot's page table and input token
+    runner.batch.slot_state = state.replace(tokens=state.tokens.at[slots].set(tokens),
                                       page_tables=state.page_tables.at[slots].set(page_tables))
     pages = page_tables[np.arange(rows), (context - 1) // config.page_size]
     # no host sequences: the step is timed alone, and every slot is a plain greedy one (the forward's argmax)
-    inputs = DecodeInputs([], DecodeBatch(slots, positions, pages, active), np.zeros(rows, np.int32))
+    inputs = DecodeInputs([], [], DecodeBatch(slots, positions, pages, active), np.zeros(rows, np.int32))
     timing = time_fn(lambda: runner.decode(inputs), warmup=2, repeats=repeats, min_sample_s=0.02)
     engine.page_manager.reset_prefix_cache()
     return {"step_s": timing.median_s, "step_min_s": timing.min_s, "step_max_s": timing.max_s,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.input_batch import decode_inputs
+from jaxserve.engine.scheduler_output import ScheduledDecode
+from jaxserve.engine.step_inputs import decode_inputs
 from tests.conftest import random_prompts
 
 ENGINE_OPTIONS = dict(max_num_seqs=6, max_model_len=192, page_size=8, max_num_batched_tokens=48)
@@ -96,7 +97,7 @@ def test_slot_state_is_what_the_host_sequences_say(tiny_llama_dir):
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        state = jax.device_get(engine.runner.slot_state)
+        state = jax.device_get(engine.runner.batch.slot_state)
         for seq in engine.scheduler.running:
             pages = -(-seq.num_computed_tokens // engine.config.page_size)
             assert list(state.page_tables[seq.slot][:pages]) == seq.page_table[:pages]
@@ -104,6 +105,47 @@ def test_slot_state_is_what_the_host_sequences_say(tiny_llama_dir):
                 assert state.tokens[seq.slot] == seq.token_ids[-1], seq
                 checked += 1
     assert engine.stats().num_preemptions > 0 and checked > 100
+
+
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}])
+def test_the_runner_rows_are_what_the_scheduler_says(tiny_llama_dir, speculative_config):
+    """The runner is fed plain diffs: at every dispatch, each scheduled sequence's row in the runner's persistent
+    batch holds exactly the scheduler's tokens and page table, through admission, chunked prefill, preemption and
+    re-admission, and (speculating) the pages trimmed after rejected drafts."""
+    llm = LLM(tiny_llama_dir, **{**ENGINE_OPTIONS, "num_kv_pages": 20, "max_model_len": 128},
+              speculative_config=speculative_config)
+    engine, checked = llm.llm_engine, []
+    dispatch = engine.runner.dispatch
+
+    def checked_dispatch(plan):
+        step = dispatch(plan)
+        rows = engine.runner.batch
+        for seq_id in [chunk.seq_id for chunk in plan.prefills] + [decode.seq_id for decode in plan.decodes]:
+            seq, slot = engine.scheduler.seqs[seq_id], rows.slot_of[seq_id]
+            assert slot == seq.slot and rows.token_ids[slot] == seq.token_ids
+            assert list(rows.page_tables[slot, :rows.num_pages[slot]]) == seq.page_table
+            assert not rows.page_tables[slot, rows.num_pages[slot]:].any()
+            checked.append(seq_id)
+        assert all(plain_data(record) for record in (plan.finished_seq_ids, plan.new_seqs, plan.cached_seqs,
+                                                      plan.prefills, plan.decodes))
+        return step
+
+    engine.runner.dispatch = checked_dispatch
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(PREFIXED):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_preemptions > 0 and len(checked) > 100
+    if speculative_config:
+        assert engine.stats().spec_decode_num_drafts > 0
+
+
+def plain_data(value) -> bool:
+    """True for ints, strings, ranges, sampling parameters and tuples of them: nothing of the engine's own."""
+    if isinstance(value, tuple):
+        return all(plain_data(item) for item in value)
+    return isinstance(value, (int, str, range, SamplingParams))
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
@@ -136,11 +178,11 @@ def test_decode_inputs_are_one_value_per_row(tiny_llama_dir):
     for _ in range(4):
         engine.step()
     seq = engine.outputs.requests["r"].seqs[0]
-    inputs = decode_inputs([seq], engine.config)
+    position = seq.num_tokens - 1
+    inputs = decode_inputs(engine.runner.batch, (ScheduledDecode(seq.seq_id, position),), engine.config)
     batch = inputs.batch
     arrays = [batch.slots, batch.positions, batch.pages, inputs.output_index, batch.active]
     assert all(a.shape == (1,) for a in arrays)
-    position = seq.num_tokens - 1
     assert (batch.positions[0], batch.pages[0]) == (position, seq.page_table[position // engine.config.page_size])
     assert np.array_equal(batch.active, [True])
     while engine.has_unfinished_requests():

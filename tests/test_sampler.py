@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.engine.input_batch import SlotSamplingParams
 from jaxserve.layers.sampler import PenaltyState, argmax, inverse_cdf, sample
 from jaxserve.sampling_params import SamplingParams
 

@@ -21,40 +21,44 @@ def add(scheduler: Scheduler, prompt_len: int, request_id: str) -> Sequence:
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7):
-    """Schedules a step and applies it as the engine would: computed tokens advance, finished chunks sample."""
+    """Schedules a step and applies it as the engine would: computed tokens advance, finished chunks sample. Returns
+    the plan with its sequences: (prefills as (seq, start, num_tokens), decodes, admitted)."""
     plan = scheduler.schedule()
+    prefills = [(scheduler.seqs[chunk.seq_id], chunk.start, chunk.num_tokens) for chunk in plan.prefills]
+    decodes = [scheduler.seqs[decode.seq_id] for decode in plan.decodes]
     for chunk in plan.prefills:
-        chunk.seq.num_computed_tokens += chunk.num_tokens
+        seq = scheduler.seqs[chunk.seq_id]
+        seq.num_computed_tokens += chunk.num_tokens
         if chunk.is_final:
-            chunk.seq.token_ids.append(next_token)
-    for seq in plan.decodes:
+            seq.token_ids.append(next_token)
+    for seq in decodes:
         seq.num_computed_tokens += 1
         seq.token_ids.append(next_token)
-    return plan
+    return prefills, decodes, [scheduler.seqs[new.seq_id] for new in plan.new_seqs]
 
 
 def test_prefill_chunks_are_charged_their_bucket():
     scheduler = make_scheduler()
     first, second, third = (add(scheduler, 20, name) for name in ("a", "b", "c"))
-    plan = run_step(scheduler)
+    prefills, _, _ = run_step(scheduler)
     # 20-token chunks pad to the 32 bucket: two fill the 64-token budget, the third waits
-    assert [(c.seq, c.num_tokens) for c in plan.prefills] == [(first, 20), (second, 20)]
+    assert prefills == [(first, 0, 20), (second, 0, 20)]
     assert scheduler.waiting[0] is third
-    plan = run_step(scheduler)
+    prefills, decodes, _ = run_step(scheduler)
     # decodes are not charged: the third prompt gets the budget
-    assert plan.decodes == [first, second] and [(c.seq, c.num_tokens) for c in plan.prefills] == [(third, 20)]
+    assert decodes == [first, second] and prefills == [(third, 0, 20)]
 
 
 def test_a_long_prompt_takes_the_largest_bucket_that_fits():
     scheduler = make_scheduler()
     short, long = add(scheduler, 10, "short"), add(scheduler, 100, "long")
-    plan = run_step(scheduler)
+    prefills, _, _ = run_step(scheduler)
     # the short prompt is charged 16; 48 tokens would pad to 64, over budget, so the long one gets a whole 32
-    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(short, 0, 10), (long, 0, 32)]
-    plan = run_step(scheduler)
-    assert plan.decodes == [short] and [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 32, 64)]
-    plan = run_step(scheduler)
-    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(long, 96, 4)]
+    assert prefills == [(short, 0, 10), (long, 0, 32)]
+    prefills, decodes, _ = run_step(scheduler)
+    assert decodes == [short] and prefills == [(long, 32, 64)]
+    prefills, _, _ = run_step(scheduler)
+    assert prefills == [(long, 96, 4)]
     assert long.num_output_tokens == 1
 
 
@@ -65,11 +69,11 @@ def test_prefix_lookups_count_once_per_admission():
     run_step(scheduler)
     waiting = add(scheduler, 30, "waiting")
     for _ in range(3):
-        plan = run_step(scheduler)
-        assert waiting not in plan.admitted
+        _, _, admitted = run_step(scheduler)
+        assert waiting not in admitted
     manager = scheduler.page_manager
     assert manager.num_prefix_queries == 32
     scheduler.finish(first, "stop")
-    plan = run_step(scheduler)
-    assert plan.admitted == [waiting] and manager.num_prefix_queries == 62
+    _, _, admitted = run_step(scheduler)
+    assert admitted == [waiting] and manager.num_prefix_queries == 62
 

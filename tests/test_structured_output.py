@@ -162,11 +162,11 @@ def test_guided_params_need_exactly_one_constraint():
 
 
 def test_unconstrained_batches_build_no_mask_and_compile_nothing(llm, monkeypatch, caplog):
-    from jaxserve.engine import model_runner
+    from jaxserve.structured_output import grammar
 
     calls = []
-    fill = model_runner.fill_bitmask
-    monkeypatch.setattr(model_runner, "fill_bitmask", lambda *args: calls.append(1) or fill(*args))
+    fill = grammar.fill_bitmask
+    monkeypatch.setattr(grammar, "fill_bitmask", lambda *args: calls.append(1) or fill(*args))
     llm.generate(PROMPTS, SamplingParams(temperature=0.7, seed=1, max_tokens=10), use_tqdm=False)
     assert calls == []
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):

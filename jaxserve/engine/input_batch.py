@@ -1,144 +1,132 @@
-"""Host-side step inputs: a scheduler plan's chunks and decodes as padded numpy arrays of the compiled shapes, each
-call's device inputs one pytree (`engine/steps.py`) next to what only the host reads (its sequences).
+"""`InputBatch`: the runner's persistent per-slot batch (vLLM's `InputBatch`). For every decode slot it holds the
+sequence there as the runner knows it from the scheduler's plain outputs (its tokens, prompt length and page table,
+on the host), its sampling parameters as columns (`SlotSamplingParams`, with a device copy, `sampling_table`), and
+the device state the jitted steps read and donate: each slot's latest token and page table (`SlotState`) and its
+penalty statistics (`PenaltyState`).
 
-Prefill chunks sharing a length bucket are packed `PREFILL_ROWS` to a call (a call that holds a chunk scoring its
-prompt tokens runs the scoring prefill); decodes form one batch padded to a batch bucket. Rows past the real ones are empty (zero tokens, page table of scratch
-pages), so they write only to the scratch page and their outputs are ignored.
+`apply(plan)` takes one `SchedulerOutput` as a diff: sequences that left, then those admitted (their rows written
+whole), then what scheduled running sequences gained. The step inputs are built from these rows
+(`engine/step_inputs.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
+import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
-from jaxserve.engine.scheduler import PrefillChunk
-from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.steps import DecodeBatch, PrefillBatch, VerifyBatch
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from jaxserve.engine.steps import SlotState
+from jaxserve.layers.sampler import PenaltyState, SamplingBatch
+from jaxserve.sampling_params import SamplingParams
 
 
-def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
-    for bucket in buckets:
-        if size <= bucket:
-            return bucket
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+class SlotSamplingParams:
+    """Each slot's sampling parameters as numpy columns, written at admission, gathered per step in O(batch)."""
+
+    def __init__(self, slots: int):
+        self.temperature = np.zeros(slots, np.float32)
+        self.top_p = np.ones(slots, np.float32)
+        self.top_k = np.zeros(slots, np.int32)
+        self.min_p = np.zeros(slots, np.float32)
+        self.repetition_penalty = np.ones(slots, np.float32)
+        self.presence_penalty = np.zeros(slots, np.float32)
+        self.frequency_penalty = np.zeros(slots, np.float32)
+        self.seed = np.zeros(slots, np.uint32)
+        self.min_tokens = np.zeros(slots, np.int32)
+        self.wants_logprobs = np.zeros(slots, bool)
+        self.plain = np.ones(slots, bool)  # greedy, no penalties, logprobs or grammar: the argmax is its token
+        self.changed = True  # since the device copy was last sent
+
+    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+        self.temperature[slot] = params.temperature
+        self.top_p[slot] = params.top_p
+        self.top_k[slot] = params.top_k
+        self.min_p[slot] = params.min_p
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.presence_penalty[slot] = params.presence_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.seed[slot] = seed
+        self.min_tokens[slot] = params.min_tokens
+        self.wants_logprobs[slot] = params.logprobs is not None
+        self.plain[slot] = (params.temperature == 0 and not params.uses_penalties and params.logprobs is None
+                            and params.guided_decoding is None)
+        self.changed = True
+
+    def table(self) -> SamplingBatch:
+        """Every slot's parameters (`[slots]` columns; output_index is per row and filled in by the sampler)."""
+        self.changed = False
+        return self.batch(np.arange(len(self.temperature)), np.zeros(len(self.temperature), np.int32))
+
+    def batch(self, slots: np.ndarray, output_index: np.ndarray) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=self.temperature[slots], top_p=self.top_p[slots], top_k=self.top_k[slots],
+            min_p=self.min_p[slots], repetition_penalty=self.repetition_penalty[slots],
+            presence_penalty=self.presence_penalty[slots], frequency_penalty=self.frequency_penalty[slots],
+            seed=self.seed[slots], output_index=output_index, min_tokens=self.min_tokens[slots],
+            wants_logprobs=self.wants_logprobs[slots])
+
+    def is_plain_greedy(self, slots: np.ndarray, output_index: np.ndarray, rows: int) -> bool:
+        """True when the first `rows` rows are plain greedy slots past their min_tokens: the forward's argmax is
+        every row's token and the sampler need not run (penalty statistics are read only by other rows)."""
+        slots, output_index = slots[:rows], output_index[:rows]
+        return bool(self.plain[slots].all()) and not (output_index < self.min_tokens[slots]).any()
 
 
-@dataclasses.dataclass
-class PrefillInputs:
-    """One prefill call: `rows` chunks of up to `tokens` tokens each."""
+class InputBatch:
+    """Host rows and device state of every slot; `sharding`: where the device state lives (replicated)."""
 
-    chunks: list[PrefillChunk]
-    batch: PrefillBatch
-    output_index: np.ndarray  # int32 [rows]: output tokens each row's sequence has so far
-    scored: list[tuple[int, Sequence, range]]  # (row, sequence, the prompt tokens the row scores) for prompt_logprobs
+    def __init__(self, config: EngineConfig, vocab_size: int, sharding):
+        slots = config.max_num_seqs
+        self.slot_of: dict[int, int] = {}  # seq id -> its slot
+        self.seq_ids = np.full(slots, -1, np.int64)
+        self.token_ids: list[list[int]] = [[] for _ in range(slots)]  # what the host has read of each sequence
+        self.num_prompt_tokens = np.zeros(slots, np.int32)
+        self.page_tables = np.zeros((slots, config.pages_per_seq), np.int32)
+        self.num_pages = np.zeros(slots, np.int32)
+        self.num_logprobs = np.full(slots, -1, np.int32)  # -1: the sequence asked for none
+        self.num_prompt_logprobs = np.zeros(slots, np.int32)
+        self.guided = np.zeros(slots, bool)  # constrained decoding: the sampler waits for a token mask
+        self.sampling = SlotSamplingParams(slots)
+        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding)
+        self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab_size), bool, device=sharding),
+                                      output_counts=jnp.zeros((slots, vocab_size), jnp.int32, device=sharding),
+                                      min_tokens_ban=jnp.zeros((slots, vocab_size), bool, device=sharding))
+        self.sampling_table = None  # the device copy of `sampling`'s columns (the runner sends it)
 
+    def apply(self, plan: SchedulerOutput) -> None:
+        """Applies a scheduler output's diff to the rows: left, admitted, then what running sequences gained."""
+        for seq_id in plan.finished_seq_ids:
+            slot = self.slot_of.pop(seq_id, None)
+            if slot is not None and self.seq_ids[slot] == seq_id:
+                self.seq_ids[slot] = -1
+                self.token_ids[slot] = []
+        for new in plan.new_seqs:
+            self._add(new)
+        for cached in plan.cached_seqs:
+            slot = self.slot_of[cached.seq_id]
+            self.token_ids[slot] += cached.new_token_ids
+            self._set_pages(slot, cached.first_page, cached.page_ids)
 
-@dataclasses.dataclass
-class DecodeInputs:
-    """One decode call: the last token of each of `rows` sequences (padded to a batch bucket)."""
+    def _add(self, new: NewSequence) -> None:
+        slot, params = new.slot, new.params
+        self.slot_of[new.seq_id] = slot
+        self.seq_ids[slot] = new.seq_id
+        self.token_ids[slot] = list(new.token_ids)
+        self.num_prompt_tokens[slot] = new.num_prompt_tokens
+        self._set_pages(slot, 0, new.page_ids)
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[slot] = params.prompt_logprobs or 0
+        self.guided[slot] = params.guided_decoding is not None
+        self.sampling.set(slot, params, new.seed)
 
-    seqs: list[Sequence]
-    batch: DecodeBatch
-    output_index: np.ndarray  # int32 [rows]: the output index of the token each row samples
+    def _set_pages(self, slot: int, first: int, page_ids: tuple[int, ...]) -> None:
+        end = first + len(page_ids)
+        self.page_tables[slot, first:end] = page_ids
+        self.page_tables[slot, end:] = 0
+        self.num_pages[slot] = end
 
-
-def prefill_groups(chunks: list[PrefillChunk], config: EngineConfig) -> list[tuple[int, list[PrefillChunk]]]:
-    """(token bucket, chunks) per prefill call: chunks sharing a bucket are packed PREFILL_ROWS at a time."""
-    by_bucket: dict[int, list[PrefillChunk]] = {}
-    for chunk in chunks:
-        by_bucket.setdefault(bucket_for(chunk.num_tokens, config.prefill_buckets), []).append(chunk)
-    groups = []
-    for tokens, members in by_bucket.items():
-        if (PREFILL_ROWS, tokens) not in config.prefill_shapes:
-            groups += [(tokens, [chunk]) for chunk in members]
-            continue
-        while len(members) >= PREFILL_ROWS - 1:  # three share a call too: one empty row beats a second call
-            groups.append((tokens, members[:PREFILL_ROWS]))
-            members = members[PREFILL_ROWS:]
-        groups += [(tokens, [chunk]) for chunk in members]
-    return groups
-
-
-def prefill_inputs(tokens: int, chunks: list[PrefillChunk], pages_per_seq: int) -> PrefillInputs:
-    rows = 1 if len(chunks) == 1 else PREFILL_ROWS
-    batch = empty_prefill(rows, tokens, pages_per_seq)
-    inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [])
-    for row, chunk in enumerate(chunks):
-        seq = chunk.seq
-        batch.slots[row] = seq.slot
-        batch.token_ids[row, :chunk.num_tokens] = seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
-        batch.starts[row] = chunk.start
-        batch.num_tokens[row] = chunk.num_tokens
-        batch.page_tables[row, :len(seq.page_table)] = seq.page_table
-        inputs.output_index[row] = seq.num_output_tokens
-        batch.is_final[row] = chunk.is_final
-        if not chunk.is_final:
-            batch.next_tokens[row] = seq.token_ids[chunk.start + chunk.num_tokens]
-        if chunk.scored:
-            inputs.scored.append((row, seq, chunk.scored))
-    return inputs
-
-
-def empty_prefill(rows: int, tokens: int, pages_per_seq: int) -> PrefillBatch:
-    """A prefill call of empty rows (zero tokens: they write only to the scratch page)."""
-    zeros = functools.partial(np.zeros, rows, np.int32)
-    return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
-                        page_tables=np.zeros((rows, pages_per_seq), np.int32), slots=zeros(),
-                        is_final=np.zeros(rows, bool), next_tokens=zeros())
-
-
-def decode_inputs(seqs: list[Sequence], config: EngineConfig) -> DecodeInputs:
-    """O(rows) host work: the device holds every slot's page table and latest token."""
-    rows = bucket_for(len(seqs), config.decode_batch_buckets)
-    page_size = config.page_size
-    columns = np.zeros((rows, 4), np.int32)  # slot, position, page, output index (of the token the row samples)
-    if seqs:
-        columns[:len(seqs)] = [(seq.slot, (last := seq.num_tokens - 1), seq.page_table[last // page_size],
-                                last + 1 - seq.num_prompt_tokens) for seq in seqs]
-    slots, positions, pages, output_index = columns.T.copy()
-    active = np.zeros(rows, bool)
-    active[:len(seqs)] = True
-    return DecodeInputs(seqs, DecodeBatch(slots, positions, pages, active), output_index)
-
-
-@dataclasses.dataclass
-class VerifyInputs:
-    """One verify call (speculative decoding): each of `rows` sequences' latest token and up to K drafts."""
-
-    seqs: list[Sequence]
-    batch: VerifyBatch  # its draft_tokens: the n-gram proposals; zeros for a draft model's (made on the device)
-    last_tokens: np.ndarray  # int32 [rows, 2]: each row's two latest tokens (what a draft model feeds first)
-    output_index: np.ndarray  # int32 [rows]
-
-
-def verify_inputs(seqs: list[Sequence], drafts: list[list[int]] | None, config: EngineConfig,
-                  k: int) -> VerifyInputs:
-    """O(rows * K) host work. `drafts`: the n-gram proposals (None: a draft model proposes on the device, up to
-    each sequence's lookahead). Needs the sequences' tokens on the host (speculative steps are synchronous)."""
-    rows = bucket_for(len(seqs), config.decode_batch_buckets)
-    page_size = config.page_size
-    batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
-                        draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
-                        pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool))
-    inputs = VerifyInputs(seqs, batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
-    for row, seq in enumerate(seqs):
-        position = len(seq.token_ids) - 1
-        batch.slots[row] = seq.slot
-        batch.positions[row] = position
-        if drafts is None:
-            batch.num_draft[row] = seq.num_lookahead
-        else:
-            draft = drafts[row][:seq.num_lookahead]
-            batch.draft_tokens[row, :len(draft)] = draft
-            batch.num_draft[row] = len(draft)
-        for i in range(k + 1):
-            index = (position + i) // page_size
-            if index < len(seq.page_table):
-                batch.pages[row, i] = seq.page_table[index]
-        inputs.last_tokens[row] = seq.token_ids[-2:]
-        inputs.output_index[row] = seq.num_output_tokens
-    batch.active[:len(seqs)] = True
-    return inputs
+    def logprobs_of(self, slot: int) -> int | None:
+        """The top logprobs a slot's sequence asked for (None: no logprobs)."""
+        k = int(self.num_logprobs[slot])
+        return None if k < 0 else k

@@ -37,6 +37,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.draft import draft_model_config
 from jaxserve.structured_output import GrammarCompiler
+from jaxserve.structured_output.grammar import token_bitmask
 
 logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "PromptType"]
@@ -156,10 +157,10 @@ class LLMEngine:
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
-            self.runner.sample_pending(launched)  # synchronous: its constrained rows' masks (async: done before)
+            self._sample_pending(launched)  # synchronous: its constrained rows' masks (async: done before)
             touched |= self._collect(launched)
         if self._in_flight is not None:  # its forward runs meanwhile; its masks need the tokens just read
-            self.runner.sample_pending(self._in_flight)
+            self._sample_pending(self._in_flight)
         touched |= self.outputs.end_step(idle=plan.is_empty and self._in_flight is None)
         outputs = self.outputs.outputs(touched)
         self._stats = self._snapshot()
@@ -170,8 +171,8 @@ class LLMEngine:
 
     def _dispatch(self, plan: SchedulerOutput) -> InFlightStep:
         now = time.monotonic()
-        for seq in plan.admitted:
-            request = self.outputs.requests[seq.request_id]
+        for new in plan.new_seqs:
+            request = self.outputs.requests[new.request_id]
             request.first_scheduled_time = request.first_scheduled_time or now
         step = self.runner.dispatch(plan)
         self._steps += 1
@@ -181,10 +182,21 @@ class LLMEngine:
     def _collect(self, step: InFlightStep) -> set[str]:
         """Reads a dispatched step's tokens: the scheduler applies them, the output processor their text."""
         sampled, scored = self.runner.collect(step)
-        self.outputs.add_prompt_scores(scored)
+        self.outputs.add_prompt_scores(scored, self.scheduler.seqs)
         appended, touched = self.scheduler.update_from_output(sampled)
         self.outputs.process(appended)
         return touched
+
+    def _sample_pending(self, step: InFlightStep) -> None:
+        """Runs the samplers `step` left waiting, with their constrained rows' token masks (their grammars have
+        consumed every token read so far)."""
+        pending = step.pending()
+        if pending:
+            seqs = self.scheduler.seqs  # a row whose sequence finished meanwhile allows every token
+            self.runner.sample_pending(step, [token_bitmask(
+                len(sample.slots), self.vocab_size, [(seqs[row.seq_id].grammar, row.row) for row in sample.guided
+                                                     if row.seq_id in seqs], self.eos_token_ids)
+                for sample in pending])
 
     def _apply_commands(self) -> set[str]:
         self._new_commands.clear()

@@ -1,20 +1,21 @@
-"""`ModelRunner`: the device side of the engine — params, the paged KV pool, the penalty state, the jitted steps,
-and turning a scheduler plan into their inputs.
+"""`ModelRunner`: the device side of the engine — params, the paged KV pool, the persistent per-slot batch
+(`InputBatch`: each slot's sequence, sampling parameters, slot state and penalty state), the jitted steps, and
+turning a scheduler output (plain data: `engine/scheduler_output.py`) into their inputs.
 
 The narrow interface the host loop uses (after JetStream's engine_api):
 
-* `dispatch(plan)`: launches one scheduler plan without waiting for it — resets the penalty state of newly
-  admitted slots, runs its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its decode
-  batch (one per batch bucket) — and returns an `InFlightStep` whose sampled tokens are still on the device.
-  Decode rows read their input token from the device's `SlotState`, so the next plan may be dispatched
-  before this one's tokens reach the host (async scheduling).
+* `dispatch(plan)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state of newly
+  admitted slots) and launches it without waiting — its prefill chunks (one compiled shape per (rows,
+  chunk-length) bucket) and its decode batch (one per batch bucket) — returning an `InFlightStep` whose sampled
+  tokens are still on the device. Decode rows read their input token from the device's `SlotState`, so the next
+  plan may be dispatched before this one's tokens reach the host (async scheduling).
   Under speculative decoding the decode batch is a verify call over each row's latest token and its drafts
   (the runner's `Speculator`, `engine/speculator.py`).
-* `sample_pending(step)`: the samplers of calls with constrained rows, which waited for the rows' token masks
-  (their matchers need the previous step's tokens; the forward runs meanwhile).
+* `sample_pending(step, masks)`: the samplers of calls with constrained rows, which waited for the rows' token
+  masks (`step.pending()`; their matchers need the previous step's tokens; the forward runs meanwhile).
 * `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one (a verify row's
-  accepted drafts too), and the prompt tokens its prefills scored (prompt_logprobs), with one device->host
-  transfer for the whole step.
+  accepted drafts too), and the prompt tokens its prefills scored (prompt_logprobs), by sequence id, with one
+  device->host transfer for the whole step.
 
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
@@ -46,23 +47,22 @@ from jaxserve.models import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine import startup
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.input_batch import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
-    prefill_inputs
+from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import empty_pool, kv_pages, page_bytes
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
-from jaxserve.engine.scheduler import SchedulerOutput
-from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from jaxserve.engine.speculator import Speculator
 from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
-from jaxserve.engine.step_output import InFlightStep, PendingSample, SampledToken, sampled_token
+from jaxserve.engine.step_inputs import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
+    prefill_inputs
+from jaxserve.engine.step_output import InFlightStep, PendingSample, RowSequence, SampledToken, sampled_token
 from jaxserve.engine.step_registry import StepRegistry, jit_step
 from jaxserve.engine.steps import BanInputs, ResetInputs, SamplerInputs, ScoreInputs, SlotState
 from jaxserve.layers.attention import make_attention_backend
 from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.loading.placement import serving_params
-from jaxserve.structured_output.grammar import bitmask_words, fill_bitmask
+from jaxserve.structured_output.grammar import bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,8 @@ class ModelRunner:
         self.page_size = engine_config.page_size
         self.params = serving_params(params, config, self.tp, self.mesh, self.dtype, engine_config.quantization)
         replicated = NamedSharding(self.mesh, REPLICATED)
-        slots, vocab = engine_config.max_num_seqs, config.vocab_size
-        self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab), bool, device=replicated),
-                                      output_counts=jnp.zeros((slots, vocab), jnp.int32, device=replicated),
-                                      min_tokens_ban=jnp.zeros((slots, vocab), bool, device=replicated))
-        self.slot_params = SlotSamplingParams(slots)
-        self.slot_state = SlotState.empty(slots, engine_config.pages_per_seq, replicated)
+        vocab = config.vocab_size
+        self.batch = InputBatch(engine_config, vocab, replicated)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
         self.spec_counters = self.speculator.counters if self.speculator is not None else SpecDecodeCounters(0)
@@ -99,7 +95,7 @@ class ModelRunner:
             self.speculator.draft.allocate_pool(self.num_pages)
         self.kv_cache, pool_shape = empty_pool(config, self.tp, self.backend, self.num_pages, self.page_size,
                                                 self.dtype)
-        self.sampling_table = jax.device_put(self.slot_params.table(), replicated)  # every slot's sampling params
+        self.batch.sampling_table = jax.device_put(self.batch.sampling.table(), replicated)
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
         self.all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
                              for rows in startup.sampler_rows(engine_config)}
@@ -124,16 +120,16 @@ class ModelRunner:
     # -- the state the steps read and write --------------------------------------------------------------------
 
     def forward_state(self) -> tuple:
-        return self.params, self.kv_cache, self.slot_state
+        return self.params, self.kv_cache, self.batch.slot_state
 
     def keep_forward_state(self, kv_cache, slot_state: SlotState) -> None:
-        self.kv_cache, self.slot_state = kv_cache, slot_state
+        self.kv_cache, self.batch.slot_state = kv_cache, slot_state
 
     def sampler_state(self) -> tuple:
-        return self.penalties, self.slot_state, self.sampling_table
+        return self.batch.penalties, self.batch.slot_state, self.batch.sampling_table
 
     def keep_sampler_state(self, penalties: PenaltyState, slot_state: SlotState) -> None:
-        self.penalties, self.slot_state = penalties, slot_state
+        self.batch.penalties, self.batch.slot_state = penalties, slot_state
 
     def warmup(self) -> float:
         """Compiles and runs every shape of every step once; returns its seconds."""
@@ -170,24 +166,26 @@ class ModelRunner:
 
     def dispatch(self, plan: SchedulerOutput) -> InFlightStep:
         """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
-        phases = self.phases
-        for seq in plan.admitted:
-            self._admit(seq)
-        calls = [prefill_inputs(tokens, chunks, self.engine_config.pages_per_seq)
-                 for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
-        verify = self.speculator.verify_inputs(plan.decodes) if plan.decodes and self.speculator else None
-        decode = decode_inputs(plan.decodes, self.engine_config) if plan.decodes and verify is None else None
+        phases, batch = self.phases, self.batch
+        batch.apply(plan)
+        for new in plan.new_seqs:
+            self._reset_penalties(new)
+        calls = [prefill_inputs(batch, tokens, chunks) for tokens, chunks in prefill_groups(plan.prefills,
+                                                                                            self.engine_config)]
+        verify = (self.speculator.verify_inputs(plan.decodes)
+                  if self.speculator is not None and any(decode.num_draft for decode in plan.decodes) else None)
+        decode = decode_inputs(batch, plan.decodes, self.engine_config) if plan.decodes and verify is None else None
         phases.lap("prepare")
         step = InFlightStep([])
         for inputs in calls:
             result, scores = self.prefill(inputs)
-            step.calls.append(([(row, chunk.seq) for row, chunk in enumerate(inputs.chunks) if chunk.is_final], result))
+            step.calls.append((inputs.sampled, result))
             if scores is not None:
                 step.scores.append((inputs.scored, inputs.batch.starts, scores))
         if decode is not None:
-            step.calls.append((list(enumerate(decode.seqs)), self.decode(decode)))
+            step.calls.append((decode.rows, self.decode(decode)))
         if verify is not None:
-            step.calls.append((list(enumerate(verify.seqs)), self.speculator.verify(verify)))
+            step.calls.append((verify.rows, self.speculator.verify(verify)))
             step.num_draft = verify.batch.num_draft
         phases.lap("dispatch")
         return step
@@ -196,34 +194,34 @@ class ModelRunner:
         """Waits for a dispatched plan's tokens and prompt scores (one transfer for the whole step)."""
         results, scores = jax.device_get(([result for _, result in step.calls], [s for _, _, s in step.scores]))
         self.phases.lap("wait")
-        scored = [scored_prompt(seq, tokens, int(starts[row]), call_scores, row)
-                  for (rows, starts, _), call_scores in zip(step.scores, scores) for row, seq, tokens in rows]
+        scored = [scored_prompt(seq_id, k, tokens, int(starts[row]), call_scores, row)
+                  for (rows, starts, _), call_scores in zip(step.scores, scores) for row, seq_id, k, tokens in rows]
         sampled = []
         for (rows, _), result in zip(step.calls, results):
             if result.num_accepted is not None:
                 sampled += self.speculator.verified(rows, result, step.num_draft)
                 continue
             tokens = result.tokens.tolist()
-            sampled += [SampledToken(seq, tokens[row]) if seq.params.logprobs is None else sampled_token(seq, result, row)
-                        for row, seq in rows]
+            sampled += [SampledToken(row.seq_id, tokens[row.row]) if row.num_logprobs is None
+                        else sampled_token(row, result, row.row) for row in rows]
         return sampled, scored
 
-    def _admit(self, seq: Sequence) -> None:
-        """Writes a newly admitted (or re-admitted) sequence's sampling parameters and penalty statistics."""
-        params = seq.params
-        self.slot_params.set(seq.slot, params, seq.seed)
+    def _reset_penalties(self, new: NewSequence) -> None:
+        """Writes a newly admitted (or re-admitted) sequence's penalty statistics."""
+        params = new.params
         if not (params.uses_penalties or params.min_tokens):
             return  # the sampler reads a slot's statistics only for these
-        ids = np.zeros(bucket_for(len(seq.token_ids), startup.reset_buckets(self.engine_config)), np.int32)
-        ids[:len(seq.token_ids)] = seq.token_ids
-        self.steps.run("reset", ResetInputs(np.int32(seq.slot), ids, np.int32(seq.num_prompt_tokens),
-                                            np.int32(len(seq.token_ids))))
+        length = len(new.token_ids)
+        ids = np.zeros(bucket_for(length, startup.reset_buckets(self.engine_config)), np.int32)
+        ids[:length] = new.token_ids
+        self.steps.run("reset", ResetInputs(np.int32(new.slot), ids, np.int32(new.num_prompt_tokens),
+                                            np.int32(length)))
         bans = ([] if params.ignore_eos else sorted(self.eos_token_ids)) + params.stop_token_ids
         size = startup.BAN_IDS_CHUNK
         for start in range(0, len(bans) if params.min_tokens else 0, size):
             chunk = np.full(size, -1, np.int32)
             chunk[:len(bans[start:start + size])] = bans[start:start + size]
-            self.steps.run("ban", BanInputs(np.int32(seq.slot), chunk))
+            self.steps.run("ban", BanInputs(np.int32(new.slot), chunk))
 
     def prefill(self, inputs: PrefillInputs) -> tuple[SampleResult | PendingSample, PromptScores | None]:
         """One prefill call (K/V written to the pool, and to a draft model's); the sampled token of each row, and
@@ -231,35 +229,33 @@ class ModelRunner:
         batch = inputs.batch
         if self.speculator is not None:
             self.speculator.mirror_prefill(batch)
-        guided = [(row, chunk.seq) for row, chunk in enumerate(inputs.chunks)
-                  if chunk.is_final and chunk.seq.grammar is not None]
-        forward = self.steps.run("prefill", batch, keep=("logits",) if guided else ())  # `sample_pending` takes them
+        forward = self.steps.run("prefill", batch, keep=("logits",) if inputs.guided else ())  # for sample_pending
         scores = None
         if inputs.scored:
             scores = self.steps.run("score", ScoreInputs(forward.hidden, batch.token_ids, batch.num_tokens,
                                                          batch.next_tokens))
         return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.is_final, len(inputs.chunks),
-                                   guided), scores
+                                   inputs.guided), scores
 
     def decode(self, inputs: DecodeInputs) -> SampleResult:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
         batch = inputs.batch
-        guided = [(row, seq) for row, seq in enumerate(inputs.seqs) if seq.grammar is not None]
-        forward = self.steps.run("decode", batch, keep=("logits",) if guided else ())
-        return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.active, len(inputs.seqs), guided)
+        forward = self.steps.run("decode", batch, keep=("logits",) if inputs.guided else ())
+        return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.active, len(inputs.rows),
+                                   inputs.guided)
 
     def send_sampling_table(self) -> None:
         """Admissions since the last sampler call changed slots' parameters: one copy of every slot's columns."""
-        if self.slot_params.changed:
-            self.steps.run("table", self.slot_params.table())
+        if self.batch.sampling.changed:
+            self.steps.run("table", self.batch.sampling.table())
 
     def _choose_tokens(self, forward, slots, output_index, counted, rows: int,
-                       guided: list[tuple[int, Sequence]]) -> SampleResult | PendingSample:
+                       guided: list[RowSequence]) -> SampleResult | PendingSample:
         """The argmax for a plain greedy batch; otherwise the sampler, which also counts each row's token. A batch
         with constrained rows waits for their masks (`sample_pending`)."""
         if guided:
             return PendingSample(forward.logits, slots, output_index, counted, guided)
-        if self.slot_params.is_plain_greedy(slots, output_index, rows):
+        if self.batch.sampling.is_plain_greedy(slots, output_index, rows):
             return SampleResult(tokens=forward.greedy, logprobs=None, top_ids=None, top_logprobs=None)
         return self._run_sampler(SamplerInputs(forward.logits, slots, output_index, counted,
                                                self.all_allowed[len(slots)]))
@@ -268,19 +264,11 @@ class ModelRunner:
         self.send_sampling_table()
         return self.steps.run("sample", inputs)
 
-    def sample_pending(self, step: InFlightStep) -> None:
-        """Runs the samplers a dispatched step left waiting, with the token masks of its constrained rows (their
-        matchers must have consumed every token before this step's: call after reading the previous step)."""
+    def sample_pending(self, step: InFlightStep, masks: list[np.ndarray]) -> None:
+        """Runs the samplers a dispatched step left waiting (`step.pending()`, in order), each with its token mask
+        (int32 [rows, words]: `structured_output.grammar.token_bitmask`)."""
+        masks = iter(masks)
         for index, (rows, pending) in enumerate(step.calls):
-            if not isinstance(pending, PendingSample):
-                continue
-            bitmask = np.full((len(pending.slots), bitmask_words(self.config.vocab_size)), -1, np.int32)
-            fill_bitmask(bitmask, [(seq.grammar, row) for row, seq in pending.guided])
-            words = bitmask.view(np.uint32)
-            for row, seq in pending.guided:  # an EOS id that is also a text token ends nothing unfinished
-                if not seq.grammar.is_accepting():
-                    for eos in self.eos_token_ids:
-                        words[row, eos // 32] &= ~np.uint32(1 << (eos % 32))
-            step.calls[index] = (rows, self._run_sampler(SamplerInputs(pending.logits, pending.slots,
-                                                                       pending.output_index, pending.counted,
-                                                                       bitmask)))
+            if isinstance(pending, PendingSample):
+                step.calls[index] = (rows, self._run_sampler(SamplerInputs(
+                    pending.logits, pending.slots, pending.output_index, pending.counted, next(masks))))

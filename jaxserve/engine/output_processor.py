@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 from jaxserve.engine.detokenizer_process import DetokenizerProcess
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, TokenTexts, prompt_logprob_entries
@@ -63,11 +63,13 @@ class OutputProcessor:
     def start_step(self) -> None:
         self.first_token_latencies, self.inter_token_latencies = [], []
 
-    def add_prompt_scores(self, scored: list[ScoredPrompt]) -> None:
-        """The prompt tokens a step's prefills scored (prompt_logprobs), joined to their requests."""
+    def add_prompt_scores(self, scored: list[ScoredPrompt], seqs: Mapping[int, Sequence]) -> None:
+        """The prompt tokens a step's prefills scored (prompt_logprobs), joined to their requests (`seqs`: the
+        unfinished sequences by id)."""
         for scores in scored:
-            request = self.requests.get(scores.seq.request_id)
-            if request is not None and not scores.seq.is_finished:
+            seq = seqs.get(scores.seq_id)
+            request = self.requests.get(seq.request_id) if seq is not None else None
+            if request is not None:
                 request.add_prompt_logprobs(scores.first, prompt_logprob_entries(scores, request.prompt_token_ids,
                                                                                  self.token_texts))
 
@@ -75,8 +77,7 @@ class OutputProcessor:
         """Logprobs, latencies and text of the tokens a step appended; a stop string ends its completion there."""
         now = time.monotonic()
         stopped: dict[Sequence, int] = {}  # completions a stop string ended: tokens of this step to drop
-        for sample, num_output_tokens, stop_token in appended:
-            seq = sample.seq
+        for seq, sample, num_output_tokens, stop_token in appended:
             if seq in stopped:
                 stopped[seq] += 1
                 continue

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxserve.engine.sequence import Sequence
 from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.outputs import Logprob
 
@@ -18,7 +17,7 @@ class ScoredPrompt:
     """Prompt tokens `first, first + 1, ...` of a sequence scored by one prefill row: per token, its logprob given
     the tokens before it, its rank, and the top-k (k = params.prompt_logprobs) ids and logprobs."""
 
-    seq: Sequence
+    seq_id: int
     first: int
     logprobs: list[float]
     ranks: list[int]
@@ -26,12 +25,11 @@ class ScoredPrompt:
     top_logprobs: list[list[float]]
 
 
-def scored_prompt(seq: Sequence, tokens: range, start: int, scores: PromptScores, row: int) -> ScoredPrompt:
-    """The scores of prompt `tokens` from one row of a scoring prefill whose chunk starts at `start` (token j is
-    predicted at position j - 1)."""
-    k = seq.params.prompt_logprobs
+def scored_prompt(seq_id: int, k: int, tokens: range, start: int, scores: PromptScores, row: int) -> ScoredPrompt:
+    """The scores (with the top `k`) of prompt `tokens` from one row of a scoring prefill whose chunk starts at
+    `start` (token j is predicted at position j - 1)."""
     positions = slice(tokens.start - 1 - start, tokens.stop - 1 - start)
-    return ScoredPrompt(seq, tokens.start, scores.logprobs[row, positions].tolist(),
+    return ScoredPrompt(seq_id, tokens.start, scores.logprobs[row, positions].tolist(),
                         scores.ranks[row, positions].tolist(), scores.top_ids[row, positions, :k].tolist(),
                         scores.top_logprobs[row, positions, :k].tolist())
 

@@ -17,7 +17,9 @@ The scheduler owns every sequence's state: `update_after_dispatch` advances a di
 computed, tokens pending on the device), and `update_from_output` applies the tokens a step sampled (appended,
 grammar advanced, token stop rules and length limits, full pages committed to the prefix cache, the room made for
 rejected drafts released), as vLLM v1's `update_from_output`. Stop strings are the output processor's: it finishes
-a sequence through `finish`.
+a sequence through `finish`. What it hands the runner is plain data (`scheduler_output.py`): the sequences that left
+and joined slots, what running ones gained since they were last scheduled, and the step's chunks and decodes by id;
+the runner's tokens come back by sequence id too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import NamedTuple
 
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.scheduler_output import (SchedulerOutput, ScheduledChunk, cached_sequence, new_sequence,
+                                              scheduled_decodes)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.step_output import SampledToken
 
@@ -58,21 +62,19 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass
-class SchedulerOutput:
+class Plan:
+    """A step as the scheduler builds it, over its sequences (handed on as a plain `SchedulerOutput`)."""
+
     prefills: list[PrefillChunk]
     decodes: list[Sequence]
     admitted: list[Sequence]
-    preempted: list[Sequence]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
 
 
 class AppendedToken(NamedTuple):
     """A token `update_from_output` appended to its sequence: the sequence's output tokens with it, and whether it
     ended the sequence as an EOS or stop token (such a token has no text)."""
 
+    seq: Sequence
     sample: SampledToken
     num_output_tokens: int
     stopped: bool
@@ -85,6 +87,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
+        self._left_slots: list[int] = []  # ids of the sequences that left their slots since the last output
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
@@ -98,6 +102,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retires `seq` at once with its finish reason: its slot and pages are free for the next step."""
@@ -108,18 +113,20 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self.seqs.pop(seq.seq_id, None)
 
     def update_after_dispatch(self, plan: SchedulerOutput) -> None:
         """Advances a dispatched plan's sequences: their chunks' and decodes' KV is computed once the step runs, and
         each final chunk and decode has a sampled token pending on the device."""
         for chunk in plan.prefills:
-            seq = chunk.seq
+            seq = self.seqs[chunk.seq_id]
             if chunk.scored:  # read by the runner's dispatch: each prompt token is scored once, recompute or not
                 seq.num_scored = chunk.scored.stop - 1
             seq.num_computed_tokens += chunk.num_tokens
             seq.num_pending += chunk.is_final
             self.page_manager.commit_full_pages(seq)
-        for seq in plan.decodes:
+        for decode in plan.decodes:
+            seq = self.seqs[decode.seq_id]
             seq.num_computed_tokens += 1
             seq.num_pending += 1
 
@@ -131,27 +138,27 @@ class Scheduler:
         appended, touched = [], set()
         caches_prefixes, max_model_len = self.page_manager.enable_prefix_caching, self.config.max_model_len
         for sample in sampled:
-            seq = sample.seq
+            seq = self.seqs.get(sample.seq_id)
+            if seq is None:  # finished meanwhile
+                continue
             if sample.accepted_draft:  # a verify step wrote its KV; the sequence's sampled token comes after it
-                if seq.is_finished:
-                    continue
                 seq.num_computed_tokens += 1
             else:
                 seq.num_pending -= 1
-                if seq.is_finished:
-                    continue
             touched.add(seq.request_id)
             if seq.max_output_tokens == 0:  # only scores its prompt: the prefill's sample is no output
                 self.finish(seq, "length")
                 continue
             stopped = self._append(seq, sample.token, max_model_len)
-            appended.append(AppendedToken(sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
+            appended.append(AppendedToken(seq, sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
             if caches_prefixes and seq.page_table:
                 self.page_manager.commit_full_pages(seq)
         if self.config.speculative_config is not None:
-            for seq in {sample.seq for sample in sampled if sample.seq.num_lookahead}:  # the room made for drafts
-                if not seq.is_finished:  # that were rejected (or not proposed) goes back to the pool
+            for seq_id in {sample.seq_id for sample in sampled}:  # the room made for drafts that were rejected
+                seq = self.seqs.get(seq_id)  # (or not proposed) goes back to the pool
+                if seq is not None and seq.num_lookahead:
                     self.page_manager.trim(seq)
+                    seq.num_kept_pages = min(seq.num_kept_pages, len(seq.page_table))
         return appended, touched
 
     def _append(self, seq: Sequence, token: int, max_model_len: int) -> bool:
@@ -173,8 +180,20 @@ class Scheduler:
         return False
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's plan, as plain data for the runner."""
+        plan = self._plan()
+        admitted = {seq.seq_id for seq in plan.admitted}
+        cached = (cached_sequence(seq) for seq in [chunk.seq for chunk in plan.prefills
+                                                   if chunk.seq.seq_id not in admitted] + plan.decodes)
+        left, self._left_slots = tuple(self._left_slots), []
+        return SchedulerOutput(
+            left, tuple(new_sequence(seq) for seq in plan.admitted), tuple(c for c in cached if c is not None),
+            tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills),
+            scheduled_decodes(plan.decodes, self.config.speculative_config))
+
+    def _plan(self) -> Plan:
         budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput([], [], [], [])
+        out = Plan([], [], [])
         speculate = self._speculates()
         max_model_len = self.config.max_model_len
         for seq in list(self.running):  # admission order: sequences join at the end and only ever leave
@@ -247,7 +266,7 @@ class Scheduler:
             padded = num_tokens = max(bucket for bucket in buckets if bucket <= budget)
         return num_tokens, padded
 
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, out: Plan) -> bool:
         """Allocates pages for `seq`, preempting newer sequences as needed; False if `seq` itself was preempted."""
         while not self.page_manager.allocate(seq, num_tokens):
             victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING),
@@ -262,13 +281,12 @@ class Scheduler:
             return seq.priority, seq.admission_order
         return seq.admission_order
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: Plan) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
         out.prefills = [chunk for chunk in out.prefills if chunk.seq is not seq]
         out.decodes = [s for s in out.decodes if s is not seq]
 
@@ -277,6 +295,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
+            self._left_slots.append(seq.seq_id)
             seq.slot = None
 
     def _next_waiting(self) -> Sequence:

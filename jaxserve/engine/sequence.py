@@ -45,6 +45,8 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.num_scored = 0  # prompt_logprobs: prompt tokens 1..num_scored are scored by dispatched prefills
         self.page_table: list[int] = []  # written by the PageManager
+        # what the runner has of it (`scheduler_output.py`): tokens, page-table length, pages still the same
+        self.num_sent_tokens = self.num_sent_pages = self.num_kept_pages = 0
         self.slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use

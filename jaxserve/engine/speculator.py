@@ -1,6 +1,6 @@
-"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It proposes drafts (n-gram
-lookup on the host, or a `DraftModel` on the device), runs the verify forward and its sampler, reads a verify
-call's tokens, and owns those steps' records (`Step`) with their warm-up examples, the draft model's params and
+"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s
+proposals on the device (n-gram drafts come proposed in the scheduler's output), the verify forward and its
+sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up examples, the draft model's params and
 pool, and the acceptance counters. The pure parts live in `spec_decode/` (n-gram index, proposal and acceptance)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.kv_budget import empty_pool, page_bytes
-from jaxserve.engine.input_batch import VerifyInputs, empty_prefill, verify_inputs
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.scheduler_output import ScheduledDecode
 from jaxserve.engine.stats import SpecDecodeCounters
-from jaxserve.engine.step_output import SampledToken, sampled_token
+from jaxserve.engine.step_inputs import VerifyInputs, empty_prefill, verify_inputs
+from jaxserve.engine.step_output import RowSequence, SampledToken, sampled_token
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
 from jaxserve.engine.steps import (PrefillBatch, SlotState, VerifyBatch, VerifySamplerInputs, prefill_step,
                                    verify_sample_step, verify_step)
@@ -31,7 +31,6 @@ from jaxserve.loading import load_model
 from jaxserve.loading.placement import serving_params
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import ProposeInputs, propose_step
-from jaxserve.spec_decode.ngram import NgramIndex
 
 
 class DraftModel:
@@ -81,7 +80,6 @@ class Speculator:
         ec = runner.engine_config
         self.runner = runner
         self.k = ec.num_speculative_tokens
-        self.ngram = spec if spec.method == "ngram" else None
         self.draft = (DraftModel(spec, draft_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
                                  ec.max_num_seqs, ec.pages_per_seq) if spec.method == "draft_model" else None)
         self.counters = SpecDecodeCounters(self.k)
@@ -103,27 +101,17 @@ class Speculator:
                               assign(draft, "kv_cache", "slot_state"), self._draft_prefill_examples))
             for name, with_probs in (("propose", False), ("propose_probs", True)):
                 steps.append(Step(name, propose[with_probs],
-                                  lambda: (draft.params, draft.kv_cache, runner.slot_state, runner.sampling_table),
+                                  lambda: (draft.params, draft.kv_cache, runner.batch.slot_state,
+                                           runner.batch.sampling_table),
                                   assign(draft, "kv_cache"), self._propose_examples,
                                   forwards=("draft_tokens", "draft_probs")))
         return steps
 
     # -- a step's decode batch -----------------------------------------------------------------------------
 
-    def verify_inputs(self, seqs: list[Sequence]) -> VerifyInputs | None:
-        """The verify call for this step's decodes, or None when no sequence has drafts (a plain decode then)."""
-        if not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
-            return None  # constrained rows decode without drafts (the verify sampler applies no token mask)
-        drafts = None
-        if self.ngram is not None:
-            drafts = []
-            for seq in seqs:
-                if seq.ngram_index is None:
-                    seq.ngram_index = NgramIndex(self.ngram.prompt_lookup_min, self.ngram.prompt_lookup_max)
-                drafts.append(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead) if seq.num_lookahead else [])
-            if not any(drafts):
-                return None
-        return verify_inputs(seqs, drafts, self.runner.engine_config, self.k)
+    def verify_inputs(self, decodes: tuple[ScheduledDecode, ...]) -> VerifyInputs:
+        """The verify call for this step's decodes (some with drafts)."""
+        return verify_inputs(self.runner.batch, decodes, self.runner.engine_config, self.k)
 
     def mirror_prefill(self, batch: PrefillBatch) -> None:
         """Writes a target prefill call's chunks into the draft model's pool too (no-op without a draft model)."""
@@ -134,8 +122,8 @@ class Speculator:
         """Proposes (a draft model, on the device) and verifies K drafts per row in one forward of the target; each
         row's output tokens, still on the device (`SampleResult.num_accepted`)."""
         runner, batch = self.runner, inputs.batch
-        rows = len(inputs.seqs)
-        plain = runner.slot_params.is_plain_greedy(batch.slots, inputs.output_index, rows)
+        rows = len(inputs.rows)
+        plain = runner.batch.sampling.is_plain_greedy(batch.slots, inputs.output_index, rows)
         proposal = None
         if self.draft is not None:
             runner.send_sampling_table()
@@ -151,18 +139,17 @@ class Speculator:
             forward.logits, batch.draft_tokens, batch.num_draft, proposal.draft_probs if proposal else None,
             batch.slots, inputs.output_index, batch.active))
 
-    def verified(self, rows: list[tuple[int, Sequence]], result: SampleResult,
-                 num_draft: np.ndarray) -> list[SampledToken]:
+    def verified(self, rows: list[RowSequence], result: SampleResult, num_draft: np.ndarray) -> list[SampledToken]:
         """A verify call's output tokens, row by row: the accepted drafts, then the token sampled after them."""
         accepted = np.minimum(result.num_accepted, num_draft)
         self.counters.count(num_draft[:len(rows)], accepted[:len(rows)])
         tokens = result.tokens.tolist()
         sampled = []
-        for row, seq in rows:
-            count = int(accepted[row])
+        for row in rows:
+            count = int(accepted[row.row])
             for i in range(count + 1):
-                sample = (SampledToken(seq, tokens[row][i]) if seq.params.logprobs is None
-                          else sampled_token(seq, result, (row, i)))
+                sample = (SampledToken(row.seq_id, tokens[row.row][i]) if row.num_logprobs is None
+                          else sampled_token(row, result, (row.row, i)))
                 sample.accepted_draft = i < count
                 sampled.append(sample)
         return sampled

@@ -15,8 +15,8 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings
 
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
-from jaxserve.engine.input_batch import empty_prefill
-from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.engine.input_batch import SlotSamplingParams
+from jaxserve.engine.step_inputs import empty_prefill
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
 from jaxserve.engine.steps import (BanInputs, DecodeBatch, PrefillBatch, ResetInputs, SamplerInputs, ScoreInputs,
                                    ban_step, decode_step, prefill_step, prompt_scores_step, reset_penalties_step,
@@ -32,7 +32,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
     ec, mesh, replicated = runner.engine_config, runner.mesh, NamedSharding(runner.mesh, REPLICATED)
     vocab = runner.config.vocab_size
     params_in = param_shardings(runner.params, runner.config, runner.tp, mesh)
-    penalties = (lambda: (runner.penalties,)), assign(runner, "penalties")
+    penalties = (lambda: (runner.batch.penalties,)), assign(runner.batch, "penalties")
     on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
                            donate=(0,))
     return [
@@ -46,7 +46,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
         Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
              functools.partial(decode_examples, ec), forwards=("logits",)),
         Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
-             assign(runner, "sampling_table"), functools.partial(table_examples, ec)),
+             assign(runner.batch, "sampling_table"), functools.partial(table_examples, ec)),
         Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
              runner.sampler_state, runner.keep_sampler_state, functools.partial(
                  sample_examples, ec, vocab, runner.all_allowed, replicated), forwarded=("logits",)),

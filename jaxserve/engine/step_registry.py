@@ -27,10 +27,10 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.distributed.wire import Call
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.slot_params import SlotSamplingParams
+from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.steps import SlotState
 from jaxserve.layers.attention import PagedAttention
-from jaxserve.layers.sampler import PenaltyState, SamplingBatch
+from jaxserve.layers.sampler import PenaltyState
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,7 @@ class RunnerState(Protocol):
     backend: PagedAttention
     dtype: Any
     params: dict
-    penalties: PenaltyState
-    slot_state: SlotState
-    sampling_table: SamplingBatch
-    slot_params: SlotSamplingParams
+    batch: InputBatch  # each slot's rows, slot state, penalty state and device sampling table
     all_allowed: dict[int, jax.Array]  # a sampler call's bitmask without constrained rows, per row count
     steps: StepRegistry
 

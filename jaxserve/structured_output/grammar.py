@@ -110,3 +110,18 @@ def fill_bitmask(bitmask: np.ndarray, rows: list[tuple[Any, int]]) -> None:
     if _executor is None:
         _executor = llguidance.LLExecutor()
     llguidance.numpy.fill_next_token_bitmask_par(_executor, rows, bitmask)
+
+
+def token_bitmask(num_rows: int, vocab_size: int, rows: list[tuple[Any, int]], eos_token_ids) -> np.ndarray:
+    """A sampler call's token mask, int32 [num_rows, words]: each (matcher, row) listed gets its matcher's next-token
+    mask, without the EOS ids while its grammar is unfinished (an EOS id that is also a text token ends nothing);
+    other rows allow every token."""
+    bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
+    if rows:
+        fill_bitmask(bitmask, rows)
+    words = bitmask.view(np.uint32)
+    for matcher, row in rows:
+        if not matcher.is_accepting():
+            for eos in eos_token_ids:
+                words[row, eos // 32] &= ~np.uint32(1 << (eos % 32))
+    return bitmask

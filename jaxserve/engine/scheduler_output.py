@@ -1,0 +1,120 @@
+"""`SchedulerOutput`: what the scheduler hands the runner for one step, as plain data (ids, token ids, page ids,
+sampling parameters, counts; no engine objects), after vLLM v1's `NewRequestData` / `CachedRequestData`.
+
+The runner keeps a persistent per-slot batch (`engine/input_batch.py`) and applies each output to it as a diff:
+sequences that left their slots since the last step (finished or preempted), sequences admitted into a slot (every
+token the host has, their page table, their sampling parameters), and for each running sequence scheduled again the
+tokens the host read and the pages it got since it was last scheduled. Then come the step's work items: prefill
+chunks and decodes by sequence id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from jaxserve.engine.sequence import Sequence
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramIndex
+
+
+class NewSequence(NamedTuple):
+    """A sequence admitted into `slot` this step (or re-admitted after preemption: its outputs so far included)."""
+
+    seq_id: int
+    request_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    page_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+
+
+class CachedSequence(NamedTuple):
+    """A running sequence's changes since it was last scheduled: tokens the host read, and its page table from index
+    `first_page` on (pages added, or trimmed and added again)."""
+
+    seq_id: int
+    new_token_ids: tuple[int, ...]
+    first_page: int
+    page_ids: tuple[int, ...]
+
+
+class ScheduledChunk(NamedTuple):
+    """`num_tokens` of a sequence's tokens from `start` get their KV; a final chunk reaches its last token, so its
+    sample is the next output token. `scored`: the prompt tokens it scores for prompt_logprobs (position p predicts
+    token p + 1)."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    is_final: bool
+    scored: range
+
+
+class ScheduledDecode(NamedTuple):
+    """One decode token: the sequence's latest token (at `position`, perhaps still on the device) gets its KV and the
+    next one is sampled. Under speculative decoding, `num_draft` drafts are verified with it: n-gram proposals in
+    `draft_token_ids`, or that many a draft model proposes on the device (`draft_token_ids` empty)."""
+
+    seq_id: int
+    position: int
+    num_draft: int = 0
+    draft_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    finished_seq_ids: tuple[int, ...]  # left their slots since the last output (finished or preempted)
+    new_seqs: tuple[NewSequence, ...]
+    cached_seqs: tuple[CachedSequence, ...]
+    prefills: tuple[ScheduledChunk, ...]
+    decodes: tuple[ScheduledDecode, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+def new_sequence(seq: Sequence) -> NewSequence:
+    """`seq` as admitted; from now on the runner has its tokens and pages."""
+    seq.num_sent_tokens = seq.num_sent_pages = seq.num_kept_pages = 0
+    cached_sequence(seq)
+    return NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
+                       tuple(seq.page_table), seq.params, seq.seed)
+
+
+def cached_sequence(seq: Sequence) -> CachedSequence | None:
+    """What the runner lacks of a running `seq` (None: nothing). The runner's page table is `seq`'s first
+    `num_sent_pages` pages as they were when sent, of which the first `num_kept_pages` are still `seq`'s (a trim
+    lowers it)."""
+    sent_tokens, first_page = seq.num_sent_tokens, min(seq.num_kept_pages, seq.num_sent_pages)
+    num_pages = len(seq.page_table)
+    if sent_tokens == len(seq.token_ids) and first_page == seq.num_sent_pages == num_pages:
+        return None
+    seq.num_sent_tokens, seq.num_sent_pages = len(seq.token_ids), num_pages
+    seq.num_kept_pages = num_pages
+    return CachedSequence(seq.seq_id, tuple(seq.token_ids[sent_tokens:]), first_page,
+                          tuple(seq.page_table[first_page:]))
+
+
+def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> tuple[ScheduledDecode, ...]:
+    """The step's decodes; with drafts to verify when some row has room for them (`num_lookahead`) and none is
+    constrained (the verify sampler applies no token mask): n-gram proposals made here, from each sequence's tokens
+    (speculative steps are synchronous, so the host has them all), or a draft model's count."""
+    if spec is None or not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
+        return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1) for seq in seqs)
+    if spec.method != "ngram":
+        return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, seq.num_lookahead) for seq in seqs)
+    drafts = []
+    for seq in seqs:
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts.append(tuple(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead)[:seq.num_lookahead])
+                      if seq.num_lookahead else ())
+    if not any(drafts):
+        return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1) for seq in seqs)
+    return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, len(draft), draft)
+                 for seq, draft in zip(seqs, drafts))

@@ -1,0 +1,157 @@
+"""Host-side step inputs: a scheduler plan's chunks and decodes, read off the runner's per-slot rows
+(`InputBatch`), as padded numpy arrays of the compiled shapes; each call's device inputs one pytree
+(`engine/steps.py`) next to what only the host reads (each row's sequence id and logprobs count).
+
+Prefill chunks sharing a length bucket are packed `PREFILL_ROWS` to a call (a call that holds a chunk scoring its
+prompt tokens runs the scoring prefill); decodes form one batch padded to a batch bucket. Rows past the real ones are empty (zero tokens, page table of scratch
+pages), so they write only to the scratch page and their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
+from jaxserve.engine.input_batch import InputBatch
+from jaxserve.engine.scheduler_output import ScheduledChunk, ScheduledDecode
+from jaxserve.engine.step_output import RowSequence
+from jaxserve.engine.steps import DecodeBatch, PrefillBatch, VerifyBatch
+
+
+def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if size <= bucket:
+            return bucket
+    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class PrefillInputs:
+    """One prefill call: `rows` chunks of up to `tokens` tokens each."""
+
+    chunks: list[ScheduledChunk]
+    batch: PrefillBatch
+    output_index: np.ndarray  # int32 [rows]: output tokens each row's sequence has so far
+    sampled: list[RowSequence]  # the rows of final chunks: their sample is an output token
+    guided: list[RowSequence]  # those of them that are constrained
+    scored: list[tuple[int, int, int, range]]  # prompt_logprobs: (row, seq id, top-k, the prompt tokens it scores)
+
+
+@dataclasses.dataclass
+class DecodeInputs:
+    """One decode call: the last token of each of `rows` sequences (padded to a batch bucket)."""
+
+    rows: list[RowSequence]
+    guided: list[RowSequence]
+    batch: DecodeBatch
+    output_index: np.ndarray  # int32 [rows]: the output index of the token each row samples
+
+
+def prefill_groups(chunks: tuple[ScheduledChunk, ...],
+                   config: EngineConfig) -> list[tuple[int, list[ScheduledChunk]]]:
+    """(token bucket, chunks) per prefill call: chunks sharing a bucket are packed PREFILL_ROWS at a time."""
+    by_bucket: dict[int, list[ScheduledChunk]] = {}
+    for chunk in chunks:
+        by_bucket.setdefault(bucket_for(chunk.num_tokens, config.prefill_buckets), []).append(chunk)
+    groups = []
+    for tokens, members in by_bucket.items():
+        if (PREFILL_ROWS, tokens) not in config.prefill_shapes:
+            groups += [(tokens, [chunk]) for chunk in members]
+            continue
+        while len(members) >= PREFILL_ROWS - 1:  # three share a call too: one empty row beats a second call
+            groups.append((tokens, members[:PREFILL_ROWS]))
+            members = members[PREFILL_ROWS:]
+        groups += [(tokens, [chunk]) for chunk in members]
+    return groups
+
+
+def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk]) -> PrefillInputs:
+    rows = 1 if len(chunks) == 1 else PREFILL_ROWS
+    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1])
+    inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
+    for row, chunk in enumerate(chunks):
+        slot = rows_of.slot_of[chunk.seq_id]
+        token_ids = rows_of.token_ids[slot]
+        batch.slots[row] = slot
+        batch.token_ids[row, :chunk.num_tokens] = token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        batch.starts[row] = chunk.start
+        batch.num_tokens[row] = chunk.num_tokens
+        batch.page_tables[row] = rows_of.page_tables[slot]
+        inputs.output_index[row] = len(token_ids) - rows_of.num_prompt_tokens[slot]
+        batch.is_final[row] = chunk.is_final
+        if chunk.is_final:
+            inputs.sampled.append(RowSequence(row, chunk.seq_id, rows_of.logprobs_of(slot)))
+            if rows_of.guided[slot]:
+                inputs.guided.append(inputs.sampled[-1])
+        else:
+            batch.next_tokens[row] = token_ids[chunk.start + chunk.num_tokens]
+        if chunk.scored:
+            inputs.scored.append((row, chunk.seq_id, int(rows_of.num_prompt_logprobs[slot]), chunk.scored))
+    return inputs
+
+
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int) -> PrefillBatch:
+    """A prefill call of empty rows (zero tokens: they write only to the scratch page)."""
+    zeros = functools.partial(np.zeros, rows, np.int32)
+    return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
+                        page_tables=np.zeros((rows, pages_per_seq), np.int32), slots=zeros(),
+                        is_final=np.zeros(rows, bool), next_tokens=zeros())
+
+
+def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:
+    """O(rows) host work: the device holds every slot's page table and latest token."""
+    rows = bucket_for(len(decodes), config.decode_batch_buckets)
+    count = len(decodes)
+    slots, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    slots[:count] = [rows_of.slot_of[decode.seq_id] for decode in decodes]
+    positions[:count] = [decode.position for decode in decodes]
+    pages = rows_of.page_tables[slots, positions // config.page_size]
+    output_index = positions + 1 - rows_of.num_prompt_tokens[slots]
+    active = np.zeros(rows, bool)
+    active[:count] = True
+    pages[count:] = output_index[count:] = 0
+    sampled = [RowSequence(row, decode.seq_id, rows_of.logprobs_of(slot))
+               for row, (decode, slot) in enumerate(zip(decodes, slots.tolist()))]
+    guided = [row for row in sampled if rows_of.guided[slots[row.row]]]
+    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active), output_index)
+
+
+@dataclasses.dataclass
+class VerifyInputs:
+    """One verify call (speculative decoding): each of `rows` sequences' latest token and up to K drafts."""
+
+    rows: list[RowSequence]
+    batch: VerifyBatch  # its draft_tokens: the n-gram proposals; zeros for a draft model's (made on the device)
+    last_tokens: np.ndarray  # int32 [rows, 2]: each row's two latest tokens (what a draft model feeds first)
+    output_index: np.ndarray  # int32 [rows]
+
+
+def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig,
+                  k: int) -> VerifyInputs:
+    """O(rows * K) host work: each row's latest token and its drafts (n-gram proposals, or as many as a draft model
+    is to propose on the device). Speculative steps are synchronous: the rows hold every token."""
+    rows = bucket_for(len(decodes), config.decode_batch_buckets)
+    page_size = config.page_size
+    batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
+                        draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
+                        pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool))
+    inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
+    for row, decode in enumerate(decodes):
+        slot = rows_of.slot_of[decode.seq_id]
+        position, num_pages = decode.position, rows_of.num_pages[slot]
+        batch.slots[row] = slot
+        batch.positions[row] = position
+        batch.num_draft[row] = decode.num_draft
+        batch.draft_tokens[row, :len(decode.draft_token_ids)] = decode.draft_token_ids
+        for i in range(k + 1):
+            index = (position + i) // page_size
+            if index < num_pages:
+                batch.pages[row, i] = rows_of.page_tables[slot, index]
+        inputs.last_tokens[row] = rows_of.token_ids[slot][-2:]
+        inputs.output_index[row] = position + 1 - rows_of.num_prompt_tokens[slot]
+        inputs.rows.append(RowSequence(row, decode.seq_id, rows_of.logprobs_of(slot)))
+    batch.active[:len(decodes)] = True
+    return inputs
