@@ -20,7 +20,7 @@ demo: install
 	$(PY) -m jaxserve demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) tests/run_suite.py
 
 bench: install
 	$(PY) benchmarks/run_default_suite.py

@@ -86,11 +86,33 @@ def test_the_next_step_is_dispatched_before_the_previous_one_is_read(tiny_llama_
     assert engine.stats().generation_tokens == 5
 
 
-def test_slot_state_is_what_the_host_sequences_say(tiny_llama_dir):
+@pytest.mark.parametrize("speculative_config",
+                         [None, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}])
+def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_dir, speculative_config):
     """After every step, each decoding sequence's slot holds its latest token and its page table, on the device:
-    through chunked prefill, preemption and recompute (which may leave its last known token to a decode)."""
-    llm = LLM(tiny_llama_dir, **{**ENGINE_OPTIONS, "num_kv_pages": 20, "max_model_len": 128}, async_scheduling=False)
-    engine = llm.llm_engine
+    through chunked prefill, preemption and recompute (which may leave its last known token to a decode). And the
+    runner is fed plain diffs: at every dispatch, each scheduled sequence's row in the runner's persistent batch
+    holds exactly the scheduler's tokens and page table, through admission, chunked prefill, preemption and
+    re-admission, and (speculating) the pages trimmed after rejected drafts."""
+    llm = LLM(tiny_llama_dir, **{**ENGINE_OPTIONS, "num_kv_pages": 20, "max_model_len": 128}, async_scheduling=False,
+              speculative_config=speculative_config)
+    engine, rows_checked = llm.llm_engine, []
+    dispatch = engine.runner.dispatch
+
+    def checked_dispatch(plan):
+        step = dispatch(plan)
+        rows = engine.runner.batch
+        for seq_id in [chunk.seq_id for chunk in plan.prefills] + [decode.seq_id for decode in plan.decodes]:
+            seq, slot = engine.scheduler.seqs[seq_id], rows.slot_of[seq_id]
+            assert slot == seq.slot and rows.token_ids[slot] == seq.token_ids
+            assert list(rows.page_tables[slot, :rows.num_pages[slot]]) == seq.page_table
+            assert not rows.page_tables[slot, rows.num_pages[slot]:].any()
+            rows_checked.append(seq_id)
+        assert all(plain_data(record) for record in (plan.finished_seq_ids, plan.new_seqs, plan.cached_seqs,
+                                                      plan.prefills, plan.decodes))
+        return step
+
+    engine.runner.dispatch = checked_dispatch
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(PREFIXED):
         engine.add_request(str(i), prompt, params)
@@ -104,39 +126,7 @@ def test_slot_state_is_what_the_host_sequences_say(tiny_llama_dir):
             if not seq.is_prefilling:
                 assert state.tokens[seq.slot] == seq.token_ids[-1], seq
                 checked += 1
-    assert engine.stats().num_preemptions > 0 and checked > 100
-
-
-@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}])
-def test_the_runner_rows_are_what_the_scheduler_says(tiny_llama_dir, speculative_config):
-    """The runner is fed plain diffs: at every dispatch, each scheduled sequence's row in the runner's persistent
-    batch holds exactly the scheduler's tokens and page table, through admission, chunked prefill, preemption and
-    re-admission, and (speculating) the pages trimmed after rejected drafts."""
-    llm = LLM(tiny_llama_dir, **{**ENGINE_OPTIONS, "num_kv_pages": 20, "max_model_len": 128},
-              speculative_config=speculative_config)
-    engine, checked = llm.llm_engine, []
-    dispatch = engine.runner.dispatch
-
-    def checked_dispatch(plan):
-        step = dispatch(plan)
-        rows = engine.runner.batch
-        for seq_id in [chunk.seq_id for chunk in plan.prefills] + [decode.seq_id for decode in plan.decodes]:
-            seq, slot = engine.scheduler.seqs[seq_id], rows.slot_of[seq_id]
-            assert slot == seq.slot and rows.token_ids[slot] == seq.token_ids
-            assert list(rows.page_tables[slot, :rows.num_pages[slot]]) == seq.page_table
-            assert not rows.page_tables[slot, rows.num_pages[slot]:].any()
-            checked.append(seq_id)
-        assert all(plain_data(record) for record in (plan.finished_seq_ids, plan.new_seqs, plan.cached_seqs,
-                                                      plan.prefills, plan.decodes))
-        return step
-
-    engine.runner.dispatch = checked_dispatch
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, prompt in enumerate(PREFIXED):
-        engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.stats().num_preemptions > 0 and len(checked) > 100
+    assert engine.stats().num_preemptions > 0 and checked > 100 and len(rows_checked) > 100
     if speculative_config:
         assert engine.stats().spec_decode_num_drafts > 0
 

@@ -106,7 +106,8 @@ class InputBatch:
         for cached in plan.cached_seqs:
             slot = self.slot_of[cached.seq_id]
             self.token_ids[slot] += cached.new_token_ids
-            self._set_pages(slot, cached.first_page, cached.page_ids)
+            if cached.page_ids or cached.first_page != self.num_pages[slot]:  # most steps: a token, no page
+                self._set_pages(slot, cached.first_page, cached.page_ids)
 
     def _add(self, new: NewSequence) -> None:
         slot, params = new.slot, new.params
