@@ -1,6 +1,6 @@
 """`InputBatch`: the runner's persistent per-slot batch (vLLM's `InputBatch`). For every decode slot it holds the
-sequence there as the runner knows it from the scheduler's plain outputs (its tokens, prompt length and page table,
-on the host), its sampling parameters as columns (`SlotSamplingParams`, with a device copy, `sampling_table`), and
+sequence there as the runner knows it from the scheduler's plain outputs (its tokens as far as a step has read
+them, prompt length and page table, on the host), its sampling parameters as columns (`SlotSamplingParams`, with a device copy, `sampling_table`), and
 the device state the jitted steps read and donate: each slot's latest token and page table (`SlotState`) and its
 penalty statistics (`PenaltyState`).
 

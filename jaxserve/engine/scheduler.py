@@ -182,14 +182,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
+        new = tuple(new_sequence(seq) for seq in plan.admitted)
         admitted = {seq.seq_id for seq in plan.admitted}
-        cached = (cached_sequence(seq) for seq in [chunk.seq for chunk in plan.prefills
-                                                   if chunk.seq.seq_id not in admitted] + plan.decodes)
+        decodes = scheduled_decodes(plan.decodes, self.config.speculative_config)
+        verifies = any(decode.num_draft for decode in decodes)
+        cached = [cached_sequence(chunk.seq, True) for chunk in plan.prefills if chunk.seq.seq_id not in admitted]
+        cached += [cached_sequence(seq, verifies) for seq in plan.decodes]
         left, self._left_slots = tuple(self._left_slots), []
         return SchedulerOutput(
-            left, tuple(new_sequence(seq) for seq in plan.admitted), tuple(c for c in cached if c is not None),
+            left, new, tuple(c for c in cached if c is not None),
             tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills),
-            scheduled_decodes(plan.decodes, self.config.speculative_config))
+            decodes)
 
     def _plan(self) -> Plan:
         budget = self.config.max_num_batched_tokens

@@ -4,8 +4,8 @@ sampling parameters, counts; no engine objects), after vLLM v1's `NewRequestData
 The runner keeps a persistent per-slot batch (`engine/input_batch.py`) and applies each output to it as a diff:
 sequences that left their slots since the last step (finished or preempted), sequences admitted into a slot (every
 token the host has, their page table, their sampling parameters), and for each running sequence scheduled again the
-tokens the host read and the pages it got since it was last scheduled. Then come the step's work items: prefill
-chunks and decodes by sequence id.
+pages it got or lost since it was last scheduled and, where the step reads them, the tokens the host read. Then
+come the step's work items: prefill chunks and decodes by sequence id.
 """
 
 from __future__ import annotations
@@ -80,24 +80,30 @@ class SchedulerOutput:
 
 def new_sequence(seq: Sequence) -> NewSequence:
     """`seq` as admitted; from now on the runner has its tokens and pages."""
-    seq.num_sent_tokens = seq.num_sent_pages = seq.num_kept_pages = 0
-    cached_sequence(seq)
+    seq.num_sent_tokens, seq.num_sent_pages = len(seq.token_ids), len(seq.page_table)
+    seq.num_kept_pages = seq.num_sent_pages
     return NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
                        tuple(seq.page_table), seq.params, seq.seed)
 
 
-def cached_sequence(seq: Sequence) -> CachedSequence | None:
-    """What the runner lacks of a running `seq` (None: nothing). The runner's page table is `seq`'s first
+def cached_sequence(seq: Sequence, with_tokens: bool) -> CachedSequence | None:
+    """What the runner lacks of a running `seq` (None: nothing): its pages always, the tokens the host read only
+    `with_tokens` (a step that reads them: a prefill chunk, or a verify's latest tokens; a plain decode reads its
+    input token on the device, so its row's tokens may lag until then). The runner's page table is `seq`'s first
     `num_sent_pages` pages as they were when sent, of which the first `num_kept_pages` are still `seq`'s (a trim
     lowers it)."""
-    sent_tokens, first_page = seq.num_sent_tokens, min(seq.num_kept_pages, seq.num_sent_pages)
-    num_pages = len(seq.page_table)
-    if sent_tokens == len(seq.token_ids) and first_page == seq.num_sent_pages == num_pages:
+    num_pages, sent_pages, kept_pages = len(seq.page_table), seq.num_sent_pages, seq.num_kept_pages
+    pages_changed = kept_pages < sent_pages or sent_pages != num_pages
+    tokens_changed = with_tokens and seq.num_sent_tokens != len(seq.token_ids)
+    if not (pages_changed or tokens_changed):
         return None
-    seq.num_sent_tokens, seq.num_sent_pages = len(seq.token_ids), num_pages
-    seq.num_kept_pages = num_pages
-    return CachedSequence(seq.seq_id, tuple(seq.token_ids[sent_tokens:]), first_page,
-                          tuple(seq.page_table[first_page:]))
+    tokens = ()
+    if tokens_changed:
+        tokens = tuple(seq.token_ids[seq.num_sent_tokens:])
+        seq.num_sent_tokens = len(seq.token_ids)
+    first_page = min(kept_pages, sent_pages) if pages_changed else num_pages
+    seq.num_sent_pages = seq.num_kept_pages = num_pages
+    return CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]))
 
 
 def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> tuple[ScheduledDecode, ...]:
@@ -105,7 +111,7 @@ def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> t
     constrained (the verify sampler applies no token mask): n-gram proposals made here, from each sequence's tokens
     (speculative steps are synchronous, so the host has them all), or a draft model's count."""
     if spec is None or not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
-        return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1) for seq in seqs)
+        return tuple(ScheduledDecode(seq.seq_id, len(seq.token_ids) + seq.num_pending - 1) for seq in seqs)
     if spec.method != "ngram":
         return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, seq.num_lookahead) for seq in seqs)
     drafts = []

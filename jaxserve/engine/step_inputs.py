@@ -105,17 +105,20 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     """O(rows) host work: the device holds every slot's page table and latest token."""
     rows = bucket_for(len(decodes), config.decode_batch_buckets)
     count = len(decodes)
+    slot_of = rows_of.slot_of
+    seq_ids = [decode.seq_id for decode in decodes]
     slots, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-    slots[:count] = [rows_of.slot_of[decode.seq_id] for decode in decodes]
+    slots[:count] = [slot_of[seq_id] for seq_id in seq_ids]
     positions[:count] = [decode.position for decode in decodes]
     pages = rows_of.page_tables[slots, positions // config.page_size]
     output_index = positions + 1 - rows_of.num_prompt_tokens[slots]
     active = np.zeros(rows, bool)
     active[:count] = True
     pages[count:] = output_index[count:] = 0
-    sampled = [RowSequence(row, decode.seq_id, rows_of.logprobs_of(slot))
-               for row, (decode, slot) in enumerate(zip(decodes, slots.tolist()))]
-    guided = [row for row in sampled if rows_of.guided[slots[row.row]]]
+    live = slots[:count]
+    sampled = [RowSequence(row, seq_id, None if k < 0 else k)
+               for row, (seq_id, k) in enumerate(zip(seq_ids, rows_of.num_logprobs[live].tolist()))]
+    guided = [sampled[row] for row in np.flatnonzero(rows_of.guided[live]).tolist()]
     return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active), output_index)
 
 
