@@ -3,7 +3,7 @@ tokenizer once per grammar text (so a bad schema or grammar is a ValueError befo
 loop), a matcher per sequence, and the packed token bitmasks `[rows, ceil(vocab / 32)]` of a step's rows.
 
 JSON whitespace: none is allowed but one space after ',' and ':' (as `json.dumps` writes), so a small model cannot
-loop on spaces or newlines inside a constrained object.
+loop on spaces or newlines inside a constrained object. JSON schemas are made strict first (`json_schema.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.sampling_params import GuidedDecodingParams
+from jaxserve.structured_output.json_schema import strict_json_schema
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
@@ -53,7 +54,7 @@ class GrammarCompiler:
         from llguidance.gbnf_to_lark import any_to_lark
 
         if params.json is not None or params.json_object:
-            schema = params.json if params.json is not None else {"type": "object"}
+            schema = strict_json_schema(params.json) if params.json is not None else {"type": "object"}
             try:
                 return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             except ValueError as err:
