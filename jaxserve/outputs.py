@@ -56,7 +56,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first admitted
     # SamplingParams(prompt_logprobs=k): per prompt token, {token_id: Logprob} of that token and the top k given the
     # tokens before it (None for the first); set once the whole prompt is scored (a DELTA output: only the first)
     prompt_logprobs: PromptLogprobs | None = None

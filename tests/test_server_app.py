@@ -407,7 +407,8 @@ def test_streaming_asks_for_deltas_and_whole_answers_for_the_final_output_only()
                 texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
         assert texts == {c["index"]: c["text"] for c in whole["choices"]} == {i: "aaaaa" for i in range(4)}
         assert events[-1]["usage"] == whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 20,
-                                                         "total_tokens": 24}
+                                                         "total_tokens": 24,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         await http.post("/v1/chat/completions", json=chat)
         await http.post("/v1/chat/completions", json={**chat, "stream": True})

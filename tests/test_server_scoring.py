@@ -58,7 +58,8 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(engine, hf_logprobs):
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["text"] == TEXT and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     logprobs = choice["logprobs"]
     tokens = [engine.tokenizer.decode([t]) for t in ids]
     assert logprobs["tokens"] == tokens

@@ -95,7 +95,7 @@ class Request:
         metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
                                  self.last_token_time, self.finished_time)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, metrics,
-                             num_cached_tokens=max(seq.num_cached_tokens for seq in self.seqs),
+                             num_cached_tokens=max(0, *(seq.num_prompt_cached_tokens for seq in self.seqs)),
                              prompt_logprobs=self._prompt_logprobs(delta))
 
     def _completion(self, index: int, delta: bool) -> CompletionOutput | None:

@@ -43,6 +43,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled on the device that token_ids does not hold yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
+        self.num_prompt_cached_tokens = -1  # ... at the first admission (what usage reports); -1 before it
         self.num_scored = 0  # prompt_logprobs: prompt tokens 1..num_scored are scored by dispatched prefills
         self.page_table: list[int] = []  # written by the PageManager
         # what the runner has of it (`scheduler_output.py`): tokens, page-table length, pages still the same
@@ -101,4 +102,6 @@ class Sequence:
 
     def mark_admitted(self) -> None:
         self.status = SequenceStatus.RUNNING
+        if self.num_prompt_cached_tokens < 0:
+            self.num_prompt_cached_tokens = min(self.num_cached_tokens, self.num_prompt_tokens)
         self.admission_order = next(_admission_counter)

@@ -32,6 +32,7 @@ from jaxserve.server.protocol import DetokenizeRequest, TokenizeRequest, normali
 from jaxserve.server.serving import ServingContext, now
 from jaxserve.server.serving_chat import create_chat_completion
 from jaxserve.server.serving_completion import create_completion
+from jaxserve.server.serving_responses import create_response, stored_response_missing
 
 logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -107,6 +108,14 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        raise stored_response_missing(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

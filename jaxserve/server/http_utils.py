@@ -65,10 +65,10 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event carrying JSON (or the literal `[DONE]`)."""
+def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+    """One server-sent event carrying JSON (or the literal `[DONE]`), named `event` if given."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
+    return f"event: {event}\ndata: {payload}\n\n" if event else f"data: {payload}\n\n"
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -30,7 +30,7 @@ SAMPLING_FIELDS = {"model", "prompt", "messages", "n", "temperature", "top_p", "
                    "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos", "stream",
                    "stream_options", "logit_bias", "best_of", "suffix", "tools", "response_format", "echo",
                    "tokens", "priority", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "structured_outputs", "tool_choice", "parallel_tool_calls", "prompt_logprobs"}
+                   "structured_outputs", "tool_choice", "parallel_tool_calls", "prompt_logprobs", "return_token_ids"}
 
 
 class ServingContext:
@@ -151,15 +151,18 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     """OpenAI's usage of whole (final, not delta) outputs."""
     return usage_counts(sum(len(output.prompt_token_ids) for output in outputs),
-                        sum(len(c.token_ids) for output in outputs for c in output.outputs))
+                        sum(len(c.token_ids) for output in outputs for c in output.outputs),
+                        sum(output.num_cached_tokens for output in outputs))
 
 
-def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_counts(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sorted_top(top: dict[int, float], limit: int | None = None) -> list[tuple[int, float]]:

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`: messages (and tools) through the chat template (--chat-template, else the model's),
 OpenAI chat completions out, whole (the engine's FINAL_ONLY output) or as server-sent
 `chat.completion.chunk`s (a role chunk first, then the engine's DELTA outputs as content or tool-call deltas)
-ending with `data: [DONE]`. Tool calls are planned and parsed in `tools.py`.
+ending with `data: [DONE]`. Tool calls are planned and parsed in `tools.py`. With vLLM's `return_token_ids` the
+answer (a stream: its first chunk) has `prompt_token_ids` and each choice (chunk choice) its `token_ids`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import RequestOutputKind
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
@@ -23,8 +24,17 @@ from jaxserve.server.serving import (ServingContext, engine_failures, invalid, n
                                      sorted_top, stop_reason, usage, usage_counts)
 
 
-async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> Response:
-    request = await read_json(raw_request, ChatCompletionRequest)
+@dataclasses.dataclass(frozen=True)
+class ChatGeneration:
+    """A checked chat request ready to submit: its prompt, sampling params and tool plan."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolPlan | None
+
+
+async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> ChatGeneration:
+    """Checks `request`, renders its prompt and compiles its grammar; APIError (4xx, 503) naming what is wrong."""
     ctx.check_model(request.model)
     llm_engine = ctx.ready_engine()
     try:
@@ -48,16 +58,23 @@ async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> R
             params = dataclasses.replace(params, guided_decoding=tools.guided)
     except ValueError as err:
         raise invalid(err) from None
-    request_id = new_id("chatcmpl", raw_request)
     await ctx.compile_grammar(params)
-    submission = ctx.submit(request_id, [prompt_ids], params, request.priority)
+    return ChatGeneration(prompt_ids, params, tools)
+
+
+async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> Response:
+    request = await read_json(raw_request, ChatCompletionRequest)
+    chat = await prepare_chat(ctx, request)
+    request_id = new_id("chatcmpl", raw_request)
+    submission = ctx.submit(request_id, [chat.prompt_ids], chat.params, request.priority)
     if request.stream:
-        return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n, tools))
+        return EventStreamResponse(_stream(ctx, request, request_id, submission, chat.params.n, chat.tools,
+                                           chat.prompt_ids))
     with engine_failures():
         completed, outputs = await unless_disconnected(raw_request, submission.final_outputs())
     if not completed:
         return Response(status_code=499)
-    return JSONResponse(_full_response(ctx, request, request_id, outputs[0], tools))
+    return JSONResponse(_full_response(ctx, request, request_id, outputs[0], chat.tools))
 
 
 def _message(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict, str | None]:
@@ -74,22 +91,28 @@ def _full_response(ctx: ServingContext, request: ChatCompletionRequest, request_
     choices = []
     for completion in output.outputs:
         message, reason = _message(completion, tools)
-        choices.append({
+        choice = {
             "index": completion.index,
             "message": message,
             "logprobs": _logprobs(ctx, completion, request.top_logprobs or 0) if request.logprobs else None,
             "finish_reason": reason,
             "stop_reason": stop_reason(completion.stop_reason),
-        })
-    return {"id": request_id, "object": "chat.completion", "created": now(), "model": ctx.model_name,
+        }
+        if request.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        choices.append(choice)
+    body = {"id": request_id, "object": "chat.completion", "created": now(), "model": ctx.model_name,
             "choices": choices, "usage": usage([output])}
+    if request.return_token_ids:
+        body["prompt_token_ids"] = output.prompt_token_ids
+    return body
 
 
 async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_id: str, submission: Submission,
-                  n: int, tools: ToolPlan | None) -> AsyncIterator[str]:
+                  n: int, tools: ToolPlan | None, prompt_ids: list[int]) -> AsyncIterator[str]:
     created = now()
     include_usage = request.include_usage
-    prompt_tokens = 0
+    num_cached = 0
     num_tokens = 0
     tool_streams = [ToolStream(tools) for _ in range(n)] if tools is not None else None
 
@@ -101,31 +124,37 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
         return body
 
     try:
-        yield sse(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for index in range(n)]))
+        first = chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for index in range(n)])
+        if request.return_token_ids:
+            first["prompt_token_ids"] = prompt_ids
+        yield sse(first)
         async for _, output in submission.results():
-            prompt_tokens = len(output.prompt_token_ids)
+            num_cached = output.num_cached_tokens
             choices = []
             for completion in output.outputs:
                 num_tokens += len(completion.token_ids)
-                wants_logprobs = request.logprobs and completion.token_ids
+                wants_tokens = (request.logprobs or request.return_token_ids) and completion.token_ids
                 deltas, reason = _deltas(completion, tool_streams[completion.index] if tool_streams else None)
-                if not deltas and not completion.finish_reason and not wants_logprobs:
+                if not deltas and not completion.finish_reason and not wants_tokens:
                     continue
                 for position, delta in enumerate(deltas or [{}]):
                     last = position == max(len(deltas), 1) - 1
-                    choices.append({
+                    choice = {
                         "index": completion.index,
                         "delta": delta,
                         "logprobs": (_logprobs(ctx, completion, request.top_logprobs or 0)
                                      if request.logprobs and position == 0 else None),
                         "finish_reason": reason if last else None,
                         "stop_reason": stop_reason(completion.stop_reason) if last else None,
-                    })
+                    }
+                    if request.return_token_ids:
+                        choice["token_ids"] = completion.token_ids if position == 0 else []
+                    choices.append(choice)
             if choices:
                 yield sse(chunk(choices))
         if include_usage:
-            yield sse(chunk([], usage_counts(prompt_tokens, num_tokens)))
+            yield sse(chunk([], usage_counts(len(prompt_ids), num_tokens, num_cached)))
     except RequestFailed as err:
         yield sse(request_failed(err).body())
     except ValueError as err:

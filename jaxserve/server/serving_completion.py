@@ -6,7 +6,8 @@ Choice `index` is `prompt_index * n + sample_index`, as in OpenAI's API. With `e
 prompt, and with `logprobs` too its logprobs start with the prompt's tokens (the first with null logprob and top
 logprobs), as OpenAI's legacy API and vLLM answer; `max_tokens: 0` with `echo` only scores the prompt. A stream
 sends the prompt in each choice's first chunk. vLLM's extra `prompt_logprobs` adds each choice's prompt logprobs
-in vLLM's format.
+in vLLM's format, and its `return_token_ids` each choice's `prompt_token_ids` (a stream: in the choice's first
+chunk) and `token_ids`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _full_response(ctx: ServingContext, request: CompletionRequest, request_id: 
             }
             if request.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(output.prompt_logprobs, request.prompt_logprobs)
+            if request.return_token_ids:
+                choice["prompt_token_ids"] = output.prompt_token_ids
+                choice["token_ids"] = completion.token_ids
             choices.append(choice)
     choices.sort(key=lambda choice: choice["index"])
     return {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.model_name,
@@ -87,6 +91,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
     text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts (echo included)
     num_tokens: dict[int, int] = {}  # per choice: output tokens so far
     prompt_tokens: dict[int, int] = {}  # per prompt
+    cached_tokens: dict[int, int] = {}  # per prompt
     echoed: dict[int, dict | None] = {}  # per prompt: its tokens' logprobs (the first output of a prompt has them)
 
     def chunk(choices: list[dict], usage_value=None) -> dict:
@@ -99,6 +104,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
     try:
         async for prompt_index, output in submission.results():
             prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+            cached_tokens[prompt_index] = output.num_cached_tokens
             if prompt_index not in echoed:
                 echoed[prompt_index] = _echoed_logprobs(ctx, request, output)
             choices = []
@@ -107,7 +113,8 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
                 num_tokens[index] = num_tokens.get(index, 0) + len(completion.token_ids)
                 text = completion.text
                 logprobs = None
-                if index not in text_offsets:  # the choice's first chunk: its echo first
+                first = index not in text_offsets
+                if first:  # the choice's first chunk: its echo first
                     text = (echoes[prompt_index] if echoes is not None else "") + text
                     text_offsets[index] = 0
                     if request.logprobs is not None:
@@ -116,15 +123,22 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
                 elif request.logprobs is not None:
                     logprobs = _logprobs(ctx, completion, text_offsets[index])
                     text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
-                if not text and not completion.finish_reason and not (logprobs and logprobs["tokens"]):
+                if not text and not completion.finish_reason and not (logprobs and logprobs["tokens"]) and not (
+                        request.return_token_ids and completion.token_ids):
                     continue
-                choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": completion.finish_reason,
-                                "stop_reason": stop_reason(completion.stop_reason)})
+                choice = {"index": index, "text": text, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason,
+                          "stop_reason": stop_reason(completion.stop_reason)}
+                if request.return_token_ids:
+                    if first:
+                        choice["prompt_token_ids"] = output.prompt_token_ids
+                    choice["token_ids"] = completion.token_ids
+                choices.append(choice)
             if choices:
                 yield sse(chunk(choices))
         if include_usage:
-            yield sse(chunk([], usage_counts(sum(prompt_tokens.values()), sum(num_tokens.values()))))
+            yield sse(chunk([], usage_counts(sum(prompt_tokens.values()), sum(num_tokens.values()),
+                                               sum(cached_tokens.values()))))
     except RequestFailed as err:
         yield sse(request_failed(err).body())
     except ValueError as err:  # cannot happen after validation, but never leave a stream open without an answer
