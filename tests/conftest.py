@@ -92,6 +92,15 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
 
 
 @pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """The real server on the default model, shared by the end-to-end server tests (tests/default_server.py)."""
+    from tests.default_server import running_server
+
+    with running_server(tmp_path_factory.mktemp("server")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
     return {family: save_tiny_model(family, str(root / family)) for family in ("llama", "mistral", "qwen2", "qwen3")}

@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, end to end, on the default model.
 
-One real server process (`python -m jaxserve serve`, default model, small engine options) serves the
-whole module: start-up, the official `openai` client, streaming (stop strings included), bad input,
+One real server process (`default_server`, tests/default_server.py: default model, small engine options) serves
+these tests: start-up, the official `openai` client, streaming (stop strings included), bad input,
 hang-ups, 100 concurrent seeded requests, /metrics, and a graceful SIGTERM (exit 0) at teardown.
+Client libraries and the Responses API are in test_server_clients.py.
 Every test stands alone (`-k` any of them): none relies on traffic or state left by another.
 The app over a fake engine is in test_server_app.py, the process's ends on a tiny model in
 test_server_process.py.
@@ -12,102 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.default_server import MODEL, ServerProcess
+
 slow = pytest.mark.slow  # the tests that use the real server (default model)
-REPO = Path(__file__).resolve().parents[1]
-MODEL = "SmolLM2-135M-Instruct"
-ENGINE_OPTIONS = ["--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
 IDLE_TIMEOUT = 120  # seconds
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GOOD_MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, port: int, process: subprocess.Popen, log_path: Path):
-        self.url = f"http://127.0.0.1:{port}"
-        self.process = process
-        self.log_path = log_path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics as {name{labels}: value} plus {name: value} summed over labels."""
-        text = httpx.get(self.url + "/metrics").text
-        samples: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-            name = key.split("{", 1)[0]
-            if "{" in key and key != name:
-                samples[name] = samples.get(name, 0.0) + float(value)
-        return samples
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> ServerProcess:
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *ENGINE_OPTIONS,
-               "--log-stats-interval", "2", "--shutdown-timeout", "10", "--enable-auto-tool-choice",
-               "--tool-call-parser", "hermes"]
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    handle = ServerProcess(port, process, log_path)
-    statuses = []
-    chat_statuses = set()  # what a chat request for the served model got while loading
-    deadline = time.monotonic() + 400
-    try:
-        while True:
-            assert process.poll() is None, f"server exited with {process.returncode}:\n{handle.log()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not healthy in time:\n{handle.log()[-3000:]}"
-            try:
-                status = httpx.get(handle.url + "/health", timeout=2).status_code
-            except httpx.TransportError:
-                status = None
-            if status is not None and (not statuses or statuses[-1] != status):
-                statuses.append(status)
-            if status == 200:
-                break
-            if status == 503:
-                chat = httpx.post(handle.url + CHAT, json={"model": MODEL, "messages": GOOD_MESSAGES, "max_tokens": 1},
-                                  timeout=60)
-                chat_statuses.add((chat.status_code, chat.headers.get("Retry-After") is not None))
-            time.sleep(0.25)
-        handle.health_statuses = statuses
-        handle.chat_statuses_while_loading = chat_statuses
-        yield handle
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    assert process.returncode == 0, f"exit code {process.returncode} after SIGTERM:\n{handle.log()[-3000:]}"
-    assert "Shutting down" in handle.log()
+def server(default_server) -> ServerProcess:
+    return default_server
 
 
 @pytest.fixture(scope="module")
