@@ -52,7 +52,8 @@ def run_batch(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any
     from jaxserve import LLM, SamplingParams
 
     options = dict(max_num_seqs=batch, max_model_len=args.input_len + args.output_len + 16,
-                   enable_prefix_caching=False, compilation_cache_dir=None)
+                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                   compilation_cache_dir=None)
     if args.no_async_scheduling:
         options["async_scheduling"] = False
     if args.tokenizer:
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-async-scheduling", action="store_true", help="the synchronous loop")
     parser.add_argument("--model", help="a checkpoint to use instead of the tiny random one")

@@ -299,6 +299,7 @@ def test_host_overhead_smoke(tiny_llama_dir, tmp_path, capsys):
 
     payload = host_overhead.main(["--model", tiny_llama_dir, "--batch-sizes", "1", "4", "--num-requests", "4",
                                   "--input-len", "8", "--output-len", "6", "--vocab-size", "500", "--profile", "5",
+                                  "--max-num-batched-tokens", "16",
                                   "--result-file", str(tmp_path / "host.json")])
     printed = capsys.readouterr().out
     assert "batch 4: the top 5 functions by own time" in printed and "tottime" in printed

@@ -17,24 +17,29 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PAGE_SIZE = 8
 
 
-def full_forward_logits(params, cfg, token_ids: list[int], backend: str = "xla") -> np.ndarray:
+def full_forward_logits(params, cfg, token_ids: list[int], backend: str = "xla", pad_to: int | None = None
+                        ) -> np.ndarray:
     """Logits of every position of one sequence, computed through the paged cache (pages 1.., page 0 scratch).
 
-    `params` are in the serving layout (`fuse_params` of what the loader returns)."""
+    `params` are in the serving layout (`fuse_params` of what the loader returns). With `pad_to` the batch is
+    padded to that many tokens (their K/V written to the scratch page, as the engine pads), so calls of other
+    lengths reuse one compiled forward."""
     attn = make_attention_backend(backend)
     num_tokens = len(token_ids)
-    num_pages = -(-num_tokens // PAGE_SIZE)
+    length = max(num_tokens, pad_to or 0)
+    num_pages = -(-length // PAGE_SIZE)
     shape = attn.pool_shape(num_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
     cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    positions = jnp.arange(length, dtype=jnp.int32)
     meta = AttentionMetadata(
-        positions=jnp.arange(num_tokens, dtype=jnp.int32)[None],
-        slot_mapping=(jnp.arange(num_tokens, dtype=jnp.int32) + PAGE_SIZE)[None],
+        positions=positions[None],
+        slot_mapping=jnp.where(positions < num_tokens, positions + PAGE_SIZE, 0)[None],
         page_tables=jnp.arange(1, num_pages + 1, dtype=jnp.int32)[None],
         context_lens=jnp.array([num_tokens], jnp.int32),
         query_lens=jnp.array([num_tokens], jnp.int32))
-    logits, _ = jax.jit(forward, static_argnums=(1, 2))(
-        params, cfg, attn, jnp.array([token_ids], jnp.int32), cache, meta)
-    return np.asarray(logits[0])
+    padded = jnp.array([token_ids + [0] * (length - num_tokens)], jnp.int32)
+    logits, _ = jax.jit(forward, static_argnums=(1, 2))(params, cfg, attn, padded, cache, meta)
+    return np.asarray(logits[0, :num_tokens])
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> np.ndarray:
@@ -61,8 +66,8 @@ def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     ours = list(prompt)
-    for _ in range(24):
-        ours.append(int(np.argmax(full_forward_logits(params, loaded.config, ours)[-1])))
+    for _ in range(24):  # one compiled forward for every length (padded to 40)
+        ours.append(int(np.argmax(full_forward_logits(params, loaded.config, ours, pad_to=40)[-1])))
     assert ours[len(prompt):] == hf_tokens
 
 
