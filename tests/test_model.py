@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,10 @@ import transformers
 
 from jaxserve.layers.attention import AttentionMetadata, make_attention_backend
 from jaxserve.loading import load_model
+from jaxserve.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import forward, fuse_params
+from jaxserve.models.hf_config import rope_parameters
+from tests.conftest import save_tiny_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PAGE_SIZE = 8
@@ -49,7 +54,46 @@ def hf_logits(hf_model, token_ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
-    path = tiny_model_dirs[family]
+    assert_matches_transformers(tiny_model_dirs[family], family)
+
+
+def test_yarn_rope_matches_transformers(tmp_path):
+    """Qwen2 with YaRN (as Qwen2.5 configs extend their context): an original context shorter than the prompts,
+    so the interpolated, ramped and kept frequencies all turn, and the attention factor scales cos and sin."""
+    path = save_tiny_model("qwen2", str(tmp_path / "yarn"), rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    assert_matches_transformers(path, "qwen2-yarn")
+
+
+@pytest.mark.parametrize("extra", [{}, {"beta_fast": 16, "beta_slow": 2}, {"mscale": 1.0, "mscale_all_dim": 0.5},
+                                   {"attention_factor": 0.9}, {"truncate": False}, {"factor": None}])
+def test_yarn_frequencies_and_attention_factor_are_transformers(extra):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, **extra}
+    config = transformers.Qwen2Config(hidden_size=128, num_attention_heads=2, max_position_embeddings=1024,
+                                      rope_theta=500000.0, rope_scaling=dict(scaling))
+    theirs, their_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    theta, ours_scaling = rope_parameters(config)
+    ours = rope_inverse_frequencies(64, theta, dict(ours_scaling))
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)  # theirs is float32
+    assert rope_attention_factor(dict(ours_scaling)) == pytest.approx(their_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0}, "needs rope parameter 'original_max_position_embeddings'"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor"),
+])
+def test_rope_configs_this_code_cannot_serve_are_value_errors(scaling, message):
+    config = types.SimpleNamespace(rope_scaling=scaling, rope_theta=10000.0, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=message):
+        rope_parameters(config)
+
+
+def assert_matches_transformers(path: str, label: str) -> None:
+    """Logits of several prompt lengths and 24 greedy tokens equal to transformers' own in float32."""
     loaded = load_model(path)
     params = fuse_params(loaded.params, loaded.config)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -59,7 +103,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
     for prompt in prompts:
         ours, theirs = full_forward_logits(params, loaded.config, prompt), hf_logits(hf_model, prompt)
         rel_err = np.abs(ours - theirs).max() / np.abs(theirs).max()
-        assert rel_err < 1e-4, (family, len(prompt), rel_err)
+        assert rel_err < 1e-4, (label, len(prompt), rel_err)
 
     prompt = prompts[2]
     with torch.no_grad():

@@ -1,4 +1,6 @@
-"""Rotary position embeddings (RoPE) with the Llama-3 and linear frequency scalings, in Hugging Face's half-split layout."""
+"""Rotary position embeddings (RoPE) with the linear, Llama-3 and YaRN frequency scalings, in Hugging Face's
+half-split layout. YaRN also scales the rotated vectors (`rope_attention_factor`), as transformers scales cos and
+sin."""
 
 from __future__ import annotations
 
@@ -30,14 +32,59 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(is_medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(head_dim, theta, scaling, factor)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:
-    """Rotates `x: [..., tokens, heads, head_dim]` by `positions: [..., tokens]` (first half / second half pairs)."""
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are scaled by: YaRN's `attention_factor` (given, or from `factor` and the optional
+    `mscale` / `mscale_all_dim`), 1 for the other rope types."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any], factor: float) -> np.ndarray:
+    """YaRN (arXiv:2309.00071): frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times kept, a linear ramp between."""
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+    original = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(num_rotations: float) -> float:  # the pair index that turns `num_rotations` times
+        return head_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    keep = 1.0 - ramp  # the share of the original frequency
+    return extrapolation / factor * (1.0 - keep) + extrapolation * keep
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:
+    """Rotates `x: [..., tokens, heads, head_dim]` by `positions: [..., tokens]` (first half / second half pairs),
+    scaled by `scale` (`rope_attention_factor`)."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+REQUIRED_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                          "original_max_position_embeddings"),
+                        "yarn": ("original_max_position_embeddings",)}
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
@@ -18,6 +21,14 @@ def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] 
         raise ValueError(f"rope_type {rope_type!r} is not supported; jaxserve supports {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return float(rope_theta), None
+    if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope partial_rotary_factor {rope_params['partial_rotary_factor']} is not supported "
+                         "(jaxserve rotates the whole head)")
+    missing = [name for name in REQUIRED_ROPE_FIELDS[rope_type] if rope_params.get(name) is None]
+    if missing:
+        raise ValueError(f"rope_type {rope_type!r} needs rope parameter {missing[0]!r}")
+    if rope_type == "yarn" and rope_params.get("factor") is None:  # transformers: the ratio of the two lengths
+        rope_params["factor"] = hf_config.max_position_embeddings / rope_params["original_max_position_embeddings"]
     rope_params["rope_type"] = rope_type
     rope_params.pop("type", None)
     return float(rope_theta), tuple(sorted(rope_params.items()))

@@ -20,7 +20,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
 from jaxserve.layers.norms import RMSNorm
 from jaxserve.layers.quant_dense import Embedding, Linear
-from jaxserve.layers.rotary import apply_rope, rope_inverse_frequencies
+from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import hf_config as hf
 from jaxserve.models import llama_weights as weights
 from jaxserve.models.spec import ModelSpec
@@ -80,9 +80,10 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
-        inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, self.layer.rope_scaling_dict)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
+        scaling = self.layer.rope_scaling_dict
+        inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling)
+        q = apply_rope(q, meta.positions, inv_freq, rope_attention_factor(scaling))
+        k = apply_rope(k, meta.positions, inv_freq, rope_attention_factor(scaling))
         k_pool, v_pool = self.attention.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         out = self.attention.attend(q, k_pool, v_pool, meta, sm_scale=cfg.head_dim ** -0.5,
                                     sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap)
