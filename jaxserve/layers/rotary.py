@@ -72,9 +72,8 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, An
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    extrapolation = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    keep = 1.0 - ramp  # the share of the original frequency
-    return extrapolation / factor * (1.0 - keep) + extrapolation * keep
+    original_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    return original_freq * (ramp / factor + (1.0 - ramp))  # ramp 0: kept, 1: interpolated
 
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:

@@ -82,8 +82,9 @@ class Attention(nn.Module):
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
         scaling = self.layer.rope_scaling_dict
         inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling)
-        q = apply_rope(q, meta.positions, inv_freq, rope_attention_factor(scaling))
-        k = apply_rope(k, meta.positions, inv_freq, rope_attention_factor(scaling))
+        rope_scale = rope_attention_factor(scaling)
+        q = apply_rope(q, meta.positions, inv_freq, rope_scale)
+        k = apply_rope(k, meta.positions, inv_freq, rope_scale)
         k_pool, v_pool = self.attention.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         out = self.attention.attend(q, k_pool, v_pool, meta, sm_scale=cfg.head_dim ** -0.5,
                                     sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap)
