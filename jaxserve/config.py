@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any, Iterable
 
-FEED_FORWARDS = ("dense",)  # per layer: a dense MLP ("moe", mixture-of-experts, joins with its families)
+FEED_FORWARDS = ("dense", "moe")  # per layer: a dense MLP, or the model's mixture of experts (`MoEConfig`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,26 @@ class LayerSpec:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A model's mixture-of-experts feed-forward (every layer whose `LayerSpec.feed_forward` is "moe"): each token
+    goes to the `top_k` experts of highest router probability (softmax over all experts, in float32), their
+    outputs summed with those probabilities as weights (renormalized over the chosen `top_k` when
+    `normalize_top_k`). `shared_expert_size` > 0: a dense SwiGLU of that width every token also goes through,
+    its output scaled by a sigmoid gate (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's SwiGLU width
+    normalize_top_k: bool
+    shared_expert_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and the number of experts ({self.num_experts}), "
+                             f"got {self.top_k}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     layers: tuple[LayerSpec, ...] = ()
     attn_logit_softcap: float | None = None  # logits capped as cap * tanh(x / cap) (Gemma 2); None: uncapped
+    moe: MoEConfig | None = None  # the experts of the layers whose feed_forward is "moe"
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -57,6 +78,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:
             raise ValueError(f"ModelConfig has {self.num_layers} layers but {len(self.layers)} LayerSpecs")
+        if (self.moe is None) != all(layer.feed_forward == "dense" for layer in self.layers):
+            raise ValueError("a ModelConfig has a MoEConfig exactly when some layer's feed_forward is 'moe'")
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return any(layer.feed_forward == "dense" for layer in self.layers)
 
     @property
     def q_size(self) -> int:
@@ -89,6 +116,7 @@ class ModelConfig:
         raw["layers"] = tuple(LayerSpec(**{**layer, "rope_scaling": rope_tuple(layer.get("rope_scaling"))})
                               for layer in raw["layers"])
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        raw["moe"] = MoEConfig(**raw["moe"]) if raw.get("moe") else None
         return cls(**raw)
 
 

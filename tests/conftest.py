@@ -26,6 +26,9 @@ TINY_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
 def tiny_hf_config(family: str, **overrides):
     """A tiny config of `family` (TINY_DIMS, with `overrides` of its sizes)."""
     import transformers
@@ -42,6 +45,17 @@ def tiny_hf_config(family: str, **overrides):
         return transformers.Qwen2Config(**dims, tie_word_embeddings=True)
     if family == "qwen3":
         return transformers.Qwen3Config(**dims, head_dim=32, tie_word_embeddings=False)
+    # mixtures of experts: 4-8 experts of a quarter of the dense width; Qwen2-MoE's second layer dense
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**dims, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                           mlp_only_layers=[1], tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**dims, head_dim=32, moe_intermediate_size=32, num_experts=8,
+                                           num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**{**dims, "intermediate_size": 32}, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=16, tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -103,7 +117,7 @@ def default_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
-    return {family: save_tiny_model(family, str(root / family)) for family in ("llama", "mistral", "qwen2", "qwen3")}
+    return {family: save_tiny_model(family, str(root / family)) for family in TINY_FAMILIES}
 
 
 @pytest.fixture(scope="session")

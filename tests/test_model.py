@@ -16,9 +16,9 @@ from jaxserve.loading import load_model
 from jaxserve.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import forward, fuse_params
 from jaxserve.models.hf_config import rope_parameters
-from tests.conftest import save_tiny_model
+from tests.conftest import TINY_FAMILIES, save_tiny_model
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = TINY_FAMILIES
 PAGE_SIZE = 8
 
 

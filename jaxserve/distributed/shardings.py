@@ -21,7 +21,7 @@ SPLIT_OUTPUT = P(None, MODEL_AXIS)  # kernels are [in_features, out_features]
 SPLIT_INPUT = P(MODEL_AXIS, None)
 SPLIT_VECTOR = P(MODEL_AXIS)
 SPEC_KINDS = ("replicated", "columns", "rows", "vector", "vocab_rows", "vocab_columns", "vocab_vector", "kv_columns",
-              "kv_vector")
+              "kv_vector", "expert_columns", "expert_rows", "expert_vector", "expert_replicated")
 
 __all__ = ["REPLICATED", "SPEC_KINDS", "path_name", "resolve_kind", "spec_from_rules"]
 
@@ -40,6 +40,11 @@ def resolve_kind(kind: str, config: ModelConfig, tp: TensorParallel) -> P:
         "vocab_vector": SPLIT_VECTOR if vocab_splits else REPLICATED,
         "kv_columns": SPLIT_OUTPUT if kv_splits else REPLICATED,
         "kv_vector": SPLIT_VECTOR if kv_splits else REPLICATED,
+        # every expert's kernels `[E, in, out]` and int8 scales `[E, out]`, split inside each expert
+        "expert_columns": P(None, None, MODEL_AXIS),
+        "expert_rows": P(None, MODEL_AXIS, None),
+        "expert_vector": P(None, MODEL_AXIS),
+        "expert_replicated": REPLICATED,
     }[kind]
 
 

@@ -1,7 +1,7 @@
 """The tensor-parallel layout: how many heads each device holds, the rule that decides it, and the device mesh.
 
 Megatron-style: every device holds `num_q_heads / N` query heads and the KV heads they read, and
-`intermediate_size / N` MLP columns. With N dividing the KV heads each device holds `num_kv_heads / N`
+`intermediate_size / N` MLP columns (of each expert too, and of a shared expert). With N dividing the KV heads each device holds `num_kv_heads / N`
 of them; with N a multiple of the KV heads (vLLM's rule) each KV head is replicated on
 `N / num_kv_heads` devices, so every device still holds exactly one. The page pool then has one head
 per device ("pool heads"), and device d's pool head is the KV head its query heads read.
@@ -37,8 +37,13 @@ class TensorParallel:
         if kv % n and n % kv:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
                              f"multiple of it (KV heads are then replicated)")
-        if config.intermediate_size % n:
-            raise ValueError(f"tensor_parallel_size {n} must divide intermediate_size ({config.intermediate_size})")
+        widths = {"intermediate_size": config.intermediate_size if config.has_dense_layers else 0}
+        if config.moe is not None:
+            widths |= {"moe_intermediate_size": config.moe.intermediate_size,
+                       "shared_expert_intermediate_size": config.moe.shared_expert_size}
+        for name, width in widths.items():
+            if width % n:
+                raise ValueError(f"tensor_parallel_size {n} must divide {name} ({width})")
 
     def q_heads_per_device(self, config: ModelConfig) -> int:
         return config.num_q_heads // self.size

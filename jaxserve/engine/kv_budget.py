@@ -32,6 +32,8 @@ def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
     sampler's float32 copies of them for the largest batch."""
     ec = engine_config
     width = config.hidden_size * 4 + config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
+    if config.moe is not None:  # each token's top_k rows: their inputs, SwiGLU and outputs
+        width += config.moe.top_k * (3 * config.moe.intermediate_size + 2 * config.hidden_size)
     rows = max(max(ec.decode_batch_buckets), max(r for r, _ in ec.prefill_shapes))
     return 4 * (ec.max_num_batched_tokens * width + 4 * rows * config.vocab_size)
 

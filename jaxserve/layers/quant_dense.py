@@ -3,7 +3,8 @@ float or int8 weights.
 
 * `quantize_params(group)` turns a serving-layout parameter group into int8: every dense kernel
   (`[in, out]`) becomes `{"kernel": int8 [in, out], "scale": float32 [out]}` with
-  `kernel * scale ~= w` (scale = max |w| over the input features / 127, rounded to nearest), the
+  `kernel * scale ~= w` (scale = max |w| over the input features / 127, rounded to nearest), every expert kernel
+  `[E, in, out]` the same per expert (scale `[E, out]`; a mixture of experts' router stays float), the
   embedding table `[vocab, hidden]` the same per row (one scale per token, which is also per output
   channel of a tied LM head). Biases and norms stay float.
 * `Linear` and `Embedding` are `nn.Dense` / `nn.Embed` with the same parameter names, initializers and float
@@ -44,6 +45,7 @@ from jaxserve.layers import matmul_blocks
 from jaxserve.layers.awq import awq_matmul
 
 QUANTIZE_EMBEDDING = True  # the embedding table (and so a tied LM head) too; benchmarks/quality.py measures both
+FLOAT_LINEARS = ("router", "shared_expert_gate")  # tiny, and a rounded router may choose other experts
 
 
 def quantize_int8(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -61,16 +63,16 @@ def quantize_params(tree: dict, quantize_embedding: bool | None = None) -> dict:
     unless `quantize_embedding` is False (default: `QUANTIZE_EMBEDDING`), in int8 with float32 scales."""
     if quantize_embedding is None:
         quantize_embedding = QUANTIZE_EMBEDDING
-    if "kernel" in tree and tree["kernel"].ndim == 2:
-        kernel, scale = quantize_int8(tree["kernel"], axis=0)
+    if "kernel" in tree and tree["kernel"].ndim in (2, 3):  # [in, out], or every expert's [E, in, out]
+        kernel, scale = quantize_int8(tree["kernel"], axis=tree["kernel"].ndim - 2)
         return {**tree, "kernel": kernel, "scale": scale}
     if "embedding" in tree:
         if not quantize_embedding:
             return tree
         embedding, scale = quantize_int8(tree["embedding"], axis=1)
         return {**tree, "embedding": embedding, "scale": scale}
-    return {name: quantize_params(value, quantize_embedding) if isinstance(value, dict) else value
-            for name, value in tree.items()}
+    return {name: quantize_params(value, quantize_embedding) if isinstance(value, dict) and name not in FLOAT_LINEARS
+            else value for name, value in tree.items()}
 
 
 def cast_floats(tree: dict, dtype) -> dict:

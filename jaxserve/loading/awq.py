@@ -70,6 +70,9 @@ def awq_group_size(quantization_config: dict, config: ModelConfig, tp_size: int)
         raise ValueError(f"quantization='awq' supports 4-bit GEMM checkpoints with zero points; {found}")
     if not isinstance(group, int) or group <= 0:
         raise ValueError(f"quantization='awq' needs a positive group_size; {found}")
+    if config.moe is not None:
+        raise ValueError(f"quantization='awq' is not supported for mixture-of-experts models (model_type "
+                         f"{config.model_type!r}); serve the float checkpoint, with quantization='int8' if you like")
     inputs = {"hidden_size (q/k/v, gate/up in_features)": config.hidden_size,
               "q_size (o_proj in_features)": config.q_size,
               "intermediate_size (down_proj in_features)": config.intermediate_size}
@@ -165,11 +168,12 @@ def load_awq_params(path: str, config: ModelConfig, group: int, shardings: dict,
         awq = is_awq_leaf(ours, spec.quantizable_linears)
         if awq:
             module, leaf = ours.rsplit("/", 1)
-            name = spec.checkpoint_source(f"{module}/kernel").names[0].removesuffix(".weight") + "." + AWQ_TENSORS[leaf]
+            name = (spec.checkpoint_source(f"{module}/kernel", config).names[0].removesuffix(".weight") + "."
+                    + AWQ_TENSORS[leaf])
             rows, cols = expected.shape
             stored = (rows, cols // 8) if leaf != "scales" else (rows, cols)
         else:
-            source = spec.checkpoint_source(ours)
+            source = spec.checkpoint_source(ours, config)
             (name,), transposed = source.names, source.transposed
         if name not in files:
             raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")

@@ -1,5 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): its config parsing, Flax decoder over a paged KV cache,
-LM head, and `SPEC` for the registry. Its checkpoint names, fusing and sharding rules are in `llama_weights`.
+LM head, and `SPEC` for the registry. Its checkpoint names, fusing and sharding rules are in `llama_weights`. The
+mixture-of-experts families on this decoder (`qwen_moe`, `mixtral`) swap the MLP of their sparse layers for
+`layers/moe.py`'s experts.
 
 The decoder reads the serving layout: q/k/v fused into one `qkv_proj` and gate/up into one `gate_up_proj`, each
 device's columns together (`[q_d | k_d | v_d]` for device d), so a tensor-parallel split on output features hands
@@ -15,9 +17,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import LayerSpec, ModelConfig, token_ids
+from jaxserve.config import LayerSpec, ModelConfig, MoEConfig, token_ids
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
+from jaxserve.layers.mlp import MLP
+from jaxserve.layers.moe import MoE
 from jaxserve.layers.norms import RMSNorm
 from jaxserve.layers.quant_dense import Embedding, Linear
 from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_inverse_frequencies
@@ -31,12 +35,26 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
 def parse_config(hf_config: Any) -> ModelConfig:
     """The `ModelConfig` of a transformers config of this family (v4 or v5 spelling of rope fields)."""
     model_type = hf_config.model_type
+    return decoder_config(hf_config, qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+                          qk_norm=model_type == "qwen3")
+
+
+def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, moe: MoEConfig | None = None,
+                   sparse_layers: tuple[bool, ...] = ()) -> ModelConfig:
+    """The `ModelConfig` of a Llama-shaped decoder (this module's, and the mixture-of-experts families that swap
+    its MLP for experts in the `sparse_layers`); ValueError naming a field this decoder cannot compute."""
+    activation = getattr(hf_config, "hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"hidden_act {activation!r} is not supported for model_type {hf_config.model_type!r} "
+                         "(jaxserve computes its SwiGLU with silu)")
     rope_theta, rope_scaling = hf.rope_parameters(hf_config)
     num_layers = hf_config.num_hidden_layers
-    layers = tuple(LayerSpec(sliding_window=window, rope_theta=rope_theta, rope_scaling=rope_scaling)
-                   for window in hf.layer_windows(hf_config, num_layers))
+    sparse_layers = sparse_layers or (False,) * num_layers
+    layers = tuple(LayerSpec(sliding_window=window, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                             feed_forward="moe" if sparse else "dense")
+                   for window, sparse in zip(hf.layer_windows(hf_config, num_layers), sparse_layers))
     return ModelConfig(
-        model_type=model_type,
+        model_type=hf_config.model_type,
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,
@@ -47,10 +65,11 @@ def parse_config(hf_config: Any) -> ModelConfig:
         rms_norm_eps=hf_config.rms_norm_eps,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         layers=layers,
+        moe=moe if any(sparse_layers) else None,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         eos_token_ids=token_ids(hf_config.eos_token_id),
@@ -93,20 +112,6 @@ class Attention(nn.Module):
         return out, k_pool, v_pool
 
 
-class MLP(nn.Module):
-    config: ModelConfig
-    tp: TensorParallel
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x):
-        cfg, shards = self.config, self.tp.size
-        gate_up = Linear(2 * cfg.intermediate_size, dtype=self.dtype, name="gate_up_proj")(x)
-        gate, up = jnp.split(gate_up.reshape(*x.shape[:-1], shards, -1), 2, axis=-1)  # [..., device, columns]
-        hidden = (nn.silu(gate) * up).reshape(*x.shape[:-1], cfg.intermediate_size)
-        return Linear(cfg.hidden_size, dtype=self.dtype, in_shards=shards, name="down_proj")(hidden)
-
-
 class DecoderLayer(nn.Module):
     config: ModelConfig
     tp: TensorParallel
@@ -120,9 +125,11 @@ class DecoderLayer(nn.Module):
         attn_out, k_pool, v_pool = Attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
             RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_norm")(x), k_pool, v_pool, meta)
         x = x + attn_out
-        x = x + MLP(cfg, self.tp, self.dtype, name="mlp")(RMSNorm(cfg.rms_norm_eps, self.dtype,
-                                                                  name="post_attention_norm")(x))
-        return x, k_pool, v_pool
+        if self.layer.feed_forward == "moe":
+            feed_forward = MoE(cfg, self.tp, self.dtype, name="mlp")
+        else:
+            feed_forward = MLP(cfg.hidden_size, cfg.intermediate_size, self.tp, self.dtype, name="mlp")
+        return x + feed_forward(RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_norm")(x)), k_pool, v_pool
 
 
 def vocab_shards(config: ModelConfig, tp: TensorParallel) -> int:

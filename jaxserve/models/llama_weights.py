@@ -1,15 +1,20 @@
 """The Llama family's parameters: their checkpoint layout, the Hugging Face tensor each is read from, how a layer
 fuses into the serving layout, and where each lives on the device mesh.
 
-Checkpoint layout (what loaders produce): q/k/v and gate/up projections apart, as in Hugging Face checkpoints.
-Serving layout (what `llama.LlamaModel` reads): q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`, each
-device's columns together. Fusing halves the number of matmuls per layer, which matters at small batch where each
+Checkpoint layout (what loaders produce): q/k/v and gate/up projections apart, as in Hugging Face checkpoints; a
+mixture-of-experts layer's `mlp` holds `router`, `experts` (each linear's kernels of every expert stacked,
+`[E, in, out]`) and, when the model has one, `shared_expert` and `shared_expert_gate`.
+Serving layout (what `llama.LlamaModel` reads): q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj` (the
+experts' and the shared expert's too), each device's columns together. Fusing halves the number of matmuls per layer, which matters at small batch where each
 launch is bandwidth-bound. The sharding rules are Megatron-style: q/k/v, gate and up split on their output
 features, o and down on their input features (XLA inserts the all-reduce after them); the embedding and LM head on
-the vocabulary; int8 scales and AWQ zeros/scales like their kernel's features; norms replicated.
+the vocabulary; int8 scales and AWQ zeros/scales like their kernel's features; norms replicated. Experts split
+inside each expert like the dense MLP (vLLM's default without expert parallelism); the router is replicated.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +34,11 @@ LAYER_MODULES = {"input_norm": "input_layernorm", "post_attention_norm": "post_a
 # with the kernel's output features, replicated where it splits on its input features); AWQ layers' per-group
 # zeros and scales ([in / group, out]) split exactly like their kernel (whole groups per device, `loading/awq.py`).
 SHARDING_RULES: tuple[tuple[str, str], ...] = (
+    (r"experts/(gate_up|gate|up)_proj/kernel$", "expert_columns"),
+    (r"experts/(gate_up|gate|up)_proj/scale$", "expert_vector"),
+    (r"experts/down_proj/kernel$", "expert_rows"),
+    (r"experts/down_proj/scale$", "expert_replicated"),
+    (r"mlp/(router|shared_expert_gate)/", "replicated"),
     (r"embed/embedding", "vocab_rows"),
     (r"embed/scale", "vocab_vector"),
     (r"lm_head/kernel", "vocab_columns"),
@@ -39,16 +49,28 @@ SHARDING_RULES: tuple[tuple[str, str], ...] = (
     (r"attn/[kv]_proj/(bias|scale)", "kv_vector"),
     (r"attn/o_proj/(kernel|zeros|scales)$", "rows"),
     (r"attn/o_proj/scale", "replicated"),
-    (r"mlp/(gate_up|gate|up)_proj/(kernel|zeros|scales)$", "columns"),
-    (r"mlp/(gate_up|gate|up)_proj/scale", "vector"),
-    (r"mlp/down_proj/(kernel|zeros|scales)$", "rows"),
-    (r"mlp/down_proj/scale", "replicated"),
+    (r"(mlp|shared_expert)/(gate_up|gate|up)_proj/(kernel|zeros|scales)$", "columns"),
+    (r"(mlp|shared_expert)/(gate_up|gate|up)_proj/scale", "vector"),
+    (r"(mlp|shared_expert)/down_proj/(kernel|zeros|scales)$", "rows"),
+    (r"(mlp|shared_expert)/down_proj/scale", "replicated"),
     (r"(norm|_norm)/scale", "replicated"),
 )
 
 
-def checkpoint_source(path: str) -> TensorSource:
-    """The HF tensor of our checkpoint-layout parameter at `path` ("layers_0/attn/q_proj/kernel", ...).
+@dataclasses.dataclass(frozen=True)
+class MoENames:
+    """How a family's checkpoint names a mixture-of-experts layer's tensors:
+    `model.layers.{i}.{block}.{router}.weight` and `model.layers.{i}.{block}.experts.{e}.{linear}.weight`."""
+
+    block: str = "mlp"
+    router: str = "gate"
+    linears: tuple[tuple[str, str], ...] = (("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
+                                            ("down_proj", "down_proj"))  # ours -> the checkpoint's
+
+
+def checkpoint_source(path: str, config: ModelConfig, moe_names: MoENames = MoENames()) -> TensorSource:
+    """The HF tensor(s) of our checkpoint-layout parameter at `path` ("layers_0/attn/q_proj/kernel", ...): an
+    expert linear is the stack of every expert's tensor.
 
     Kernels are transposed (HF `[out, in]`); the embedding, norms and biases are not.
     """
@@ -57,14 +79,24 @@ def checkpoint_source(path: str) -> TensorSource:
     group, module, *inner, leaf = path.split("/")
     if not group.startswith("layers_") or module not in LAYER_MODULES:
         raise KeyError(f"no Hugging Face tensor for parameter {path!r}")
-    name = ".".join(["model.layers", group.removeprefix("layers_"), LAYER_MODULES[module], *inner,
-                     "bias" if leaf == "bias" else "weight"])
+    index = group.removeprefix("layers_")
+    hf_module = LAYER_MODULES[module]
+    if module == "mlp" and config.layers[int(index)].feed_forward == "moe":
+        hf_module = moe_names.block
+        if inner == ["router"]:
+            inner = [moe_names.router]
+        elif inner[:1] == ["experts"]:
+            linear = dict(moe_names.linears)[inner[1]]
+            return TensorSource(tuple(f"model.layers.{index}.{hf_module}.experts.{expert}.{linear}.weight"
+                                      for expert in range(config.moe.num_experts)), True)
+    name = ".".join(["model.layers", index, hf_module, *inner, "bias" if leaf == "bias" else "weight"])
     return TensorSource((name,), leaf == "kernel")
 
 
 def dummy_fan_in(path: str, shape: tuple[int, ...]) -> int:
-    """A dummy weight's fan-in: the embedding's hidden size, a kernel's input features."""
-    return shape[1] if path.endswith("embedding") else shape[0]
+    """A dummy weight's fan-in: the embedding's hidden size, a kernel's input features (`[in, out]`, or
+    `[experts, in, out]`)."""
+    return shape[1] if path.endswith("embedding") else shape[-2]
 
 
 def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> dict:
@@ -78,21 +110,37 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
     def norm(width: int) -> dict:
         return {"scale": jax.ShapeDtypeStruct((width,), dtype)}
 
-    def layer() -> dict:
+    def swiglu(width: int) -> dict:
+        return {"gate_proj": dense(cfg.hidden_size, width), "up_proj": dense(cfg.hidden_size, width),
+                "down_proj": dense(width, cfg.hidden_size)}
+
+    def experts() -> dict:
+        moe = cfg.moe
+
+        def stacked(fan_in: int, fan_out: int) -> dict:
+            return {"kernel": jax.ShapeDtypeStruct((moe.num_experts, fan_in, fan_out), dtype)}
+
+        group = {"router": dense(cfg.hidden_size, moe.num_experts),
+                 "experts": {"gate_proj": stacked(cfg.hidden_size, moe.intermediate_size),
+                             "up_proj": stacked(cfg.hidden_size, moe.intermediate_size),
+                             "down_proj": stacked(moe.intermediate_size, cfg.hidden_size)}}
+        if moe.shared_expert_size:
+            group |= {"shared_expert": swiglu(moe.shared_expert_size), "shared_expert_gate": dense(cfg.hidden_size, 1)}
+        return group
+
+    def layer(spec) -> dict:
         attn = {"q_proj": dense(cfg.hidden_size, cfg.q_size, cfg.qkv_bias),
                 "k_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
                 "v_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
                 "o_proj": dense(cfg.q_size, cfg.hidden_size)}
         if cfg.qk_norm:
             attn |= {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)}
-        mlp = {"gate_proj": dense(cfg.hidden_size, cfg.intermediate_size),
-               "up_proj": dense(cfg.hidden_size, cfg.intermediate_size),
-               "down_proj": dense(cfg.intermediate_size, cfg.hidden_size)}
+        mlp = experts() if spec.feed_forward == "moe" else swiglu(cfg.intermediate_size)
         return {"input_norm": norm(cfg.hidden_size), "attn": attn, "post_attention_norm": norm(cfg.hidden_size),
                 "mlp": mlp}
 
     params = {"embed": {"embedding": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype)}}
-    params |= {f"layers_{i}": layer() for i in range(cfg.num_layers)}
+    params |= {f"layers_{i}": layer(spec) for i, spec in enumerate(cfg.layers)}
     params["final_norm"] = norm(cfg.hidden_size)
     if not cfg.tie_word_embeddings:
         params["lm_head"] = dense(cfg.hidden_size, cfg.vocab_size)
@@ -101,9 +149,9 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
 
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     """One decoder layer's checkpoint-layout params -> serving layout: q/k/v into `qkv_proj` and gate/up into
-    `gate_up_proj`, each device's columns together (all their leaves: an AWQ layer's zeros and scales too). Jit it
-    with the serving shardings as `out_shardings` and every device builds its own columns from its own shards (k/v
-    replicated when the KV heads are)."""
+    `gate_up_proj` (the dense MLP's, the experts' and the shared expert's), each device's columns together (all
+    their leaves: an AWQ layer's zeros and scales too). Jit it with the serving shardings as `out_shardings` and
+    every device builds its own columns from its own shards (k/v replicated when the KV heads are)."""
     cfg, n = config, tp.size
     attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
     sources = jnp.asarray(tp.pool_head_sources(cfg))
@@ -125,8 +173,23 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     qkv = {leaf: fused(leaf) for leaf in attn["q_proj"]}
     for name in "qkv":
         del attn[f"{name}_proj"]
+    if "experts" in mlp:
+        mlp["experts"] = fuse_gate_up(mlp["experts"], n)
+        if "shared_expert" in mlp:
+            mlp["shared_expert"] = fuse_gate_up(mlp["shared_expert"], n)
+    else:
+        mlp = fuse_gate_up(mlp, n)
+    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": mlp}
+
+
+def fuse_gate_up(mlp: dict, shards: int) -> dict:
+    """A SwiGLU's (or every expert's) `gate_proj` and `up_proj` -> `gate_up_proj`, `[gate_d | up_d]` for each of
+    `shards` devices along the output features (all leaves: kernel, an int8 or AWQ layer's zeros and scales)."""
+    mlp = dict(mlp)
     gate, up = (mlp.pop(name) for name in ("gate_proj", "up_proj"))
-    gate_up = {leaf: jnp.concatenate([gate[leaf].reshape(*gate[leaf].shape[:-1], n, -1),
-                                      up[leaf].reshape(*up[leaf].shape[:-1], n, -1)], axis=-1)
-               .reshape(*gate[leaf].shape[:-1], -1) for leaf in gate}
-    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": {"gate_up_proj": gate_up, **mlp}}
+
+    def fused(g: jax.Array, u: jax.Array) -> jax.Array:
+        lead = g.shape[:-1]
+        return jnp.concatenate([g.reshape(*lead, shards, -1), u.reshape(*lead, shards, -1)], axis=-1).reshape(*lead, -1)
+
+    return {"gate_up_proj": {leaf: fused(gate[leaf], up[leaf]) for leaf in gate}, **mlp}

@@ -1,10 +1,11 @@
 """The model registry: `model_type -> ModelSpec`, and the functions the engine and the loaders call for any model.
 
-A `ModelSpec` is everything jaxserve knows about one family (one module each, `models/llama.py` so far): how its
+A `ModelSpec` is everything jaxserve knows about one family (one module each under `models/`): how its
 Hugging Face config becomes a `ModelConfig`, its Flax module, its checkpoint-layout parameters and the checkpoint
 tensors each comes from, how a layer's parameters fuse into the serving layout, where each parameter lives on the
 mesh, which linears a 4-bit checkpoint stores quantized, and the fan-ins of dummy weights. A new family adds one
-module with its spec and one line to `FAMILIES`.
+module with its spec and one line to `FAMILIES`; the mixture-of-experts families (`qwen_moe`, `mixtral`) are the
+Llama decoder's spec with their own config parsing and checkpoint names.
 
 Two parameter layouts, kernels stored `[in_features, out_features]` in both: the checkpoint layout (what loaders
 produce, `checkpoint_shapes`) and the serving layout (what the model reads, `fuse_params`).
@@ -23,13 +24,13 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
-from jaxserve.models import llama
+from jaxserve.models import llama, mixtral, qwen_moe
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
 
 
-FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC,)
+FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
@@ -76,7 +77,8 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
 def checkpoint_sources(config: ModelConfig) -> dict:
     """The checkpoint-layout tree of `config` with a `TensorSource` per parameter."""
     source = model_spec(config.model_type).checkpoint_source
-    return jax.tree_util.tree_map_with_path(lambda path, _: source(path_name(path)), checkpoint_shapes(config))
+    return jax.tree_util.tree_map_with_path(lambda path, _: source(path_name(path), config),
+                                            checkpoint_shapes(config))
 
 
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:

@@ -34,7 +34,7 @@ class ModelSpec:
     # (params, config, x [..., H], dtype, tp) -> float32 logits: the final norm and LM head, a plain function
     compute_logits: Callable[..., jax.Array]
     checkpoint_shapes: Callable[[ModelConfig, DTypeLike], dict]  # the checkpoint-layout tree of ShapeDtypeStructs
-    checkpoint_source: Callable[[str], TensorSource]  # a checkpoint-layout path -> the tensors it is read from
+    checkpoint_source: Callable[[str, ModelConfig], TensorSource]  # a checkpoint-layout path -> its tensors
     fuse_layer: Callable[[dict, ModelConfig, TensorParallel], dict]  # one layer, checkpoint -> serving layout
     sharding_rules: tuple[tuple[str, str], ...]  # (regex on the path, `shardings.SPEC_KINDS` name); first wins
     quantizable_linears: tuple[str, ...]  # checkpoint-layout linears a 4-bit (AWQ) checkpoint stores quantized

@@ -1,0 +1,123 @@
+"""Mixture of experts: the grouped matmul against a float64 reference, its tile schedule, the routers against
+transformers', and work that grows with top-k, not with the expert count."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve.config import LayerSpec, ModelConfig, MoEConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.layers.moe import MoE, grouped_matmul, route, tile_rows, tile_schedule
+from jaxserve.layers.quant_dense import quantize_params
+
+
+def random_groups(rng, num_rows: int, num_groups: int, empty: float = 0.3) -> np.ndarray:
+    """Group sizes summing to at most `num_rows`, some groups empty."""
+    weights = rng.random(num_groups) * (rng.random(num_groups) > empty)
+    weights = weights if weights.sum() else np.ones(num_groups)
+    sizes = np.floor(weights / weights.sum() * num_rows * rng.uniform(0.7, 1.0)).astype(np.int32)
+    return sizes
+
+
+@pytest.mark.parametrize("num_rows, num_groups", [(1, 1), (7, 4), (64, 16), (300, 8), (40, 64)])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_grouped_matmul_matches_a_float64_reference(num_rows, num_groups, dtype):
+    """Each row times its group's kernel; rows past the groups' sum are 0 (fresh random inputs each case)."""
+    rng = np.random.default_rng(num_rows * 100 + num_groups)
+    sizes = random_groups(rng, num_rows, num_groups)
+    x = rng.standard_normal((num_rows, 48)).astype(np.float32)
+    if dtype == "int8":
+        w = rng.integers(-127, 128, size=(num_groups, 48, 24)).astype(np.int8)
+    else:
+        w = rng.standard_normal((num_groups, 48, 24)).astype(np.float32)
+    group_of_row = np.repeat(np.arange(num_groups), sizes)
+    expected = np.zeros((num_rows, 24))
+    expected[:len(group_of_row)] = np.einsum("ri,rio->ro", x[:len(group_of_row)].astype(np.float64),
+                                             w[group_of_row].astype(np.float64))
+    ours = jax.jit(grouped_matmul)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_tile_schedule_covers_every_row_once_and_counts_rows_not_experts():
+    rng = np.random.default_rng(0)
+    for num_rows, num_groups in [(16, 8), (16, 128), (512, 128), (4096, 128), (100, 3)]:
+        sizes = random_groups(rng, num_rows, num_groups, empty=0.8)
+        rows = tile_rows(num_rows, num_groups)
+        count, group, block = (np.asarray(a) for a in tile_schedule(jnp.asarray(sizes), num_rows, rows))
+        ends = np.cumsum(sizes)
+        covered = np.zeros(num_rows, int)
+        for g, b in zip(group[:count], block[:count]):
+            row = np.arange(b * rows, (b + 1) * rows)
+            covered[row[(row >= ends[g] - sizes[g]) & (row < ends[g])]] += 1
+        assert (covered[:ends[-1]] == 1).all() and (covered[ends[-1]:] == 0).all()
+        assert count <= -(-num_rows // rows) + np.count_nonzero(sizes) - 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_routing_is_transformers(family):
+    """Top-k experts and weights equal to transformers' routers (Qwen: renormalized or not; Mixtral: always)."""
+    torch.manual_seed(0)
+    for normalize in ((False, True) if family == "qwen2_moe" else (True,)):
+        if family == "qwen2_moe":
+            config = transformers.Qwen2MoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4,
+                                                 norm_topk_prob=normalize)
+            router = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter(config)
+        else:
+            config = transformers.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2)
+            router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config)
+        with torch.no_grad():
+            router.weight.normal_()
+            hidden = torch.randn(50, 32)
+            logits, their_weights, their_experts = router(hidden)
+        weights, experts = route(jnp.asarray(logits.numpy()), config.num_experts_per_tok, normalize)
+        np.testing.assert_array_equal(np.asarray(experts), their_experts.numpy())
+        np.testing.assert_allclose(np.asarray(weights), their_weights.numpy(), rtol=1e-6)
+
+
+def moe_config(num_experts: int, top_k: int = 2) -> ModelConfig:
+    return ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                       num_q_heads=2, num_kv_heads=2, head_dim=32, layers=(LayerSpec(feed_forward="moe"),),
+                       moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=96,
+                                     normalize_top_k=True))
+
+
+def moe_flops(num_experts: int, top_k: int, num_tokens: int = 16) -> tuple[float, float]:
+    """XLA's FLOPs of the compiled MoE block (the expert tile loop's body counted once) and the router's."""
+    cfg = moe_config(num_experts, top_k)
+    block = MoE(cfg, TensorParallel(), jnp.float32)
+    x = jnp.ones((num_tokens, cfg.hidden_size))
+    params = block.init(jax.random.key(0), x)
+    compiled = jax.jit(block.apply).lower(params, x).compile()
+    return compiled.cost_analysis()["flops"], 2 * num_tokens * cfg.hidden_size * num_experts
+
+
+def test_expert_work_grows_with_top_k_not_with_the_expert_count():
+    """The compiled block's FLOPs beyond the router's matmul are within 10% for 8 and 128 experts (the rest of
+    the routing is O(tokens x experts) elementwise work; jax's CPU ragged_dot, a dense dot of every row with every
+    expert, has 16x more), and its tiles are about one per routed row block, not one per expert
+    (`test_the_tile_schedule_...`)."""
+    (few, few_router), (many, many_router) = moe_flops(8, 2), moe_flops(128, 2)
+    assert (many - many_router) / (few - few_router) < 1.1
+    dense_ragged_dot = jax.jit(jax.lax.ragged_dot).lower(
+        jnp.ones((32, 64)), jnp.ones((128, 64, 192)), jnp.ones((128,), jnp.int32)).compile()
+    assert dense_ragged_dot.cost_analysis()["flops"] > 20 * (many - many_router)
+
+
+def test_int8_experts_are_quantized_per_expert_and_channel_and_the_router_stays_float():
+    cfg = moe_config(8)
+    block = MoE(cfg, TensorParallel(), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (12, cfg.hidden_size))
+    params = block.init(jax.random.key(0), x)
+    quantized = quantize_params(params)
+    experts = quantized["params"]["experts"]
+    assert experts["gate_up_proj"]["kernel"].dtype == jnp.int8
+    assert experts["gate_up_proj"]["scale"].shape == (8, 2 * 96)
+    assert experts["down_proj"]["scale"].shape == (8, cfg.hidden_size)
+    assert quantized["params"]["router"]["kernel"].dtype == jnp.float32
+    ref, ours = block.apply(params, x), block.apply(quantized, x)
+    assert float(jnp.abs(ours - ref).max() / jnp.abs(ref).max()) < 0.02
