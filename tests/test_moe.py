@@ -10,10 +10,12 @@ import pytest
 import torch
 import transformers
 
+from jaxserve import LLM, SamplingParams
 from jaxserve.config import LayerSpec, ModelConfig, MoEConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.moe import MoE, grouped_matmul, route, tile_rows, tile_schedule
 from jaxserve.layers.quant_dense import quantize_params
+from tests.conftest import random_prompts, shard_shapes
 
 
 def random_groups(rng, num_rows: int, num_groups: int, empty: float = 0.3) -> np.ndarray:
@@ -81,7 +83,7 @@ def test_routing_is_transformers(family):
 
 def moe_config(num_experts: int, top_k: int = 2) -> ModelConfig:
     return ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
-                       num_q_heads=2, num_kv_heads=2, head_dim=32, layers=(LayerSpec(feed_forward="moe"),),
+                       num_q_heads=4, num_kv_heads=4, head_dim=16, layers=(LayerSpec(feed_forward="moe"),),
                        moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=96,
                                      normalize_top_k=True))
 
@@ -121,3 +123,63 @@ def test_int8_experts_are_quantized_per_expert_and_channel_and_the_router_stays_
     assert quantized["params"]["router"]["kernel"].dtype == jnp.float32
     ref, ours = block.apply(params, x), block.apply(quantized, x)
     assert float(jnp.abs(ours - ref).max() / jnp.abs(ref).max()) < 0.02
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs,
+                                                                                              family):
+    path = tiny_model_dirs[family]
+    shared = random_prompts(1, 500, 24, 24, seed=11)[0]
+    prompts = random_prompts(5, 500, 20, 60, seed=12) + [shared + tail for tail in random_prompts(3, 500, 2, 9, seed=13)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(path, max_num_seqs=8, max_model_len=128, page_size=8, num_kv_pages=30, max_num_batched_tokens=32,
+              warmup=False)
+    ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref, (family, len(prompt))
+
+
+def test_expert_parallel_and_tensor_parallel_on_four_devices_match_one_device(tiny_model_dirs):
+    """Qwen2-MoE (a shared expert, a dense layer) on 4 devices: experts split inside each expert (the default)
+    or by expert (each device holds 2 of the 8), int8 experts with their scales split alike; greedy tokens
+    identical to one device's."""
+    path = tiny_model_dirs["qwen2_moe"]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 500, 5, 40, seed=14)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(max_num_seqs=4, max_model_len=128, page_size=8, max_num_batched_tokens=64, warmup=False)
+
+    def run(**extra):
+        llm = LLM(path, **options, **extra)
+        tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        return tokens, llm.llm_engine.runner.params["layers_0"]["mlp"]["experts"]
+
+    reference, _ = run()
+    tokens, experts = run(tensor_parallel_size=4)
+    assert tokens == reference
+    assert shard_shapes(experts["gate_up_proj"]["kernel"]) == {(8, 64, 2 * 32 // 4)}
+    assert shard_shapes(experts["down_proj"]["kernel"]) == {(8, 32 // 4, 64)}
+    tokens, experts = run(tensor_parallel_size=4, enable_expert_parallel=True)
+    assert tokens == reference
+    assert shard_shapes(experts["gate_up_proj"]["kernel"]) == {(2, 64, 2 * 32)}
+    assert shard_shapes(experts["down_proj"]["kernel"]) == {(2, 32, 64)}
+    int8_reference, _ = run(quantization="int8")
+    tokens, experts = run(tensor_parallel_size=4, enable_expert_parallel=True, quantization="int8")
+    assert tokens == int8_reference
+    assert experts["down_proj"]["kernel"].dtype == jnp.int8
+    assert shard_shapes(experts["gate_up_proj"]["scale"]) == {(2, 2 * 32)}
+    assert shard_shapes(experts["down_proj"]["scale"]) == {(2, 64)}
+
+
+def test_a_split_the_experts_cannot_take_is_a_value_error_before_loading(tiny_llama_dir):
+    with pytest.raises(ValueError, match="must divide num_experts \\(6\\)"):
+        TensorParallel(4, expert_parallel=True).check(moe_config(6))
+    TensorParallel(4).check(moe_config(6))  # split inside each expert: 96 columns over 4 devices
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        LLM(tiny_llama_dir, tensor_parallel_size=2, enable_expert_parallel=True)

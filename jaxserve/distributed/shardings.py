@@ -40,11 +40,12 @@ def resolve_kind(kind: str, config: ModelConfig, tp: TensorParallel) -> P:
         "vocab_vector": SPLIT_VECTOR if vocab_splits else REPLICATED,
         "kv_columns": SPLIT_OUTPUT if kv_splits else REPLICATED,
         "kv_vector": SPLIT_VECTOR if kv_splits else REPLICATED,
-        # every expert's kernels `[E, in, out]` and int8 scales `[E, out]`, split inside each expert
-        "expert_columns": P(None, None, MODEL_AXIS),
-        "expert_rows": P(None, MODEL_AXIS, None),
-        "expert_vector": P(None, MODEL_AXIS),
-        "expert_replicated": REPLICATED,
+        # every expert's kernels `[E, in, out]` and int8 scales `[E, out]`: split inside each expert, or whole
+        # experts per device under expert parallelism
+        "expert_columns": P(MODEL_AXIS, None, None) if tp.expert_parallel else P(None, None, MODEL_AXIS),
+        "expert_rows": P(MODEL_AXIS, None, None) if tp.expert_parallel else P(None, MODEL_AXIS, None),
+        "expert_vector": P(MODEL_AXIS, None) if tp.expert_parallel else P(None, MODEL_AXIS),
+        "expert_replicated": P(MODEL_AXIS, None) if tp.expert_parallel else REPLICATED,
     }[kind]
 
 

@@ -5,6 +5,9 @@ Megatron-style: every device holds `num_q_heads / N` query heads and the KV head
 of them; with N a multiple of the KV heads (vLLM's rule) each KV head is replicated on
 `N / num_kv_heads` devices, so every device still holds exactly one. The page pool then has one head
 per device ("pool heads"), and device d's pool head is the KV head its query heads read.
+
+A mixture of experts splits each expert's columns the same way, or with `expert_parallel` (vLLM's
+`enable_expert_parallel`) its experts: each device holds `num_experts / N` whole experts.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ REPLICATED = P()  # on every device whole
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """`size` devices splitting the model's heads and MLP columns. Hashable, so jitted code can take it as static."""
+    """`size` devices splitting the model's heads and MLP columns, and the experts' columns or (`expert_parallel`)
+    the experts themselves. Hashable, so jitted code can take it as static."""
 
     size: int = 1
+    expert_parallel: bool = False
 
     def check(self, config: ModelConfig) -> None:
         """ValueError naming the numbers when `config` cannot be split `size` ways (checked before any loading)."""
@@ -38,12 +43,24 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
                              f"multiple of it (KV heads are then replicated)")
         widths = {"intermediate_size": config.intermediate_size if config.has_dense_layers else 0}
+        if self.expert_parallel and config.moe is None:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; model_type "
+                             f"{config.model_type!r} has no experts")
+        if self.expert_parallel and config.moe.num_experts % n:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size {n} must divide num_experts "
+                             f"({config.moe.num_experts})")
         if config.moe is not None:
-            widths |= {"moe_intermediate_size": config.moe.intermediate_size,
-                       "shared_expert_intermediate_size": config.moe.shared_expert_size}
+            widths |= {"shared_expert_intermediate_size": config.moe.shared_expert_size}
+            if not self.expert_parallel:
+                widths |= {"moe_intermediate_size": config.moe.intermediate_size}
         for name, width in widths.items():
             if width % n:
                 raise ValueError(f"tensor_parallel_size {n} must divide {name} ({width})")
+
+    @property
+    def expert_column_shards(self) -> int:
+        """The devices each expert's columns are split over: all of them, or one under expert parallelism."""
+        return 1 if self.expert_parallel else self.size
 
     def q_heads_per_device(self, config: ModelConfig) -> int:
         return config.num_q_heads // self.size

@@ -48,6 +48,8 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json, "vllm": ignore it, or a folder
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights drawn on the devices
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over (Megatron-style)
+    # a mixture of experts: its experts split over those devices by expert (vLLM's name), else inside each expert
+    enable_expert_parallel: bool = False
     max_num_seqs: int = 64  # decode slots
     max_model_len: int | None = None  # default: min(model's max_position_embeddings, 2048)
     page_size: int = 16

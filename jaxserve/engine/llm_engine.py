@@ -56,7 +56,8 @@ class LLMEngine:
         self.mesh = make_mesh(config.tensor_parallel_size)
         self.model = loaded or load_model(config.model, dtype=config.jax_dtype, tokenizer=config.tokenizer,
                                           generation_config=config.generation_config, mesh=self.mesh,
-                                          load_format=config.load_format)
+                                          load_format=config.load_format,
+                                          expert_parallel=config.enable_expert_parallel)
         self.tokenizer = self.model.tokenizer
         # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a
         # request leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens

@@ -78,7 +78,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.dtype = engine_config.jax_dtype
         self.mesh = mesh if mesh is not None else make_mesh(engine_config.tensor_parallel_size)
-        self.tp = TensorParallel(self.mesh.size)
+        self.tp = TensorParallel(self.mesh.size, engine_config.enable_expert_parallel)
         self.tp.check(config)
         self.backend = make_attention_backend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
         self.page_size = engine_config.page_size

@@ -19,12 +19,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import AbstractMesh
+
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.distributed.shardings import path_name, spec_from_rules
+from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED, TensorParallel
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.quant_dense import Linear
 
 MAX_TILE_ROWS = 128
+# where the experts' parameters live (`shardings.SPEC_KINDS`; part of each MoE family's table, read here too for
+# the shard_map): split inside each expert like the dense MLP, or by expert under expert parallelism
+SHARDING_RULES: tuple[tuple[str, str], ...] = (
+    (r"experts/(gate_up|gate|up)_proj/kernel$", "expert_columns"),
+    (r"experts/(gate_up|gate|up)_proj/scale$", "expert_vector"),
+    (r"experts/down_proj/kernel$", "expert_rows"),
+    (r"experts/down_proj/scale$", "expert_replicated"),
+    (r"mlp/(router|shared_expert_gate)/", "replicated"),
+)
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -95,47 +107,69 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
     return jax.lax.ragged_dot(x, kernel.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
-class ExpertKernel(nn.Module):
-    """One linear of every expert: `kernel [E, in, out]` (float, or int8 with `scale [E, out]`); returns both."""
-
-    shape: tuple[int, int, int]
-    dtype: Any
-
-    @nn.compact
-    def __call__(self) -> tuple[jax.Array, jax.Array | None]:
-        if self.has_variable("params", "scale"):
-            return self.get_variable("params", "kernel"), self.get_variable("params", "scale")
-        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        return self.param("kernel", init, self.shape, self.dtype), None
-
-
-class Experts(nn.Module):
-    """Every expert's SwiGLU over rows sorted by expert: `gate_up_proj [E, H, 2I]` (each device's gate and up
-    columns together, as the dense MLP's) and `down_proj [E, I, H]`."""
+class ExpertKernels(nn.Module):
+    """Every expert's linears: `{name: {"kernel": [E, in, out], "scale": [E, out] (int8 kernels only)}}` for
+    `gate_up_proj [E, H, 2I]` (each device's gate and up columns together, as the dense MLP's; whole under
+    expert parallelism) and `down_proj [E, I, H]`."""
 
     config: ModelConfig
-    tp: TensorParallel
     dtype: Any
 
     @nn.compact
-    def __call__(self, rows: jax.Array, row_experts: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        cfg, moe, shards = self.config, self.config.moe, self.tp.size
+    def __call__(self) -> dict:
+        cfg, moe = self.config, self.config.moe
+        shapes = {"gate_up_proj": (moe.num_experts, cfg.hidden_size, 2 * moe.intermediate_size),
+                  "down_proj": (moe.num_experts, moe.intermediate_size, cfg.hidden_size)}
+        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        return {name: ExpertLinear(shape, init, self.dtype, name=name)() for name, shape in shapes.items()}
 
-        def linear(x, shape, name):
-            kernel, scale = ExpertKernel(shape, self.dtype, name=name)()
-            y = grouped_matmul(x, kernel, group_sizes)
-            return (y if scale is None else y * scale[row_experts]).astype(self.dtype)
 
-        gate_up = linear(rows, (moe.num_experts, cfg.hidden_size, 2 * moe.intermediate_size), "gate_up_proj")
-        gate, up = jnp.split(gate_up.reshape(rows.shape[0], shards, -1), 2, axis=-1)
-        hidden = (nn.silu(gate) * up).reshape(rows.shape[0], moe.intermediate_size)
-        return linear(hidden, (moe.num_experts, moe.intermediate_size, cfg.hidden_size), "down_proj")
+class ExpertLinear(nn.Module):
+    shape: tuple[int, int, int]
+    initializer: Any
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> dict:
+        if self.has_variable("params", "scale"):
+            return {"kernel": self.get_variable("params", "kernel"), "scale": self.get_variable("params", "scale")}
+        return {"kernel": self.param("kernel", self.initializer, self.shape, self.dtype)}
+
+
+def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, kernels: dict, first_expert,
+                   dtype) -> jax.Array:
+    """Float32 `[T, H]`: each token's outputs of the experts `kernels` holds (`first_expert` onwards; the rest
+    of its experts are other devices'), weighted by its routing weights and summed. Under tensor parallelism the
+    kernels are this device's columns of every expert and the sum is partial over them; either way the devices'
+    results add up to the whole."""
+    num_local = kernels["down_proj"]["kernel"].shape[0]
+    top_k = experts.shape[-1]
+    flat = experts.reshape(-1) - first_expert
+    local = (flat >= 0) & (flat < num_local)
+    key = jnp.where(local, flat, num_local)  # other devices' rows sort last, past every group
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    token_of_row, expert_of_row = order // top_k, jnp.minimum(key[order], num_local - 1)
+
+    def linear(x, name):
+        y = grouped_matmul(x, kernels[name]["kernel"], group_sizes)
+        return (y * kernels[name]["scale"][expert_of_row] if "scale" in kernels[name] else y).astype(dtype)
+
+    gate, up = jnp.split(linear(tokens[token_of_row], "gate_up_proj"), 2, axis=-1)
+    out = linear(nn.silu(gate) * up, "down_proj").astype(jnp.float32)
+    row_weights = jnp.where(local[order], weights.reshape(-1)[order], 0.0)
+    return jnp.zeros(tokens.shape, jnp.float32).at[token_of_row].add(out * row_weights[:, None])
 
 
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward of `config.moe`, `[..., H] -> [..., H]`: the router (float32) picks
     each token's experts, the experts run on the token's rows, their outputs summed by the routing weights; plus
-    the shared expert, gated by a sigmoid, when the model has one."""
+    the shared expert, gated by a sigmoid, when the model has one.
+
+    On several devices the experts run under `shard_map`, each device on its own kernels (`tp`: its columns of
+    every expert, or under expert parallelism its whole experts, computing only the rows routed to them), and one
+    all-reduce of the `[T, H]` partial sums adds them up: the activations are already on every device, so no
+    token has to be sent anywhere first."""
 
     config: ModelConfig
     tp: TensorParallel
@@ -143,19 +177,28 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        cfg, moe = self.config, self.config.moe
+        cfg, moe, tp = self.config, self.config.moe, self.tp
         tokens = x.reshape(-1, cfg.hidden_size)
         logits = Linear(moe.num_experts, dtype=jnp.float32, name="router")(tokens.astype(jnp.float32))
         weights, experts = route(logits, moe.top_k, moe.normalize_top_k)
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token_of_row = order // moe.top_k
-        group_sizes = jnp.bincount(flat, length=moe.num_experts).astype(jnp.int32)
-        out = Experts(cfg, self.tp, self.dtype, name="experts")(tokens[token_of_row], flat[order], group_sizes)
-        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        y = jnp.zeros(tokens.shape, jnp.float32).at[token_of_row].add(weighted)
+        kernels = ExpertKernels(cfg, self.dtype, name="experts")()
+        if tp.size == 1:
+            y = expert_outputs(tokens, weights, experts, kernels, 0, self.dtype)
+        else:
+            per_device = moe.num_experts // tp.size if tp.expert_parallel else 0
+
+            def on_device(tokens, weights, experts, kernels):
+                first = jax.lax.axis_index(MODEL_AXIS) * per_device
+                return jax.lax.psum(expert_outputs(tokens, weights, experts, kernels, first, self.dtype), MODEL_AXIS)
+
+            specs = jax.tree_util.tree_map_with_path(
+                lambda path, _: spec_from_rules("experts/" + path_name(path), SHARDING_RULES, cfg, tp), kernels)
+            mesh = AbstractMesh((tp.size,), (MODEL_AXIS,))  # the engine's mesh: one axis of tp.size devices
+            # check_vma off: the CPU tile loop's zero carry would have to be cast to device-varying by hand
+            y = jax.shard_map(on_device, mesh=mesh, in_specs=(REPLICATED, REPLICATED, REPLICATED, specs),
+                              out_specs=REPLICATED, check_vma=False)(tokens, weights, experts, kernels)
         if moe.shared_expert_size:
-            shared = MLP(cfg.hidden_size, moe.shared_expert_size, self.tp, self.dtype, name="shared_expert")(tokens)
+            shared = MLP(cfg.hidden_size, moe.shared_expert_size, tp, self.dtype, name="shared_expert")(tokens)
             gate = Linear(1, dtype=self.dtype, name="shared_expert_gate")(tokens)
             y = y + jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)
         return y.astype(self.dtype).reshape(x.shape)

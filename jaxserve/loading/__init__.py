@@ -97,18 +97,18 @@ def convert_gguf(gguf_path: str, store_path: Path) -> None:
     logger.info("converted %s -> %s in %.1fs", gguf_path, store_path, time.perf_counter() - started)
 
 
-def restore_gguf_cached(gguf_path: str, store_path: Path, dtype: DTypeLike,
-                        mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+def restore_gguf_cached(gguf_path: str, store_path: Path, dtype: DTypeLike, mesh: Mesh | None = None,
+                        expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
     """Restores the store converted from `gguf_path` onto `mesh`, converting (again) if it is missing, corrupt or
     saved in an older layout."""
     if store_path.exists():
         try:
-            return restore_store(store_path, dtype, mesh)
+            return restore_store(store_path, dtype, mesh, expert_parallel)
         except CorruptCheckpointError as err:
             logger.warning("%s; deleting it and converting again", err)
             shutil.rmtree(store_path)
     convert_gguf(gguf_path, store_path)
-    return restore_store(store_path, dtype, mesh)
+    return restore_store(store_path, dtype, mesh, expert_parallel)
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -150,19 +150,20 @@ def model_config(source: ModelSource) -> ModelConfig:
     return hf_model_config(str(source.weights))
 
 
-def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None,
-                 load_format: str = "auto") -> tuple[ModelConfig, dict]:
-    """`(ModelConfig, params)` of `source`: jax arrays in `dtype` placed on `mesh` (default: one device).
+def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None, load_format: str = "auto",
+                 expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, params)` of `source`: jax arrays in `dtype` placed on `mesh` (default: one device; experts
+    split by expert with `expert_parallel`).
     `load_format`: "auto" reads the weights, "dummy" draws random ones on the devices from the config alone."""
     check_load_format(load_format)
     if load_format == "dummy":
         config = model_config(source)
-        return config, dummy_params(config, dtype, mesh)
+        return config, dummy_params(config, dtype, mesh, expert_parallel=expert_parallel)
     if source.kind == "gguf":
-        return restore_gguf_cached(str(source.weights), source.directory, dtype, mesh)
+        return restore_gguf_cached(str(source.weights), source.directory, dtype, mesh, expert_parallel)
     if source.kind == "store":
-        return restore_store(source.directory, dtype, mesh)
-    return load_hf_checkpoint(str(source.weights), dtype, mesh)
+        return restore_store(source.directory, dtype, mesh, expert_parallel)
+    return load_hf_checkpoint(str(source.weights), dtype, mesh, expert_parallel)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -186,13 +187,15 @@ def model_tokenizer(directory: Path) -> Any:
 
 def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
                tokenizer: str | os.PathLike | None = None, generation_config: str = "auto",
-               mesh: Mesh | None = None, quantization: str | None = None, load_format: str = "auto") -> LoadedModel:
+               mesh: Mesh | None = None, quantization: str | None = None, load_format: str = "auto",
+               expert_parallel: bool = False) -> LoadedModel:
     """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`), placed on `mesh`.
 
     `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file.
     `tokenizer`: a directory whose tokenizer replaces the model's (vLLM's `--tokenizer`).
     `generation_config`: "auto", "vllm" or a directory; see `jaxserve.loading.generation_config`.
     `mesh`: the tensor-parallel device mesh (`distributed.tensor_parallel.make_mesh`); None means one device.
+    `expert_parallel`: a mixture of experts' experts split by expert over the mesh (else inside each expert).
     `quantization`: the engine's weight mode; an AutoAWQ checkpoint loads 4-bit whatever it is (None: as the
     checkpoint says, like vLLM), and "awq" on any other checkpoint is an error (`loading.awq.check_quantization`).
     `load_format`: "auto" (the checkpoint's weights) or "dummy" (random weights drawn on the devices; the model
@@ -206,9 +209,9 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     source = resolve_model(model)
     generation_file = generation_config_file(generation_config, source.directory)
     override_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
-    TensorParallel(mesh.size).check(model_config(source))
+    TensorParallel(mesh.size, expert_parallel).check(model_config(source))
     check_quantization(source.weights, quantization, mesh.size)
-    config, params = load_weights(source, dtype, mesh, load_format)
+    config, params = load_weights(source, dtype, mesh, load_format, expert_parallel)
     generation = read_generation_config(generation_file)
     return LoadedModel(
         name=source.name,

@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name
 from jaxserve.loading.placement import checkpoint_shardings
-from jaxserve.models import checkpoint_shapes, dummy_fan_in
+from jaxserve.models import checkpoint_shapes, dummy_fan_in, group_kind
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: random weights (this module)
 LEVELS_STD = ((256**2 - 1) / 12) ** 0.5  # the standard deviation of the integers 0..255, equally likely
@@ -66,17 +66,18 @@ def random_group(config: ModelConfig, shapes: dict, key: jax.Array) -> dict:
     return treedef.unflatten([random_leaf(config, path_name(path), leaf, k) for (path, leaf), k in zip(leaves, keys)])
 
 
-def dummy_params(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None, seed: int = 0) -> dict:
+def dummy_params(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None, seed: int = 0,
+                 expert_parallel: bool = False) -> dict:
     """Random checkpoint-layout params of `config` in `dtype`, each group drawn on the devices with its sharding
     from the table (one compiled draw serves every decoder layer); ValueError if the heads do not split over
     `mesh`."""
     shapes = checkpoint_shapes(config, dtype)
-    shardings = checkpoint_shardings(config, dtype, mesh)
+    shardings = checkpoint_shardings(config, dtype, mesh, expert_parallel)
     key = jax.random.key(seed)
     draws: dict[str, object] = {}
     params = {}
     for index, (name, group) in enumerate(shapes.items()):
-        kind = "layer" if name.startswith("layers_") else name
+        kind = group_kind(name, config)
         if kind not in draws:
             draws[kind] = jax.jit(functools.partial(random_group, config, group), out_shardings=shardings[name])
         params[name] = draws[kind](jax.random.fold_in(key, index))

@@ -83,7 +83,8 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
     return jax.tree.map(convert, checkpoint_sources(config), checkpoint_shapes(config), is_leaf=is_source)
 
 
-def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | None = None,
+                       expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
     """`(ModelConfig, params)` from a HF checkpoint directory (config.json + safetensors): jax arrays in `dtype`
     placed on `mesh` (default: one device) by the sharding table. The head counts are checked before any read.
     An AutoAWQ checkpoint (config.json's quantization_config) loads with its linears 4-bit (`loading/awq.py`)."""
@@ -91,4 +92,4 @@ def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | No
     quantization = checkpoint_quantization_config(path)
     if quantization is not None and str(quantization.get("quant_method", "")).lower() == "awq":
         return config, load_awq_checkpoint(path, config, quantization, dtype, mesh)
-    return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh), dtype)
+    return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh, expert_parallel), dtype)

@@ -16,14 +16,15 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.layers.quant_dense import cast_floats, serving_weights
-from jaxserve.models import checkpoint_shapes, fuse_layer, param_shardings
+from jaxserve.models import checkpoint_shapes, fuse_layer, group_kind, param_shardings
 
 
-def checkpoint_shardings(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None) -> dict:
-    """The tree of `NamedSharding`s of `checkpoint_shapes(config, dtype)` on `mesh` (default: one device);
-    ValueError if `config`'s heads cannot be split `mesh.size` ways."""
+def checkpoint_shardings(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None,
+                         expert_parallel: bool = False) -> dict:
+    """The tree of `NamedSharding`s of `checkpoint_shapes(config, dtype)` on `mesh` (default: one device; the
+    experts split by expert with `expert_parallel`); ValueError if `config` cannot be split `mesh.size` ways."""
     mesh = make_mesh(1) if mesh is None else mesh
-    tp = TensorParallel(mesh.size)
+    tp = TensorParallel(mesh.size, expert_parallel)
     tp.check(config)
     return param_shardings(checkpoint_shapes(config, dtype), config, tp, mesh)
 
@@ -33,21 +34,22 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
     """The serving-layout params on `mesh` from the checkpoint-layout tree `params` (numpy or jax arrays, placed
     anywhere; consumed group by group, so the device never holds both copies): floats cast to `dtype`, each
     layer's projections fused on its own devices, and weights quantized as `quantization` says."""
-    def to_serving(kind: str, group: dict) -> dict:
+    def to_serving(layer: bool, group: dict) -> dict:
         group = cast_floats(group, dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
-        group = fuse_layer(group, config, tp) if kind == "layer" else group
+        group = fuse_layer(group, config, tp) if layer else group
         # int8 weights: per output channel, which commutes with fusing's column permutation
         return serving_weights(group, quantization)
 
-    converters: dict[str, object] = {}  # one compiled conversion serves every layer
+    converters: dict[str, object] = {}  # one compiled conversion serves every group of a kind
     serving = {}
     for name in list(params):
         group = params.pop(name)
         group = jax.device_put(group, param_shardings({name: group}, config, tp, mesh)[name])
-        kind = "layer" if name.startswith("layers_") else name
+        kind = group_kind(name, config)
         if kind not in converters:
-            out = jax.eval_shape(functools.partial(to_serving, kind), group)
-            converters[kind] = jax.jit(functools.partial(to_serving, kind),
+            convert = functools.partial(to_serving, name.startswith("layers_"))
+            out = jax.eval_shape(convert, group)
+            converters[kind] = jax.jit(convert,
                                        out_shardings=param_shardings({name: out}, config, tp, mesh)[name])
         serving[name] = converters[kind](group)
         del group  # freed before the next group is placed

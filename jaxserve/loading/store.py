@@ -126,8 +126,8 @@ def check_stored_layout(checkpointer, params_dir: Path, config: ModelConfig) -> 
                                          f"its config implies {shape}")
 
 
-def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32,
-                  mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
+def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32, mesh: Mesh | None = None,
+                  expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
     """`(ModelConfig, params)` from a verified store: jax arrays in `dtype`, placed on `mesh` (default: one device)
     by the sharding table. The head counts are checked against the mesh before any weight is read.
 
@@ -142,7 +142,7 @@ def restore_store(path: str | os.PathLike, dtype: DTypeLike = np.float32,
     path = Path(path).absolute()
     verify_store(path)
     config = read_store_config(path)
-    shardings = checkpoint_shardings(config, dtype, mesh)
+    shardings = checkpoint_shardings(config, dtype, mesh, expert_parallel)
     params = {}
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:

@@ -22,6 +22,7 @@ from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.layers import moe
 from jaxserve.models.spec import TensorSource
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the decoder's linears
@@ -34,11 +35,7 @@ LAYER_MODULES = {"input_norm": "input_layernorm", "post_attention_norm": "post_a
 # with the kernel's output features, replicated where it splits on its input features); AWQ layers' per-group
 # zeros and scales ([in / group, out]) split exactly like their kernel (whole groups per device, `loading/awq.py`).
 SHARDING_RULES: tuple[tuple[str, str], ...] = (
-    (r"experts/(gate_up|gate|up)_proj/kernel$", "expert_columns"),
-    (r"experts/(gate_up|gate|up)_proj/scale$", "expert_vector"),
-    (r"experts/down_proj/kernel$", "expert_rows"),
-    (r"experts/down_proj/scale$", "expert_replicated"),
-    (r"mlp/(router|shared_expert_gate)/", "replicated"),
+    *moe.SHARDING_RULES,
     (r"embed/embedding", "vocab_rows"),
     (r"embed/scale", "vocab_vector"),
     (r"lm_head/kernel", "vocab_columns"),
@@ -174,7 +171,7 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     for name in "qkv":
         del attn[f"{name}_proj"]
     if "experts" in mlp:
-        mlp["experts"] = fuse_gate_up(mlp["experts"], n)
+        mlp["experts"] = fuse_gate_up(mlp["experts"], tp.expert_column_shards)
         if "shared_expert" in mlp:
             mlp["shared_expert"] = fuse_gate_up(mlp["shared_expert"], n)
     else:

@@ -81,6 +81,14 @@ def checkpoint_sources(config: ModelConfig) -> dict:
                                             checkpoint_shapes(config))
 
 
+def group_kind(name: str, config: ModelConfig) -> str:
+    """The kind of the top-level parameter group `name`: groups of one kind have one structure and shapes, so one
+    compiled function (a conversion, a random draw) serves them all. Decoder layers are "layer" or "moe_layer"."""
+    if not name.startswith("layers_"):
+        return name
+    return "moe_layer" if config.layers[int(name.removeprefix("layers_"))].feed_forward == "moe" else "layer"
+
+
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     """One decoder layer's checkpoint-layout params -> serving layout (all their leaves: an AWQ layer's zeros and
     scales too). Jit it with the serving shardings as `out_shardings` and every device builds its own columns."""

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "model needs only its config.json), for timing a model whose weights are absent")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"],
                         help="devices (over all hosts) the weights, heads and KV pages are split over")
+    engine.add_argument("--enable-expert-parallel", action="store_true",
+                        help="a mixture-of-experts model's experts split over those devices by expert (each holds "
+                             "num_experts / N of them); default: every expert split like the dense MLP")
     engine.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="decode slots")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, <= 2048)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"],
@@ -128,6 +131,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, tokenizer=args.tokenizer, generation_config=args.generation_config,
                         load_format=args.load_format,
                         tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
