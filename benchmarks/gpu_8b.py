@@ -1,4 +1,5 @@
-"""An 8B-shaped model served through the real engine (`LLM`), with random weights drawn on the device.
+"""An 8B-shaped model (or another `--shape`: `gpu_check.sh` also serves the Qwen3-30B-A3B mixture of experts) served
+through the real engine (`LLM`), with random weights drawn on the device.
 
 The stand-in is a published model's config alone (`random_model.write_config`, default `llama-3.1-8b`) served
 with `load_format="dummy"`: nothing but the config travels, the weights are drawn in the serving dtype on the
@@ -44,11 +45,12 @@ from benchmarks import common, random_model, roofline, throughput
 from benchmarks.datasets import RequestRecord
 
 NAME = "gpu_8b"
-PUBLISHED = [  # vLLM's published figures for the real model, for comparison only: never measured here
-    {"figure": "decode step, Llama-3.1-8B, one H200, batch 8", "value": "about 6.5 ms", "source": "vLLM CI"},
-    {"figure": "output throughput at saturation, Llama-3.1-8B, one H100", "value": "about 5,300 tok/s",
-     "source": "vLLM published benchmark"},
-]
+PUBLISHED = {  # vLLM's published figures for the real models, for comparison only: never measured here
+    "llama-3.1-8b": [
+        {"figure": "decode step, Llama-3.1-8B, one H200, batch 8", "value": "about 6.5 ms", "source": "vLLM CI"},
+        {"figure": "output throughput at saturation, Llama-3.1-8B, one H100", "value": "about 5,300 tok/s",
+         "source": "vLLM published benchmark"}],
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides = {key: value for key, value in (("num_hidden_layers", args.num_layers),
                                                ("vocab_size", args.vocab_size)) if value is not None}
     payload: dict[str, Any] = {"shape": args.shape, "overrides": overrides, "dtype": args.dtype,
-                               "load_format": "dummy", "published_reference": PUBLISHED, "parts": {}, "skipped": [],
+                               "load_format": "dummy", "published_reference": PUBLISHED.get(args.shape, []), "parts": {}, "skipped": [],
                                "errors": {}}
     path = common.write_result(NAME, payload, args.result_file, argv)
     rng = np.random.default_rng(args.seed)

@@ -4,7 +4,7 @@
 # Installs nothing from the network.  Assumes python3 with jax (CUDA) already
 # installed; extra wheels, if a .whl/ folder exists at the repo root, are
 # installed offline into /tmp/site.  Steps, most important first, each under
-# `timeout` and all inside a ~7 minute budget (BUDGET_S; a step that would start
+# `timeout` and all inside a ~8 minute budget (BUDGET_S; a step that would start
 # with too little time left is skipped, and the 8B stage skips its own later parts):
 #   1. environment: GPU, jax version and devices
 #   2. smoke: both kernels compiled (not interpreted) vs the XLA reference (no pytest needed)
@@ -13,6 +13,7 @@
 #      backend: decode step at batch 1/8/64/256 against the roofline, offline throughput at 64 and 256 requests
 #      in flight (128-token prompts, 128 output tokens), single-stream tok/s, TTFT of a 2,048-token prompt, and
 #      int8 weights and fp8 KV pages against bf16
+#   3b. the MoE stand-in: Qwen3-30B-A3B's shapes the same way (decode step at batch 1/8/64, offline at 64)
 #   4. host overhead: a tiny model's offline run with the host's time per step phase and the device's busy
 #      fraction (`host_overhead.py`), then with detokenization inline and in a second process
 #   5. the default model's shapes (135M, a random-weight HF checkpoint built with torch): decode step against
@@ -21,7 +22,8 @@
 #      (compiled Triton and Mosaic GPU kernels)
 #   7. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
-# gpu_check.log, summary.txt (with the 8B table), gpu-8b.json, gpu-8b.txt, host-overhead-gpu.json,
+# gpu_check.log, summary.txt (with the 8B and MoE tables), gpu-8b.json, gpu-8b.txt, gpu-moe.json, gpu-moe.txt,
+# host-overhead-gpu.json,
 # host-overhead-detok-*.json,
 # roofline-gpu.json, test_kernels.xml, kernels-*.json.
 #
@@ -35,7 +37,7 @@ mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 SUMMARY="$OUT_DIR/summary.txt"
 PY="${PY:-python3}"
-BUDGET_S="${BUDGET_S:-420}"   # whole script, seconds
+BUDGET_S="${BUDGET_S:-500}"   # whole script, seconds
 : >"$SUMMARY"
 exec > >(tee -a "$LOG") 2>&1
 
@@ -119,6 +121,14 @@ limit=$(($(remaining) - 10)); [ "$limit" -gt 270 ] && limit=270
 step "8B stand-in: llama-3.1-8b shapes, random weights, bf16 (gpu_8b.py)" 270 \
     "$PY" benchmarks/gpu_8b.py --result-file "$OUT_DIR/gpu-8b.json" --time-limit-s $((limit - 20))
 [ -f "$OUT_DIR/gpu-8b.txt" ] && cat "$OUT_DIR/gpu-8b.txt" >>"$SUMMARY"
+
+# the mixture of experts: Qwen3-30B-A3B's shapes (128 experts, 8 per token; 61 GB in bf16), decode step and one
+# offline level; no variants
+limit=$(($(remaining) - 10)); [ "$limit" -gt 110 ] && limit=110
+step "MoE stand-in: qwen3-30b-a3b shapes, random weights, bf16 (gpu_8b.py --shape qwen3-30b-a3b)" 110 \
+    "$PY" benchmarks/gpu_8b.py --shape qwen3-30b-a3b --batch-sizes 1 8 64 --concurrency 64 --ttft-repeats 1 \
+    --variants --result-file "$OUT_DIR/gpu-moe.json" --time-limit-s $((limit - 20))
+[ -f "$OUT_DIR/gpu-moe.txt" ] && cat "$OUT_DIR/gpu-moe.txt" >>"$SUMMARY"
 
 step "host overhead: tiny model, async scheduling, batch 1 and 64 (host_overhead.py)" 60 \
     "$PY" benchmarks/host_overhead.py --batch-sizes 1 64 --result-file "$OUT_DIR/host-overhead-gpu.json"

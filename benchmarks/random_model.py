@@ -55,6 +55,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
         attention_bias=False, sliding_window=None, use_sliding_window=False, bos_token_id=151643,
         eos_token_id=151645),
+    "qwen3-30b-a3b": dict(  # 128 experts of 768, 8 per token: 30.5B parameters, 3.3B active
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+        sliding_window=None, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(  # 8 experts of 14336, 2 per token: 46.7B parameters, 12.9B active
+        model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2),
 }
 
 

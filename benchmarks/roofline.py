@@ -6,6 +6,9 @@ Owns:
   bytes = every weight read once (a tied embedding is read whole as the LM head; an untied one only for B
   rows) + the KV cache read (B * C tokens x layers x 2 x kv_heads x head_dim, window-limited for sliding
   layers) + the new K/V written; FLOPs = 2 x matmul params x B + attention 4 x layers x q_heads x head_dim x C x B.
+  A mixture of experts' expert weights count as each token uses them: FLOPs for `top_k` of the `num_experts`
+  per token; bytes for the experts a batch of B tokens is expected to reach, E x (1 - (1 - top_k / E)^B) of
+  each layer's E if routing were uniform (a random model's router is near that; a trained one is less even).
 * `time_decode_step`: the engine's jitted decode step (`llm.llm_engine.runner.decode`) on a filled batch of B
   sequences at context C, with the engine's own batch bucket and page-table width; the K/V tokens the step
   really attends over per sequence are reported (padding beyond C is work the floor does not count).
@@ -81,13 +84,14 @@ class ParamCounts:
     embedding: int  # the input embedding table
     other: int  # norms and the like, read once per step
     tied_embeddings: bool
+    experts: int = 0  # the part of `matmul` in experts' kernels (each token uses top_k / num_experts of it)
 
 
 def param_counts(params: Any) -> ParamCounts:
     """Classifies the loaded parameter tree by path: embedding, norms, matmul weights (kernels and biases)."""
     import jax
 
-    matmul = embedding = other = 0
+    matmul = embedding = other = experts = 0
     has_lm_head = False
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = "/".join(str(getattr(key, "key", key)) for key in path).lower()
@@ -98,10 +102,12 @@ def param_counts(params: Any) -> ParamCounts:
             other += size
         else:
             matmul += size
+            experts += size if "/experts/" in name else 0
             has_lm_head |= "lm_head" in name
     if not has_lm_head:
         matmul += embedding
-    return ParamCounts(matmul=matmul, embedding=embedding, other=other, tied_embeddings=not has_lm_head)
+    return ParamCounts(matmul=matmul, embedding=embedding, other=other, tied_embeddings=not has_lm_head,
+                       experts=experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +131,20 @@ def decode_cost(model_config: Any, counts: ParamCounts, batch: int, context: int
     """FLOPs and bytes of one decode step for `batch` sequences that each attend over `context` tokens."""
     cfg = model_config
     hidden = cfg.hidden_size
-    weights = (counts.matmul + counts.other) * dtype_bytes
+    moe = getattr(cfg, "moe", None)
+    used, reached = 1.0, 1.0  # of the expert weights: the share one token uses, and the share the batch reads
+    if moe is not None:
+        used = moe.top_k / moe.num_experts
+        reached = 1.0 - (1.0 - used) ** batch
+    dense = counts.matmul - counts.experts
+    weights = (dense + counts.experts * reached + counts.other) * dtype_bytes
     if not counts.tied_embeddings:
         weights += batch * hidden * dtype_bytes  # the embedding rows looked up
     windows = cfg.layer_sliding_windows or (None,) * cfg.num_layers
     attended = sum(min(context, window) if window else context for window in windows)  # summed over layers
     kv_read = batch * attended * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     kv_write = batch * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    flops = 2.0 * counts.matmul * batch + 4.0 * cfg.num_q_heads * cfg.head_dim * attended * batch
+    flops = 2.0 * (dense + counts.experts * used) * batch + 4.0 * cfg.num_q_heads * cfg.head_dim * attended * batch
     return DecodeCost(batch=batch, context=context, flops=flops, weight_bytes=float(weights),
                       kv_bytes=float(kv_read + kv_write))
 

@@ -349,6 +349,27 @@ def test_roofline_counts_by_hand():
     assert floor == pytest.approx(2 * (128 * 18 + 80 * 9) / 100.0)
 
 
+def test_roofline_counts_experts_as_tokens_use_them():
+    """A mixture of experts' step: FLOPs for top_k of E experts per token; bytes for the experts the batch
+    reaches (uniform routing)."""
+    from benchmarks import roofline
+    from jaxserve.config import MoEConfig
+
+    class Config:
+        hidden_size, num_layers, num_q_heads, num_kv_heads, head_dim = 8, 1, 2, 1, 4
+        layer_sliding_windows = (None,)
+        moe = MoEConfig(num_experts=4, top_k=1, intermediate_size=2, normalize_top_k=True)
+
+    params = {"embed": {"embedding": np.zeros((10, 8))},
+              "layers_0": {"mlp": {"experts": {"down_proj": {"kernel": np.zeros((4, 2, 8))}},
+                                   "router": {"kernel": np.zeros((8, 4))}}}}
+    counts = roofline.param_counts(params)
+    assert counts.experts == 64 and counts.matmul == 64 + 32 + 80
+    cost = roofline.decode_cost(Config, counts, batch=2, context=1, dtype_bytes=1)
+    assert cost.flops == 2 * (112 + 64 / 4) * 2 + 4 * 2 * 4 * 1 * 2
+    assert cost.weight_bytes == 112 + 64 * (1 - 0.75 ** 2)
+
+
 def test_greedy_agreement_by_hand():
     from benchmarks import compare
 

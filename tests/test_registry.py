@@ -85,3 +85,44 @@ def test_a_parameter_stacked_from_several_tensors(tmp_path, monkeypatch):
     loaded = hf.load_hf_params(str(tmp_path), None, {"w": sharding}, np.float32)["w"]
     assert [shard.data.shape for shard in loaded.addressable_shards] == [(2, 2, 3)] * 2
     np.testing.assert_array_equal(np.asarray(loaded), expected)
+
+
+def test_mixture_of_experts_configs_their_sparse_layers_and_a_store_round_trip():
+    from jaxserve.config import MoEConfig
+
+    qwen2 = tiny_hf_config("qwen2_moe", num_hidden_layers=4)
+    qwen2.decoder_sparse_step, qwen2.mlp_only_layers = 2, [3]  # HF: sparse when (i + 1) % step == 0, unless listed
+    config = config_from_hf(qwen2)
+    assert [layer.feed_forward for layer in config.layers] == ["dense", "moe", "dense", "dense"]
+    assert config.moe == MoEConfig(num_experts=8, top_k=2, intermediate_size=32, normalize_top_k=False,
+                                   shared_expert_size=48)
+    assert config.qkv_bias and not config.qk_norm
+    assert ModelConfig.from_json(config.to_json()) == config
+    mixtral = config_from_hf(tiny_hf_config("mixtral"))
+    assert all(layer.feed_forward == "moe" and layer.sliding_window == 16 for layer in mixtral.layers)
+    assert mixtral.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=32, normalize_top_k=True)
+    qwen3 = config_from_hf(tiny_hf_config("qwen3_moe"))
+    assert qwen3.qk_norm and qwen3.moe.normalize_top_k and qwen3.moe.shared_expert_size == 0
+    gelu = tiny_hf_config("qwen3_moe")
+    gelu.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        config_from_hf(gelu)
+    too_many = tiny_hf_config("mixtral")
+    too_many.num_experts_per_tok = 5
+    with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and the number of experts \\(4\\)"):
+        config_from_hf(too_many)
+
+
+def test_expert_tensors_are_read_stacked_by_their_family_names():
+    mixtral = config_from_hf(tiny_hf_config("mixtral"))
+    source = model_spec("mixtral").checkpoint_source("layers_1/mlp/experts/up_proj/kernel", mixtral)
+    assert source.names == tuple(f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight" for e in range(4))
+    assert source.transposed
+    assert model_spec("mixtral").checkpoint_source("layers_0/mlp/router/kernel", mixtral).names == (
+        "model.layers.0.block_sparse_moe.gate.weight",)
+    qwen2 = config_from_hf(tiny_hf_config("qwen2_moe"))
+    spec = model_spec("qwen2_moe")
+    assert spec.checkpoint_source("layers_0/mlp/shared_expert_gate/kernel", qwen2).names == (
+        "model.layers.0.mlp.shared_expert_gate.weight",)
+    assert spec.checkpoint_source("layers_1/mlp/down_proj/kernel", qwen2).names == (
+        "model.layers.1.mlp.down_proj.weight",)  # the dense layer (mlp_only_layers)
