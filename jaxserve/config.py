@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any, Iterable
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation of each SwiGLU / GeGLU feed-forward
 FEED_FORWARDS = ("dense", "moe")  # per layer: a dense MLP, or the model's mixture of experts (`MoEConfig`)
 
 
@@ -71,6 +72,15 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...] = ()
     attn_logit_softcap: float | None = None  # logits capped as cap * tanh(x / cap) (Gemma 2); None: uncapped
     moe: MoEConfig | None = None  # the experts of the layers whose feed_forward is "moe"
+    # Gemma's decoder: scores scaled by attention_scale (None: head_dim ** -0.5), RMSNorm scales of 1 + w
+    # (norm_offset 1), the gate's activation, the embedding times embedding_scale, norms after attention and
+    # after the feed-forward too (sandwich_norms), final logits capped as cap * tanh(x / cap)
+    attention_scale: float | None = None
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    embedding_scale: float | None = None
+    sandwich_norms: bool = False
+    final_logit_softcap: float | None = None
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -78,6 +88,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:
             raise ValueError(f"ModelConfig has {self.num_layers} layers but {len(self.layers)} LayerSpecs")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if (self.moe is None) != all(layer.feed_forward == "dense" for layer in self.layers):
             raise ValueError("a ModelConfig has a MoEConfig exactly when some layer's feed_forward is 'moe'")
 

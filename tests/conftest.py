@@ -26,7 +26,7 @@ TINY_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text")
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -56,6 +56,17 @@ def tiny_hf_config(family: str, **overrides):
     if family == "mixtral":
         return transformers.MixtralConfig(**{**dims, "intermediate_size": 32}, num_local_experts=4,
                                           num_experts_per_tok=2, sliding_window=16, tie_word_embeddings=False)
+    # Gemma: 4 layers, sliding and global alternating (Gemma 3: two sliding per global, a local rope base, linear
+    # scaling on the global layers); windows shorter than the prompts; soft-caps low enough to bind
+    if family == "gemma2":
+        return transformers.Gemma2Config(**{**dims, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=24,
+                                         sliding_window=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            **{**dims, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+            sliding_window_pattern=3, rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
     raise ValueError(family)
 
 

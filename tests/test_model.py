@@ -11,12 +11,13 @@ import pytest
 import torch
 import transformers
 
+from jaxserve import LLM, SamplingParams
 from jaxserve.layers.attention import AttentionMetadata, make_attention_backend
 from jaxserve.loading import load_model
 from jaxserve.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import forward, fuse_params
 from jaxserve.models.hf_config import rope_parameters
-from tests.conftest import TINY_FAMILIES, save_tiny_model
+from tests.conftest import TINY_FAMILIES, random_prompts, save_tiny_model
 
 FAMILIES = TINY_FAMILIES
 PAGE_SIZE = 8
@@ -55,6 +56,27 @@ def hf_logits(hf_model, token_ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
     assert_matches_transformers(tiny_model_dirs[family], family)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text"])
+def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs,
+                                                                                              family):
+    path = tiny_model_dirs[family]
+    shared = random_prompts(1, 500, 24, 24, seed=11)[0]
+    prompts = random_prompts(5, 500, 20, 60, seed=12) + [shared + tail for tail in random_prompts(3, 500, 2, 9, seed=13)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(path, max_num_seqs=8, max_model_len=128, page_size=8, num_kv_pages=30, max_num_batched_tokens=32,
+              warmup=False)
+    ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref, (family, len(prompt))
 
 
 def test_yarn_rope_matches_transformers(tmp_path):

@@ -125,27 +125,6 @@ def test_int8_experts_are_quantized_per_expert_and_channel_and_the_router_stays_
     assert float(jnp.abs(ours - ref).max() / jnp.abs(ref).max()) < 0.02
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
-def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs,
-                                                                                              family):
-    path = tiny_model_dirs[family]
-    shared = random_prompts(1, 500, 24, 24, seed=11)[0]
-    prompts = random_prompts(5, 500, 20, 60, seed=12) + [shared + tail for tail in random_prompts(3, 500, 2, 9, seed=13)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(path, max_num_seqs=8, max_model_len=128, page_size=8, num_kv_pages=30, max_num_batched_tokens=32,
-              warmup=False)
-    ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                              use_tqdm=False)]
-    stats = llm.llm_engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for prompt, tokens in zip(prompts, ours):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == ref, (family, len(prompt))
-
-
 def test_expert_parallel_and_tensor_parallel_on_four_devices_match_one_device(tiny_model_dirs):
     """Qwen2-MoE (a shared expert, a dense layer) on 4 devices: experts split inside each expert (the default)
     or by expert (each device holds 2 of the 8), int8 experts with their scales split alike; greedy tokens

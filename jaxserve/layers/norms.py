@@ -10,14 +10,19 @@ import jax.numpy as jnp
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last axis, computed in float32, scaled by a learned `scale` (init 1)."""
+    """Root-mean-square norm over the last axis, computed in float32, scaled by a learned `scale` (init 1):
+    the normed value cast to `dtype`, then scaled (Llama's order); with `offset` (Gemma's `1 + w`) scaled by
+    `offset + scale` in float32, then cast (Gemma's)."""
 
     eps: float
     dtype: Any
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + scale.astype(jnp.float32))).astype(self.dtype)
         return scale * normed.astype(self.dtype)

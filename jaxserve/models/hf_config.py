@@ -15,7 +15,15 @@ def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] 
     """`(rope_theta, rope_scaling)` from a transformers config, in the v4 (`rope_theta`, `rope_scaling`) or v5
     (`rope_parameters`) spelling; scaling None for the default rope, else its sorted items with `rope_type`."""
     rope_params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    rope_theta = rope_params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    return parse_rope(rope_params, getattr(hf_config, "rope_theta", None), hf_config.max_position_embeddings)
+
+
+def parse_rope(rope_params: dict, default_theta: float | None,
+               max_position_embeddings: int) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """`rope_parameters`' content (one dict: the model's, or one layer type's) as `(rope_theta, rope_scaling)`;
+    ValueError naming a rope this code cannot compute."""
+    rope_params = dict(rope_params)
+    rope_theta = rope_params.pop("rope_theta", None) or default_theta or 10000.0
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; jaxserve supports {SUPPORTED_ROPE_TYPES}")
@@ -28,7 +36,7 @@ def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] 
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs rope parameter {missing[0]!r}")
     if rope_type == "yarn" and rope_params.get("factor") is None:  # transformers: the ratio of the two lengths
-        rope_params["factor"] = hf_config.max_position_embeddings / rope_params["original_max_position_embeddings"]
+        rope_params["factor"] = max_position_embeddings / rope_params["original_max_position_embeddings"]
     rope_params["rope_type"] = rope_type
     rope_params.pop("type", None)
     return float(rope_theta), tuple(sorted(rope_params.items()))

@@ -40,13 +40,15 @@ def parse_config(hf_config: Any) -> ModelConfig:
 
 
 def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, moe: MoEConfig | None = None,
-                   sparse_layers: tuple[bool, ...] = ()) -> ModelConfig:
-    """The `ModelConfig` of a Llama-shaped decoder (this module's, and the mixture-of-experts families that swap
-    its MLP for experts in the `sparse_layers`); ValueError naming a field this decoder cannot compute."""
-    activation = getattr(hf_config, "hidden_act", "silu")
-    if activation != "silu":
-        raise ValueError(f"hidden_act {activation!r} is not supported for model_type {hf_config.model_type!r} "
-                         "(jaxserve computes its SwiGLU with silu)")
+                   sparse_layers: tuple[bool, ...] = (), activation: str | None = None) -> ModelConfig:
+    """The `ModelConfig` of a Llama-shaped decoder (this module's, the mixture-of-experts families that swap its
+    MLP for experts in the `sparse_layers`, Gemma's); ValueError naming a field this decoder cannot compute.
+    `activation`: the family's (`config.ACTIVATIONS`), else `hidden_act`, which must be silu."""
+    if activation is None:
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported for model_type "
+                             f"{hf_config.model_type!r} (jaxserve computes its SwiGLU with silu)")
+        activation = "silu"
     rope_theta, rope_scaling = hf.rope_parameters(hf_config)
     num_layers = hf_config.num_hidden_layers
     sparse_layers = sparse_layers or (False,) * num_layers
@@ -70,6 +72,7 @@ def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, moe: MoECon
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         layers=layers,
         moe=moe if any(sparse_layers) else None,
+        activation=activation,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         eos_token_ids=token_ids(hf_config.eos_token_id),
@@ -97,15 +100,16 @@ class Attention(nn.Module):
         k = k.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
         v = v.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
         scaling = self.layer.rope_scaling_dict
         inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling)
         rope_scale = rope_attention_factor(scaling)
         q = apply_rope(q, meta.positions, inv_freq, rope_scale)
         k = apply_rope(k, meta.positions, inv_freq, rope_scale)
         k_pool, v_pool = self.attention.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-        out = self.attention.attend(q, k_pool, v_pool, meta, sm_scale=cfg.head_dim ** -0.5,
+        sm_scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        out = self.attention.attend(q, k_pool, v_pool, meta, sm_scale=sm_scale,
                                     sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap)
         out = out.reshape(batch, num_tokens, cfg.q_size)
         out = Linear(cfg.hidden_size, dtype=self.dtype, in_shards=tp.size, name="o_proj")(out)
@@ -122,14 +126,21 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, k_pool, v_pool, meta):
         cfg = self.config
+
+        def norm(name: str):
+            return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
+
         attn_out, k_pool, v_pool = Attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
-            RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_norm")(x), k_pool, v_pool, meta)
-        x = x + attn_out
+            norm("input_norm")(x), k_pool, v_pool, meta)
         if self.layer.feed_forward == "moe":
             feed_forward = MoE(cfg, self.tp, self.dtype, name="mlp")
         else:
-            feed_forward = MLP(cfg.hidden_size, cfg.intermediate_size, self.tp, self.dtype, name="mlp")
-        return x + feed_forward(RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_norm")(x)), k_pool, v_pool
+            feed_forward = MLP(cfg.hidden_size, cfg.intermediate_size, self.tp, self.dtype, cfg.activation, name="mlp")
+        if cfg.sandwich_norms:  # Gemma: each sublayer's output normed too, "post_attention_norm" on the attention's
+            x = x + norm("post_attention_norm")(attn_out)
+            return x + norm("post_feedforward_norm")(feed_forward(norm("pre_feedforward_norm")(x))), k_pool, v_pool
+        x = x + attn_out
+        return x + feed_forward(norm("post_attention_norm")(x)), k_pool, v_pool
 
 
 def vocab_shards(config: ModelConfig, tp: TensorParallel) -> int:
@@ -151,6 +162,8 @@ class LlamaModel(nn.Module):
         cfg = self.config
         x = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, vocab_shards=vocab_shards(cfg, self.tp),
                       name="embed")(token_ids)
+        if cfg.embedding_scale is not None:  # rounded to the serving dtype first, as transformers rounds it
+            x = x * jnp.asarray(cfg.embedding_scale, self.dtype)
         new_cache = []
         for index, (k_pool, v_pool) in enumerate(kv_cache):
             x, k_pool, v_pool = DecoderLayer(cfg, self.tp, self.attention, cfg.layers[index], self.dtype,
@@ -162,14 +175,17 @@ class LlamaModel(nn.Module):
 def compute_logits(params: dict, config: ModelConfig, x: jax.Array, dtype=jnp.float32,
                    tp: TensorParallel = TensorParallel()) -> jax.Array:
     """Float32 logits `[..., vocab]` of last-layer outputs `x [..., hidden]`: the final norm, then the LM head (the
-    embedding table when tied)."""
-    x = RMSNorm(config.rms_norm_eps, dtype).apply({"params": params["final_norm"]}, x)
+    embedding table when tied), capped when the model caps them."""
+    x = RMSNorm(config.rms_norm_eps, dtype, config.norm_offset).apply({"params": params["final_norm"]}, x)
     if config.tie_word_embeddings:
         embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, vocab_shards=vocab_shards(config, tp))
         logits = embed.apply({"params": params["embed"]}, x, method=Embedding.attend)
     else:
         logits = Linear(config.vocab_size, dtype=dtype).apply({"params": params["lm_head"]}, x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if config.final_logit_softcap is not None:
+        logits = config.final_logit_softcap * jnp.tanh(logits / config.final_logit_softcap)
+    return logits
 
 
 SPEC = ModelSpec(

@@ -29,7 +29,8 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 GLOBAL_TENSORS = {"embed/embedding": "model.embed_tokens.weight", "final_norm/scale": "model.norm.weight",
                   "lm_head/kernel": "lm_head.weight"}
 LAYER_MODULES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-                 "attn": "self_attn", "mlp": "mlp"}
+                 "pre_feedforward_norm": "pre_feedforward_layernorm",
+                 "post_feedforward_norm": "post_feedforward_layernorm", "attn": "self_attn", "mlp": "mlp"}
 # (pattern on "group/module/leaf", `shardings.SPEC_KINDS` name); the first match wins. Both layouts: the checkpoint's
 # q/k/v, gate/up and the serving layout's fused qkv_proj, gate_up_proj. int8 scales are per output channel (split
 # with the kernel's output features, replicated where it splits on its input features); AWQ layers' per-group
@@ -133,8 +134,11 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
         if cfg.qk_norm:
             attn |= {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)}
         mlp = experts() if spec.feed_forward == "moe" else swiglu(cfg.intermediate_size)
-        return {"input_norm": norm(cfg.hidden_size), "attn": attn, "post_attention_norm": norm(cfg.hidden_size),
-                "mlp": mlp}
+        group = {"input_norm": norm(cfg.hidden_size), "attn": attn, "post_attention_norm": norm(cfg.hidden_size),
+                 "mlp": mlp}
+        if cfg.sandwich_norms:
+            group |= {"pre_feedforward_norm": norm(cfg.hidden_size), "post_feedforward_norm": norm(cfg.hidden_size)}
+        return group
 
     params = {"embed": {"embedding": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype)}}
     params |= {f"layers_{i}": layer(spec) for i, spec in enumerate(cfg.layers)}
