@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

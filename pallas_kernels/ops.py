@@ -22,6 +22,7 @@ def paged_attention(
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     k_scales: jax.Array | None = None,
@@ -43,6 +44,8 @@ def paged_attention(
       sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
       sliding_window: if set, keys at positions ``< length - sliding_window``
         are masked (Mistral-style), and the tiles before the window are skipped.
+      soft_cap: if set, scaled logits are capped as ``soft_cap * tanh(x / soft_cap)``
+        (Gemma 2's attention-logit soft-cap).
       pages_per_compute_block: pages per KV tile (a power of two, tile >= 16
         tokens); default 128 tokens (64 for float32 K/V).
       num_splits: split-K partitions of the page table, merged by log-sum-exp;
@@ -78,6 +81,7 @@ def paged_attention(
         v_scales=v_scales,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
         pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits,
         interpret=interpret,
@@ -95,6 +99,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     pages_per_compute_block: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
@@ -113,8 +118,8 @@ def ragged_paged_attention(
       page_indices: int32[max_seqs, pages_per_seq].
       cu_q_lens: int32[max_seqs + 1], cumulative query lengths.
       num_seqs: int32[1] or scalar, active sequences.
-      sm_scale, sliding_window, pages_per_compute_block, k_scales, v_scales,
-      interpret: as for ``paged_attention``.  Query ``i`` of sequence ``s`` sits
+      sm_scale, sliding_window, soft_cap, pages_per_compute_block, k_scales,
+      v_scales, interpret: as for ``paged_attention``.  Query ``i`` of sequence ``s`` sits
         at position ``kv_lens[s] - q_len_s + i`` and sees keys at positions
         ``<= `` its own (and ``> position - sliding_window`` when set).
 
@@ -139,6 +144,7 @@ def ragged_paged_attention(
         v_scales=v_scales,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
         pages_per_compute_block=pages_per_compute_block,
         interpret=interpret,
     )

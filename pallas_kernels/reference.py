@@ -30,7 +30,12 @@ def _gather_kv(
     return kv.reshape(kv_heads, rows, pages_per_seq * page_size, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+def cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Gemma 2's attention-logit soft-cap, ``soft_cap * tanh(logits / soft_cap)``; no cap when None."""
+    return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -42,6 +47,7 @@ def paged_attention_reference(
     v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Decode attention, same contract as ``pallas_kernels.paged_attention``."""
     batch, num_q_heads, head_dim = q.shape
@@ -59,7 +65,7 @@ def paged_attention_reference(
         valid &= pos[None, :] >= lengths[:, None] - sliding_window
 
     qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, head_dim)
-    logits = jnp.einsum("bhgd,hbkd->bhgk", qg, k, precision=lax.Precision.HIGHEST) * scale
+    logits = cap(jnp.einsum("bhgd,hbkd->bhgk", qg, k, precision=lax.Precision.HIGHEST) * scale, soft_cap)
     mask = valid[:, None, None, :]
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -72,7 +78,7 @@ def paged_attention_reference(
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -86,6 +92,7 @@ def ragged_paged_attention_reference(
     v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Ragged prefill/extend attention, same contract as ``pallas_kernels.ragged_paged_attention``.
 
@@ -117,7 +124,7 @@ def ragged_paged_attention_reference(
         if sliding_window is not None:
             valid &= key_pos[None, :] > q_pos[:, None] - sliding_window
         valid &= mine[:, None]  # [tokens, keys]
-        logits = jnp.einsum("thgd,hkd->thgk", qg, k, precision=lax.Precision.HIGHEST) * scale
+        logits = cap(jnp.einsum("thgd,hkd->thgk", qg, k, precision=lax.Precision.HIGHEST) * scale, soft_cap)
         mask = valid[:, None, None, :]
         logits = jnp.where(mask, logits, -jnp.inf)
         row_max = jnp.max(logits, axis=-1, keepdims=True)

@@ -249,7 +249,7 @@ def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, tiny_llama_dir, ca
 def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model_dirs):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 40, seed=16)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for family in ("mistral",):  # sliding window (16) and GQA through both kernels
+    for family in ("gemma2",):  # sliding window (16), GQA and the attention soft-cap through both kernels
         options = dict(ENGINE_OPTIONS, max_num_seqs=4, decode_batch_buckets=(4,),
                        max_model_len=64)
         xla = LLM(tiny_model_dirs[family], attention_backend="xla", **options)

@@ -67,21 +67,25 @@ def _sequence_kv(pages: np.ndarray, table_row: np.ndarray, length: int) -> np.nd
     return kv.reshape(pages.shape[0], owned * page_size, pages.shape[3])[:, :length]
 
 
-def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, scale: float):
-    """q [rows, D], k/v [keys, D], allowed bool[rows, keys] -> [rows, D]; empty rows -> 0."""
+def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, scale: float,
+                    soft_cap: float | None = None):
+    """q [rows, D], k/v [keys, D], allowed bool[rows, keys] -> [rows, D]; empty rows -> 0; logits capped as
+    soft_cap * tanh(x / soft_cap) when given."""
     out = np.zeros((q.shape[0], v.shape[1]))
     for r in range(q.shape[0]):
         keys = np.nonzero(allowed[r])[0]
         if keys.size == 0:
             continue
         logits = (k[keys] @ q[r]) * scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
         p = np.exp(logits - logits.max())
         out[r] = (p / p.sum()) @ v[keys]
     return out
 
 
 def numpy_decode_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
-                           sliding_window=None, k_scales=None, v_scales=None) -> np.ndarray:
+                           sliding_window=None, k_scales=None, v_scales=None, soft_cap=None) -> np.ndarray:
     q = np.asarray(q, np.float64)
     batch, num_q_heads, head_dim = q.shape
     k_all = _dequantize(np.asarray(k_pages), k_scales)
@@ -101,13 +105,13 @@ def numpy_decode_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
         for h in range(kv_heads):
             rows = slice(h * group, (h + 1) * group)
             out[b, rows] = _softmax_attend(
-                q[b, rows], k[h], v[h], np.broadcast_to(allowed, (group, length)), scale
+                q[b, rows], k[h], v[h], np.broadcast_to(allowed, (group, length)), scale, soft_cap
             )
     return out
 
 
 def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale=None, sliding_window=None, k_scales=None, v_scales=None):
+                           sm_scale=None, sliding_window=None, k_scales=None, v_scales=None, soft_cap=None):
     q = np.asarray(q, np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
     k_all = _dequantize(np.asarray(k_pages), k_scales)
@@ -131,7 +135,8 @@ def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         for h in range(kv_heads):
             for g in range(group):
                 head = h * group + g
-                out[start:end, head] = _softmax_attend(q[start:end, head], k[h], v[h], allowed, scale)
+                out[start:end, head] = _softmax_attend(q[start:end, head], k[h], v[h], allowed, scale,
+                                                       soft_cap)
     return out
 
 
@@ -343,6 +348,22 @@ def test_decode_sliding_window(window, splits):
     assert_close(out, expected, "float32", f"decode window {window}")
 
 
+@pytest.mark.parametrize("dtype,int8", [("float32", False), ("bfloat16", True)])
+def test_decode_soft_cap(dtype, int8):
+    """Gemma 2's attention-logit soft-cap, binding (large logits, cap 2), split-K, poisoned pools."""
+    rng = np.random.default_rng(11)
+    lengths = [1, 9, 40, 0, 64]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=8, int8=int8)
+    q = jnp.asarray(4 * rng.standard_normal((len(lengths), 4, 64)), dtype)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices), soft_cap=2.0,
+        pages_per_compute_block=2, num_splits=3, interpret=INTERPRET, poison_output=True, **kv.device(dtype))
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, soft_cap=2.0, **kv.host(dtype))
+    uncapped = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, **kv.host(dtype))
+    assert np.abs(uncapped - expected).max() > 0.1  # the cap binds
+    assert_close(out, expected, dtype, "decode soft-cap")
+
+
 def test_decode_all_empty_and_sm_scale():
     rng = np.random.default_rng(3)
     kv = make_paged_kv(rng, [0, 0, 0], kv_heads=1, head_dim=64, page_size=16, pages_per_seq=4)
@@ -463,6 +484,22 @@ def test_ragged_matches_float64_reference(seqs, group, kv_heads, head_dim, page_
     assert_close(out, expected, dtype, "ragged")
     used = int(inp["cu_q_lens"][len(seqs)])
     assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
+
+
+@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 20)])
+def test_ragged_soft_cap(dtype, window):
+    """The soft-cap through the ragged kernel: binding, mixed prefill/decode rows, poisoned pools and tail."""
+    rng = np.random.default_rng(12)
+    inp = make_ragged(rng, MIXED, kv_heads=2, group=2, head_dim=64, page_size=16, dtype=dtype)
+    kv, q = inp["kv"], inp["q"] * 4
+    out = triton_ragged.ragged_paged_attention(
+        q, kv_lens=jnp.asarray(inp["kv_lens"]), page_indices=jnp.asarray(kv.page_indices),
+        cu_q_lens=jnp.asarray(inp["cu_q_lens"]), num_seqs=jnp.asarray(inp["num_seqs"]), sliding_window=window,
+        soft_cap=2.0, pages_per_compute_block=1, interpret=INTERPRET, poison_output=True, **kv.device(dtype))
+    expected = numpy_ragged_reference(np.asarray(q, np.float64), kv_lens=inp["kv_lens"], cu_q_lens=inp["cu_q_lens"],
+                                      num_seqs=inp["num_seqs"], sliding_window=window, soft_cap=2.0,
+                                      **kv.host(dtype))
+    assert_close(out, expected, dtype, "ragged soft-cap")
 
 
 @pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 20)])

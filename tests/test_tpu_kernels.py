@@ -42,13 +42,13 @@ def make_rows(rng, rows, num_tokens, *, kv_heads, group, head_dim, page_size, dt
     return jnp.asarray(q, dtype), np.asarray(contexts, np.int32), np.asarray(q_lens, np.int32), kv
 
 
-def reference(q, contexts, q_lens, kv, dtype, window):
+def reference(q, contexts, q_lens, kv, dtype, window, soft_cap=None):
     """The float64 ragged reference on the real tokens, put back in the padded layout (zeros elsewhere)."""
     q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
     flat = np.concatenate([q[b, :n] for b, n in enumerate(q_lens)])
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     ragged = numpy_ragged_reference(flat, kv_lens=contexts, cu_q_lens=cu, num_seqs=np.asarray([len(q_lens)]),
-                                    sliding_window=window, **kv.host(dtype))
+                                    sliding_window=window, soft_cap=soft_cap, **kv.host(dtype))
     out = np.zeros_like(q)
     for b, n in enumerate(q_lens):
         out[b, :n] = ragged[cu[b]:cu[b + 1]]
@@ -96,6 +96,22 @@ def test_ragged_matches_float64_reference(group, kv_heads, head_dim, page_size, 
                                  **kv.device(dtype))
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, reference(q, contexts, q_lens, kv, dtype, window), q_lens, dtype, "ragged")
+
+
+@pytest.mark.parametrize("dtype,window,quantized", [("float32", None, None), ("bfloat16", 12, "int8")])
+def test_ragged_soft_cap_matches_float64_reference(dtype, window, quantized):
+    """Gemma 2's attention-logit soft-cap (cap 2, binding: logits of 4x-scaled queries), poisoned pools."""
+    rng = np.random.default_rng(21)
+    rows = mixed_rows(8, 8)
+    q, contexts, q_lens, kv = make_rows(rng, rows, 8, kv_heads=2, group=2, head_dim=64, page_size=8, dtype=dtype,
+                                        int8=quantized == "int8")
+    q = q * 4
+    out = ragged_paged_attention(q, context_lens=jnp.asarray(contexts), query_lens=jnp.asarray(q_lens),
+                                 page_tables=jnp.asarray(kv.page_indices), sliding_window=window, soft_cap=2.0,
+                                 pages_per_block=2, interpret=INTERPRET, **kv.device(dtype))
+    expected = reference(q, contexts, q_lens, kv, dtype, window, soft_cap=2.0)
+    assert np.abs(expected - reference(q, contexts, q_lens, kv, dtype, window)).max() > 0.1  # the cap binds
+    assert_matches(out, expected, q_lens, dtype, "ragged soft-cap")
 
 
 def run_detecting_races(run):
@@ -179,10 +195,11 @@ def test_kernels_reject_bad_arguments():
         write_to_pages((pages,), (jnp.zeros((2, 3, 32)),), jnp.zeros((3,), jnp.int32), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_engine_greedy_tokens_match_xla(tiny_model_dirs, family):
     """Whole models on the interpreted TPU kernels: chunked prefills (16-token budget) run between the decode
-    steps of earlier requests; Mistral's sliding window (16) is shorter than its sequences."""
+    steps of earlier requests; Gemma 2's sliding window (16, every other layer) is shorter than its sequences,
+    and it caps its attention logits."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 30, seed=17)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     options = dict(max_num_seqs=2, decode_batch_buckets=(2,), max_model_len=64, page_size=8,

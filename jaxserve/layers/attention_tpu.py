@@ -16,7 +16,7 @@ import dataclasses
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.layers.paged_kv import AttentionMetadata, QuantizedPages, quantize_kv, reject_soft_cap, split_quantized
+from jaxserve.layers.paged_kv import AttentionMetadata, QuantizedPages, quantize_kv, split_quantized
 from pallas_kernels.tpu import ragged_paged_attention, write_to_pages
 
 
@@ -54,9 +54,8 @@ class MosaicTpuAttention:
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-        reject_soft_cap(self.name, soft_cap)
         k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
         # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
         return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
-                                      sm_scale=sm_scale, sliding_window=sliding_window,
+                                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                       interpret=self.interpret_params(), **scales)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxserve.layers.paged_kv import AttentionMetadata, reject_soft_cap, scatter_kv, split_quantized
+from jaxserve.layers.paged_kv import AttentionMetadata, scatter_kv, split_quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,19 +34,20 @@ class TritonAttention:
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-        reject_soft_cap(self.name, soft_cap)
         k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
         batch, num_tokens = q.shape[:2]
         if num_tokens == 1:
             out = pallas_kernels.paged_attention(q[:, 0], k_pool, v_pool, meta.context_lens, meta.page_tables,
                                                  sm_scale=sm_scale, sliding_window=sliding_window,
+                                                 soft_cap=soft_cap,
                                                  interpret=self.interpret, **scales)
             return out[:, None]
         query_lens = jnp.clip(meta.query_lens, 0, num_tokens).astype(jnp.int32)
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
         out = pallas_kernels.ragged_paged_attention(
             to_ragged(q, cu_q_lens), k_pool, v_pool, meta.context_lens, meta.page_tables, cu_q_lens,
-            jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, interpret=self.interpret, **scales)
+            jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=self.interpret, **scales)
         return from_ragged(out, cu_q_lens, query_lens, num_tokens)
 
 

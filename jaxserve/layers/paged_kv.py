@@ -106,10 +106,3 @@ def scatter_kv(k_pool, v_pool, k, v, slot_mapping, *, kv_cache_dtype: str = "aut
             scales=pool.scales.reshape(flat_shape[:2]).at[:, slots].set(scales).reshape(pool.shape[:3]))
 
     return scatter(k_pool, k_new), scatter(v_pool, v_new)
-
-
-def reject_soft_cap(backend: str, soft_cap: float | None) -> None:
-    """ValueError for a soft-capped model on a backend whose kernels cannot cap the logits yet."""
-    if soft_cap is not None:
-        raise ValueError(f"attention_backend {backend!r} does not support an attention-logit soft-cap "
-                         f"(got {soft_cap}); use attention_backend='xla'")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.config import LayerSpec, ModelConfig
+from jaxserve.config import ModelConfig
 from jaxserve.models import hf_config as hf
 from jaxserve.models import llama
 

@@ -38,7 +38,7 @@ def query_block_tokens(num_tokens: int, group: int) -> int:
     return tokens
 
 
-def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm_scale, sliding_window,
+def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap,
             group, query_tokens, page_size, pages_per_block, pages_per_row, quantized):
     if quantized:
         k_scales_hbm, v_scales_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
@@ -106,6 +106,8 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
             scores = scores * sm_scale
             if quantized:
                 scores = scores * ks_buf[slot]
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
             visible = (key_pos <= q_pos) & in_context & real
             if sliding_window is not None:
                 visible &= key_pos > q_pos - sliding_window
@@ -132,12 +134,13 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "pages_per_block", "query_tokens",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block", "query_tokens",
                                              "interpret"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, context_lens: jax.Array,
                            query_lens: jax.Array, page_tables: jax.Array, *, k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None, sm_scale: float | None = None,
-                           sliding_window: int | None = None, pages_per_block: int | None = None,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           pages_per_block: int | None = None,
                            query_tokens: int | None = None, interpret: pltpu.InterpretParams | None = None
                            ) -> jax.Array:
     """Causal attention of each row's new tokens over its paged K/V (already holding those tokens).
@@ -153,6 +156,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       page_tables: int32 [B, pages_per_row]; entries past a row's `ceil(context / page_size)` are not read.
       sm_scale: logit scale, default 1 / sqrt(head_dim).
       sliding_window: if set, query at position p sees keys at positions > p - sliding_window only.
+      soft_cap: if set, scaled scores are capped as soft_cap * tanh(s / soft_cap) (Gemma 2).
       pages_per_block: pages per KV block (default: `TARGET_BLOCK_TOKENS` keys, at most the table's width).
       query_tokens: query tokens per grid cell, dividing T (default `query_block_tokens`).
       interpret: `pltpu.InterpretParams()` to run in Pallas' TPU interpreter (any backend), None on a TPU.
@@ -198,7 +202,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         scratch += [pltpu.VMEM((2, 1, block_tokens), jnp.float32)] * 2
     scratch.append(pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)))
     kernel = functools.partial(
-        _kernel, sm_scale=scale, sliding_window=sliding_window, group=group, query_tokens=query_tokens,
+        _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group, query_tokens=query_tokens,
         page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized)
     out = pl.pallas_call(
         kernel,

@@ -89,8 +89,10 @@ def attend_kv_tile(
     k_scales_ref: Any | None,
     v_scales_ref: Any | None,
     sm_scale: float,
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One online-softmax step over a KV tile of ``len(page_ids)`` whole pages.
+    """One online-softmax step over a KV tile of ``len(page_ids)`` whole pages; with ``soft_cap`` the scaled
+    logits are capped as ``soft_cap * tanh(logit / soft_cap)`` (Gemma 2) before the mask.
 
     q: [rows, D] in the compute dtype; page_ids: int32[pages] (physical pages of
     the tile, in order); key_in_range: bool[tile] (the key slot holds real data
@@ -113,7 +115,10 @@ def attend_kv_tile(
     if k_scales_ref is not None:
         k_scale = k_scales_ref[page_ids].reshape(tile)
         logits = logits * k_scale[None, :]
-    logits = jnp.where(allowed, logits * sm_scale, MASK_VALUE)
+    logits = logits * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(allowed, logits, MASK_VALUE)
 
     m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
     correction = jnp.exp(m_prev - m_next)

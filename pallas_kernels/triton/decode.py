@@ -34,6 +34,7 @@ def _decode_kernel(
     page_size: int,
     sm_scale: float,
     sliding_window: int | None,
+    soft_cap: float | None,
     quantized: bool,
     num_aliased: int,
 ) -> None:
@@ -78,6 +79,7 @@ def _decode_kernel(
             k_scales_ref=k_scales_ref,
             v_scales_ref=v_scales_ref,
             sm_scale=sm_scale,
+            soft_cap=soft_cap,
         )
 
     state = lax.fori_loop(tile_lo, tile_hi, body, common.init_softmax_state(rows, q.shape[1]))
@@ -92,6 +94,7 @@ def _decode_kernel(
     static_argnames=(
         "sm_scale",
         "sliding_window",
+        "soft_cap",
         "pages_per_compute_block",
         "num_splits",
         "num_warps",
@@ -111,6 +114,7 @@ def paged_attention(
     v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -192,6 +196,7 @@ def paged_attention(
         page_size=page_size,
         sm_scale=scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
         quantized=quantized,
         num_aliased=num_aliased,
     )

@@ -39,6 +39,7 @@ def _ragged_kernel(
     page_size: int,
     sm_scale: float,
     sliding_window: int | None,
+    soft_cap: float | None,
     quantized: bool,
     num_aliased: int,
 ) -> None:
@@ -97,6 +98,7 @@ def _ragged_kernel(
             k_scales_ref=k_scales_ref,
             v_scales_ref=v_scales_ref,
             sm_scale=sm_scale,
+            soft_cap=soft_cap,
         )
 
     state = lax.fori_loop(tile_lo, tile_hi, body, common.init_softmax_state(rows, head_dim))
@@ -111,6 +113,7 @@ def _ragged_kernel(
     static_argnames=(
         "sm_scale",
         "sliding_window",
+        "soft_cap",
         "pages_per_compute_block",
         "num_warps",
         "num_stages",
@@ -131,6 +134,7 @@ def ragged_paged_attention(
     v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     pages_per_compute_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -211,6 +215,7 @@ def ragged_paged_attention(
         page_size=page_size,
         sm_scale=scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
         quantized=quantized,
         num_aliased=num_aliased,
     )
