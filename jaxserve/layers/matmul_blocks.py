@@ -23,11 +23,11 @@ def block_budget(rows: int) -> int:
     return BLOCK_BYTES[rows > 16]
 
 
-def num_blocks(length: int, other: int, itemsize: int, rows: int) -> int:
+def num_blocks(length: int, other: int, itemsize: int, rows: int, budget: int | None = None) -> int:
     """How many equal blocks to cut `length` rows of `other` columns into: the fewest whose float size is at
-    most the block budget (for a matmul of `rows` activation rows), at most MAX_BLOCKS (the count must divide
-    `length`)."""
-    fewest = -(-length * other * itemsize // block_budget(rows))
+    most the block budget (`budget` bytes, default that of a matmul of `rows` activation rows), at most
+    MAX_BLOCKS (the count must divide `length`)."""
+    fewest = -(-length * other * itemsize // (budget or block_budget(rows)))
     for blocks in range(max(1, fewest), min(length, MAX_BLOCKS) + 1):
         if length % blocks == 0:
             return blocks

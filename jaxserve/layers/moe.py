@@ -24,10 +24,12 @@ from jax.sharding import AbstractMesh
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED, TensorParallel
+from jaxserve.layers import matmul_blocks
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.quant_dense import Linear
 
 MAX_TILE_ROWS = 128
+EXPERT_BLOCK_BYTES = 1 << 20  # float bytes of one expert-kernel block in the CPU loop (benchmarks/RESULTS.md)
 # where the experts' parameters live (`shardings.SPEC_KINDS`; part of each MoE family's table, read here too for
 # the shard_map): split inside each expert like the dense MLP, or by expert under expert parallelism
 SHARDING_RULES: tuple[tuple[str, str], ...] = (
@@ -75,20 +77,31 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, rows: int) -> tuple[jax
 
 def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """`grouped_matmul` as a loop over `tile_schedule`'s tiles: each tile is `rows` rows of `x` times one expert's
-    kernel (converted to `x.dtype` tile by tile when int8), written to the rows of its group only."""
+    kernel, written to the rows of its group only. The kernel is read in cache-sized blocks of its input rows
+    (`matmul_blocks`), each sliced (and converted to `x.dtype` when int8) on its own: XLA:CPU copies a dynamic
+    slice before a dot reads it, so slicing the whole expert would write and read it once more."""
     num_rows, fan_in = x.shape
     num_groups, _, fan_out = kernel.shape
     rows = tile_rows(num_rows, num_groups)
     padded = -(-num_rows // rows) * rows
-    xp = jnp.pad(x, ((0, padded - num_rows), (0, 0)))
+    blocks = matmul_blocks.num_blocks(fan_in, fan_out, jnp.dtype(x.dtype).itemsize, rows, EXPERT_BLOCK_BYTES)
+    block = fan_in // blocks
+    xp = jnp.pad(x, ((0, padded - num_rows), (0, 0))).reshape(padded, blocks, block)
+    kb = kernel.reshape(num_groups, blocks, block, fan_out)
     num_tiles, tile_group, tile_block = tile_schedule(group_sizes, num_rows, rows)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
 
     def tile(t, out):
         group, first = tile_group[t], tile_block[t] * rows
-        w = jax.lax.dynamic_index_in_dim(kernel, group, 0, keepdims=False).astype(x.dtype)
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, first, rows), w, preferred_element_type=jnp.float32)
+        x_tile = jax.lax.dynamic_slice_in_dim(xp, first, rows)  # [rows, blocks, block]
+
+        def part(j, acc):
+            w = jax.lax.dynamic_slice(kb, (group, j, 0, 0), (1, 1, block, fan_out))[0, 0].astype(x.dtype)
+            xj = jax.lax.dynamic_index_in_dim(x_tile, j, 1, keepdims=False)
+            return acc + jnp.dot(xj, w, preferred_element_type=jnp.float32)
+
+        y = jax.lax.fori_loop(0, blocks, part, jnp.zeros((rows, fan_out), jnp.float32))
         row = first + jnp.arange(rows)
         mine = (row >= starts[group]) & (row < ends[group])
         kept = jax.lax.dynamic_slice_in_dim(out, first, rows)
