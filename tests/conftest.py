@@ -26,7 +26,8 @@ TINY_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
+                 "phi3")
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -67,6 +68,9 @@ def tiny_hf_config(family: str, **overrides):
             sliding_window_pattern=3, rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
+    if family == "phi3":  # fused qkv_proj and gate_up_proj; a sliding window on every layer
+        return transformers.Phi3Config(**dims, sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                       tie_word_embeddings=False)
     raise ValueError(family)
 
 

@@ -58,7 +58,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
     assert_matches_transformers(tiny_model_dirs[family], family)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3"])
 def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs,
                                                                                               family):
     path = tiny_model_dirs[family]

@@ -17,20 +17,20 @@ from jaxserve.models.hf_config import layer_windows
 from tests.conftest import TINY_DIMS, tiny_hf_config
 
 
-def test_supported_model_types_are_the_llama_family_and_its_mixtures_of_experts():
+def test_supported_model_types_are_the_llama_family_and_its_relatives():
     assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "qwen2_moe",
-                                     "qwen3_moe", "mixtral")
-    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 3
+                                     "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3")
+    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 5
 
 
 def test_an_unsupported_model_type_is_a_value_error_listing_the_supported_ones_before_any_read(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 8}))
-    listed = (r"model_type 'gemma2' is not supported; jaxserve serves llama, mistral, qwen2, qwen3, smollm, smollm2, "
-              r"qwen2_moe, qwen3_moe, mixtral")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "hidden_size": 8}))
+    listed = (r"model_type 'gpt_oss' is not supported; jaxserve serves llama, mistral, qwen2, qwen3, smollm, "
+              r"smollm2, qwen2_moe, qwen3_moe, mixtral, gemma, gemma2, gemma3_text, phi3")
     with pytest.raises(ValueError, match=listed):
         load_model(str(tmp_path))  # no weights in the directory: the error comes first
     with pytest.raises(ValueError, match=listed):
-        config_from_hf(types.SimpleNamespace(model_type="gemma2"))
+        config_from_hf(types.SimpleNamespace(model_type="gpt_oss"))
 
 
 def test_sliding_windows_per_layer():
@@ -126,3 +126,29 @@ def test_expert_tensors_are_read_stacked_by_their_family_names():
         "model.layers.0.mlp.shared_expert_gate.weight",)
     assert spec.checkpoint_source("layers_1/mlp/down_proj/kernel", qwen2).names == (
         "model.layers.1.mlp.down_proj.weight",)  # the dense layer (mlp_only_layers)
+
+
+def test_phi3_projections_are_row_slices_of_its_fused_tensors_on_every_device(tiny_model_dirs):
+    """q/k/v and gate/up read as rows of qkv_proj and gate_up_proj; split over 2 devices, each device reads its
+    slice of those rows, and the loaded values are the one-device ones."""
+    from jaxserve.distributed.tensor_parallel import make_mesh
+    from tests.conftest import shard_shapes
+
+    path = tiny_model_dirs["phi3"]
+    config = config_from_hf(transformers.AutoConfig.from_pretrained(path))
+    source = model_spec("phi3").checkpoint_source("layers_1/attn/k_proj/kernel", config)
+    assert source == TensorSource(("model.layers.1.self_attn.qkv_proj.weight",), True,
+                                  rows=(config.q_size, config.q_size + config.kv_size))
+    assert model_spec("phi3").checkpoint_source("layers_0/mlp/up_proj/kernel", config).rows == (
+        config.intermediate_size, 2 * config.intermediate_size)
+    one, two = load_model(path).params, load_model(path, mesh=make_mesh(2)).params
+    for name in ("q_proj", "k_proj", "v_proj"):
+        np.testing.assert_array_equal(np.asarray(two["layers_0"]["attn"][name]["kernel"]),
+                                      np.asarray(one["layers_0"]["attn"][name]["kernel"]))
+    up = two["layers_1"]["mlp"]["up_proj"]["kernel"]
+    assert shard_shapes(up) == {(config.hidden_size, config.intermediate_size // 2)}
+    np.testing.assert_array_equal(np.asarray(up), np.asarray(one["layers_1"]["mlp"]["up_proj"]["kernel"]))
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+        config_from_hf(types.SimpleNamespace(**{**transformers.AutoConfig.from_pretrained(path).to_dict(),
+                                                "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                                    "long_factor": [2.0] * 8}}))

@@ -24,7 +24,7 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.loading.awq import load_awq_checkpoint
 from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, read_hf_slice,
-                                       tensor_files)
+                                       source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
 from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources
 
@@ -49,15 +49,15 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                 if name not in files:
                     raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
                 tensors.append(stack.enter_context(safe_open(files[name], framework="np")).get_slice(name))
-                shape = tuple(tensors[-1].get_shape())
-                check_shape(name, shape[::-1] if source.transposed else shape,
+                check_shape(name, source_shape(tensors[-1].get_shape(), source.transposed, source.rows),
                             expected.shape[1:] if stacked else expected.shape, path)
 
             def read(index: tuple) -> np.ndarray:
                 if not stacked:
-                    return read_hf_slice(tensors[0], source.transposed, index, dtype)
+                    return read_hf_slice(tensors[0], source.transposed, index, dtype, source.rows)
                 chosen = range(len(tensors))[index[0] if index else slice(None)]
-                return np.stack([read_hf_slice(tensors[i], source.transposed, index[1:], dtype) for i in chosen])
+                return np.stack([read_hf_slice(tensors[i], source.transposed, index[1:], dtype, source.rows)
+                                 for i in chosen])
 
             return jax.make_array_from_callback(expected.shape, sharding, read, dtype=dtype)
 
@@ -75,7 +75,8 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
         for name in source.names:
             if name not in state:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            tensors.append(state[name].T if source.transposed else state[name])
+            tensor = state[name] if source.rows is None else state[name][source.rows[0]:source.rows[1]]
+            tensors.append(tensor.T if source.transposed else tensor)
         tensor = np.stack(tensors) if len(tensors) > 1 else tensors[0]
         check_shape(", ".join(source.names), tensor.shape, expected.shape, "state dict")
         return np.ascontiguousarray(tensor, dtype=dtype)

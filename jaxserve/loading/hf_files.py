@@ -55,13 +55,30 @@ def tensor_files(path: str) -> dict[str, str]:
     return located
 
 
-def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype) -> np.ndarray:
+def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype,
+                  rows: tuple[int, int] | None = None) -> np.ndarray:
     """Our `index` of the HF tensor `tensor` (a safetensors slice) in `dtype`: for a transposed kernel our
-    `[i0, i1]` is their `[i1, i0]`, read and then transposed."""
+    `[i0, i1]` is their `[i1, i0]`, read and then transposed; with `rows`, our parameter is their first axis'
+    rows `[start, stop)` only."""
     index = tuple(index) + (slice(None),) * (len(tensor.get_shape()) - len(index))
+    if rows is not None:
+        first = 1 if transposed else 0  # the index entry that addresses their first axis
+        wanted = index[first]
+        start = rows[0] + (wanted.start or 0)
+        stop = rows[0] + (wanted.stop if wanted.stop is not None else rows[1] - rows[0])
+        index = index[:first] + (slice(start, stop),) + index[first + 1:]
     if transposed:
         return np.ascontiguousarray(tensor[index[1], index[0]].T, dtype=dtype)
     return np.ascontiguousarray(tensor[index], dtype=dtype)
+
+
+def source_shape(shape: tuple, transposed: bool, rows: tuple[int, int] | None) -> tuple:
+    """A HF tensor's shape in our orientation, of our slice of it (`rows`; a tensor too short for the slice shows
+    a shorter shape, which `check_shape` reports)."""
+    shape = tuple(shape)
+    if rows is not None:
+        shape = (max(0, min(shape[0], rows[1]) - rows[0]), *shape[1:])
+    return shape[::-1] if transposed else shape
 
 
 def check_shape(name: str, ours: tuple, expected: tuple, where: str) -> None:

@@ -15,7 +15,10 @@ def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] 
     """`(rope_theta, rope_scaling)` from a transformers config, in the v4 (`rope_theta`, `rope_scaling`) or v5
     (`rope_parameters`) spelling; scaling None for the default rope, else its sorted items with `rope_type`."""
     rope_params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    return parse_rope(rope_params, getattr(hf_config, "rope_theta", None), hf_config.max_position_embeddings)
+    if getattr(hf_config, "partial_rotary_factor", None) is not None:
+        rope_params.setdefault("partial_rotary_factor", hf_config.partial_rotary_factor)
+    return parse_rope(rope_params, getattr(hf_config, "rope_theta", None),
+                      getattr(hf_config, "max_position_embeddings", 2048))
 
 
 def parse_rope(rope_params: dict, default_theta: float | None,
@@ -27,11 +30,12 @@ def parse_rope(rope_params: dict, default_theta: float | None,
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; jaxserve supports {SUPPORTED_ROPE_TYPES}")
-    if rope_type == "default":
-        return float(rope_theta), None
     if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"rope partial_rotary_factor {rope_params['partial_rotary_factor']} is not supported "
                          "(jaxserve rotates the whole head)")
+    rope_params.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return float(rope_theta), None
     missing = [name for name in REQUIRED_ROPE_FIELDS[rope_type] if rope_params.get(name) is None]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs rope parameter {missing[0]!r}")

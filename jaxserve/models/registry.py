@@ -4,8 +4,8 @@ A `ModelSpec` is everything jaxserve knows about one family (one module each und
 Hugging Face config becomes a `ModelConfig`, its Flax module, its checkpoint-layout parameters and the checkpoint
 tensors each comes from, how a layer's parameters fuse into the serving layout, where each parameter lives on the
 mesh, which linears a 4-bit checkpoint stores quantized, and the fan-ins of dummy weights. A new family adds one
-module with its spec and one line to `FAMILIES`; the mixture-of-experts families (`qwen_moe`, `mixtral`) and
-Gemma (`gemma`) are the Llama decoder's spec with their own config parsing (and checkpoint names).
+module with its spec and one line to `FAMILIES`; the mixture-of-experts families (`qwen_moe`, `mixtral`), Gemma
+(`gemma`) and Phi-3 (`phi3`) are the Llama decoder's spec with their own config parsing (and checkpoint names).
 
 Two parameter layouts, kernels stored `[in_features, out_features]` in both: the checkpoint layout (what loaders
 produce, `checkpoint_shapes`) and the serving layout (what the model reads, `fuse_params`).
@@ -24,13 +24,13 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
-from jaxserve.models import gemma, llama, mixtral, qwen_moe
+from jaxserve.models import gemma, llama, mixtral, phi3, qwen_moe
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
 
 
-FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC)
+FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, phi3.SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 

@@ -17,10 +17,13 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
     """The checkpoint tensor(s) one checkpoint-layout parameter is read from: one name, or several stacked on a
-    new leading axis (e.g. one tensor per expert); `transposed` when stored `[out, in]` (HF linears)."""
+    new leading axis (e.g. one tensor per expert); `transposed` when stored `[out, in]` (HF linears); `rows`
+    `(start, stop)` when it is that slice of the tensor's first axis (a projection fused in the checkpoint,
+    Phi-3's `qkv_proj`)."""
 
     names: tuple[str, ...]
     transposed: bool = False
+    rows: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
