@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides = {key: value for key, value in (("num_hidden_layers", args.num_layers),
                                                ("vocab_size", args.vocab_size)) if value is not None}
     payload: dict[str, Any] = {"shape": args.shape, "overrides": overrides, "dtype": args.dtype,
-                               "load_format": "dummy", "published_reference": PUBLISHED.get(args.shape, []), "parts": {}, "skipped": [],
+                               "load_format": "dummy", "published_reference": PUBLISHED.get(args.shape, []),
+                               "parts": {}, "skipped": [],
                                "errors": {}}
     path = common.write_result(NAME, payload, args.result_file, argv)
     rng = np.random.default_rng(args.seed)

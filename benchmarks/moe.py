@@ -54,6 +54,7 @@ def expert_rows(llm: Any, batch: int, seed: int = 0) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
+    from jaxserve.layers import matmul_blocks
     from jaxserve.layers.moe import route, tile_rows, tile_schedule
 
     runner = llm.llm_engine.runner
@@ -64,7 +65,7 @@ def expert_rows(llm: Any, batch: int, seed: int = 0) -> dict[str, float]:
     _, experts = route(hidden @ router, moe.top_k, moe.normalize_top_k)
     sizes = jnp.bincount(experts.reshape(-1), length=moe.num_experts)
     routed = batch * moe.top_k
-    if jax.default_backend() != "cpu":
+    if not matmul_blocks.blocked_matmuls():  # ragged_dot computes the routed rows
         computed = routed
     else:
         rows = tile_rows(routed, moe.num_experts)
@@ -89,8 +90,8 @@ def measure(model_dir: str, args: argparse.Namespace, records: list) -> dict[str
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--shape", default="qwen3-30b-a3b",
-                        choices=[name for name, shape in random_model.SHAPES.items() if shape["model_type"] in DENSE_TYPES])
+    moe_shapes = [name for name, shape in random_model.SHAPES.items() if shape["model_type"] in DENSE_TYPES]
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=moe_shapes)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -63,7 +63,8 @@ def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_a
                                                                                               family):
     path = tiny_model_dirs[family]
     shared = random_prompts(1, 500, 24, 24, seed=11)[0]
-    prompts = random_prompts(5, 500, 20, 60, seed=12) + [shared + tail for tail in random_prompts(3, 500, 2, 9, seed=13)]
+    tails = random_prompts(3, 500, 2, 9, seed=13)
+    prompts = random_prompts(5, 500, 20, 60, seed=12) + [shared + tail for tail in tails]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, max_num_seqs=8, max_model_len=128, page_size=8, num_kv_pages=30, max_num_batched_tokens=32,
               warmup=False)
@@ -107,6 +108,7 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(extra):
     ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
      "partial_rotary_factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # was ignored
 ])
 def test_rope_configs_this_code_cannot_serve_are_value_errors(scaling, message):
     config = types.SimpleNamespace(rope_scaling=scaling, rope_theta=10000.0, max_position_embeddings=64)

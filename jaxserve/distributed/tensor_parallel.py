@@ -1,8 +1,8 @@
 """The tensor-parallel layout: how many heads each device holds, the rule that decides it, and the device mesh.
 
 Megatron-style: every device holds `num_q_heads / N` query heads and the KV heads they read, and
-`intermediate_size / N` MLP columns (of each expert too, and of a shared expert). With N dividing the KV heads each device holds `num_kv_heads / N`
-of them; with N a multiple of the KV heads (vLLM's rule) each KV head is replicated on
+`intermediate_size / N` MLP columns (of each expert too, and of a shared expert). With N dividing the KV heads
+each device holds `num_kv_heads / N` of them; with N a multiple of the KV heads (vLLM's rule) each KV head is replicated on
 `N / num_kv_heads` devices, so every device still holds exactly one. The page pool then has one head
 per device ("pool heads"), and device d's pool head is the KV head its query heads read.
 

@@ -1,4 +1,5 @@
-"""How the CPU's weight-only matmuls (int8 in `quant_dense`, AWQ int4 in `awq`) cut a weight into blocks.
+"""How the CPU's weight-only matmuls (int8 in `quant_dense`, AWQ int4 in `awq`) and its grouped expert matmul
+(`moe`) cut a weight into blocks.
 
 XLA:CPU does not fuse a convert into a dot, so there the quantized matmuls run as a `fori_loop` over blocks of
 the weight, each dequantized and multiplied on its own (`blocked_matmuls`); a block holds at most `BLOCK_BYTES` of
@@ -14,7 +15,8 @@ MAX_BLOCKS = 64  # more iterations than this cost more in loop overhead than the
 
 
 def blocked_matmuls() -> bool:
-    """Whether quantized matmuls run as a loop over blocks (XLA:CPU, which does not fuse a convert into a dot)."""
+    """Whether weight matmuls that XLA would not fuse run as a loop over blocks: on XLA:CPU, which fuses neither a
+    convert nor a dynamic slice into a dot (and lowers `ragged_dot` densely)."""
     return jax.default_backend() == "cpu"
 
 

@@ -18,8 +18,9 @@ def gate_activation(name: str):
 
 
 class MLP(nn.Module):
-    """A gated feed-forward of `width` columns over `[..., hidden]`: `gate_up_proj [hidden, 2 * width]` holds each device's gate
-    and up columns together (`[gate_d | up_d]` for device d), `down_proj [width, hidden]` splits on its input."""
+    """A gated feed-forward of `width` columns over `[..., hidden]`: `gate_up_proj [hidden, 2 * width]` holds each
+    device's gate and up columns together (`[gate_d | up_d]` for device d), `down_proj [width, hidden]` splits on
+    its input."""
 
     hidden_size: int
     width: int

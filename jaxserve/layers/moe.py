@@ -115,7 +115,7 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
     """Float32 `[R, out]`: row r of `x [R, in]` (rows sorted by group) times `kernel[g] [in, out]` of its group g;
     `group_sizes [G]` counts each group's rows (rows past their sum are 0). `kernel` float or int8 (its scale is
     the caller's)."""
-    if jax.default_backend() == "cpu":
+    if matmul_blocks.blocked_matmuls():
         return tiled_grouped_matmul(x, kernel, group_sizes)
     return jax.lax.ragged_dot(x, kernel.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 

@@ -19,15 +19,15 @@ from jaxserve.models import hf_config as hf
 from jaxserve.models import llama
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
-ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma 1 configs say "gelu", mean tanh
+HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma 1 configs say "gelu", mean tanh
 
 
 def activation(hf_config: Any) -> str:
     name = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "gelu_pytorch_tanh")
-    if name not in ACTIVATIONS:
+    if name not in HF_ACTIVATIONS:
         raise ValueError(f"hidden_activation {name!r} is not supported for model_type {hf_config.model_type!r} "
-                         f"(jaxserve computes Gemma's GeGLU with {sorted(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
+                         f"(jaxserve computes Gemma's GeGLU with {sorted(HF_ACTIVATIONS)})")
+    return HF_ACTIVATIONS[name]
 
 
 def layer_ropes(hf_config: Any) -> list[tuple[float, Any]]:

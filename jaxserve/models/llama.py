@@ -35,8 +35,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
 def parse_config(hf_config: Any) -> ModelConfig:
     """The `ModelConfig` of a transformers config of this family (v4 or v5 spelling of rope fields)."""
     model_type = hf_config.model_type
-    return decoder_config(hf_config, qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-                          qk_norm=model_type == "qwen3")
+    qkv_bias = model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    return decoder_config(hf_config, qkv_bias=qkv_bias, qk_norm=model_type == "qwen3")
 
 
 def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, moe: MoEConfig | None = None,

@@ -5,8 +5,8 @@ Checkpoint layout (what loaders produce): q/k/v and gate/up projections apart, a
 mixture-of-experts layer's `mlp` holds `router`, `experts` (each linear's kernels of every expert stacked,
 `[E, in, out]`) and, when the model has one, `shared_expert` and `shared_expert_gate`.
 Serving layout (what `llama.LlamaModel` reads): q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj` (the
-experts' and the shared expert's too), each device's columns together. Fusing halves the number of matmuls per layer, which matters at small batch where each
-launch is bandwidth-bound. The sharding rules are Megatron-style: q/k/v, gate and up split on their output
+experts' and the shared expert's too), each device's columns together. Fusing halves the number of matmuls per
+layer, which matters at small batch where each launch is bandwidth-bound. The sharding rules are Megatron-style: q/k/v, gate and up split on their output
 features, o and down on their input features (XLA inserts the all-reduce after them); the embedding and LM head on
 the vocabulary; int8 scales and AWQ zeros/scales like their kernel's features; norms replicated. Experts split
 inside each expert like the dense MLP (vLLM's default without expert parallelism); the router is replicated.

@@ -31,7 +31,7 @@ def parse_config(hf_config: Any) -> ModelConfig:
                         intermediate_size=hf_config.moe_intermediate_size,
                         normalize_top_k=bool(hf_config.norm_topk_prob),
                         shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) if qwen2 else 0)
-    qkv_bias = bool(getattr(hf_config, "qkv_bias", True)) if qwen2 else bool(getattr(hf_config, "attention_bias", False))
+    qkv_bias = bool(getattr(hf_config, "qkv_bias", True) if qwen2 else getattr(hf_config, "attention_bias", False))
     return llama.decoder_config(hf_config, qkv_bias=qkv_bias, qk_norm=not qwen2, moe=moe, sparse_layers=sparse)
 
 

@@ -134,7 +134,8 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block", "query_tokens",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block",
+                                             "query_tokens",
                                              "interpret"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, context_lens: jax.Array,
                            query_lens: jax.Array, page_tables: jax.Array, *, k_scales: jax.Array | None = None,
@@ -202,7 +203,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         scratch += [pltpu.VMEM((2, 1, block_tokens), jnp.float32)] * 2
     scratch.append(pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)))
     kernel = functools.partial(
-        _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group, query_tokens=query_tokens,
+        _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
+        query_tokens=query_tokens,
         page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized)
     out = pl.pallas_call(
         kernel,
