@@ -213,8 +213,20 @@ def plan_decode(
     )
 
 
-def merge_split_results(partial_out: jax.Array, partial_lse: jax.Array) -> jax.Array:
-    """Combines split-K partials ``[..., splits, rows, D]`` with their log-sum-exp.
+def group_sinks(sinks: jax.Array, num_q_heads: int, num_kv_heads: int, rows: int, repeats: int = 1) -> jax.Array:
+    """Attention sinks ``[num_q_heads]`` as f32 ``[num_kv_heads, repeats * rows]``: each KV head's query group
+    padded to ``rows`` with ``MASK_VALUE`` (no sink), repeated ``repeats`` times (a tile of tokens x heads)."""
+    if sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks must be [num_q_heads = {num_q_heads}]; got {sinks.shape}")
+    grouped = sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
+    grouped = jnp.pad(grouped, ((0, 0), (0, rows - grouped.shape[1])), constant_values=MASK_VALUE)
+    return jnp.tile(grouped, (1, repeats))
+
+
+def merge_split_results(partial_out: jax.Array, partial_lse: jax.Array, sinks: jax.Array | None = None
+                        ) -> jax.Array:
+    """Combines split-K partials ``[..., splits, rows, D]`` with their log-sum-exp; ``sinks`` (f32, broadcast
+    against ``[..., rows]``) are attention-sink logits merged as one more split with a zero output.
 
     Each split's output is already normalized by its own softmax denominator;
     the weight of split ``s`` is ``exp(lse_s - max_s(lse))``.  Empty splits
@@ -227,6 +239,9 @@ def merge_split_results(partial_out: jax.Array, partial_lse: jax.Array) -> jax.A
     top = jnp.max(partial_lse, axis=-2)  # a max is exact in any order
     numerator = jnp.zeros(partial_out.shape[:-3] + partial_out.shape[-2:], jnp.float32)
     denominator = jnp.zeros(partial_lse.shape[:-2] + partial_lse.shape[-1:], jnp.float32)
+    if sinks is not None:
+        top = jnp.maximum(top, sinks)
+        denominator = denominator + jnp.exp(sinks - top)
     for split in range(partial_lse.shape[-2]):
         weight = jnp.exp(partial_lse[..., split, :] - top)
         denominator = denominator + weight

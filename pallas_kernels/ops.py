@@ -23,6 +23,7 @@ def paged_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     k_scales: jax.Array | None = None,
@@ -46,6 +47,8 @@ def paged_attention(
         are masked (Mistral-style), and the tiles before the window are skipped.
       soft_cap: if set, scaled logits are capped as ``soft_cap * tanh(x / soft_cap)``
         (Gemma 2's attention-logit soft-cap).
+      sinks: if set, f32[num_q_heads] attention sinks (gpt-oss): one more logit per
+        query head in every softmax, with no value (it only adds to the denominator).
       pages_per_compute_block: pages per KV tile (a power of two, tile >= 16
         tokens); default 128 tokens (64 for float32 K/V).
       num_splits: split-K partitions of the page table, merged by log-sum-exp;
@@ -82,6 +85,7 @@ def paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=sinks,
         pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits,
         interpret=interpret,
@@ -100,6 +104,7 @@ def ragged_paged_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
@@ -118,7 +123,7 @@ def ragged_paged_attention(
       page_indices: int32[max_seqs, pages_per_seq].
       cu_q_lens: int32[max_seqs + 1], cumulative query lengths.
       num_seqs: int32[1] or scalar, active sequences.
-      sm_scale, sliding_window, soft_cap, pages_per_compute_block, k_scales,
+      sm_scale, sliding_window, soft_cap, sinks, pages_per_compute_block, k_scales,
       v_scales, interpret: as for ``paged_attention``.  Query ``i`` of sequence ``s`` sits
         at position ``kv_lens[s] - q_len_s + i`` and sees keys at positions
         ``<= `` its own (and ``> position - sliding_window`` when set).
@@ -145,6 +150,7 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=sinks,
         pages_per_compute_block=pages_per_compute_block,
         interpret=interpret,
     )

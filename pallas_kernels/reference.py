@@ -4,7 +4,8 @@ These define the semantics the kernels must match and are the "xla" baseline in
 benchmarks/kernels.py.  They materialize gathered K/V copies, so they are for
 checking and comparison, not for speed.  Masking replaces logits and zeroes V
 rather than multiplying, so garbage (even NaN) in pages or slots a sequence does
-not own never reaches the output; a sequence with no keys gives zeros.
+not own never reaches the output; a sequence with no keys gives zeros.  Attention
+sinks (gpt-oss) are one more logit per query head in each softmax, with no value.
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ def cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
     return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 
+def _attend(logits: jax.Array, mask: jax.Array, v: jax.Array, sinks: jax.Array | None, equation: str) -> jax.Array:
+    """Masked softmax of ``logits [..., heads, group, keys]`` (with a sink logit per query head when given,
+    ``sinks: [heads, group]``) times ``v`` by ``equation``; a row with no keys gives zeros."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)[..., None]
+        row_max = jnp.maximum(row_max, sinks)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks - row_max)
+    out = jnp.einsum(equation, probs, v, precision=lax.Precision.HIGHEST)
+    return out / jnp.where(denom > 0, denom, 1.0)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def paged_attention_reference(
     q: jax.Array,
@@ -48,6 +66,7 @@ def paged_attention_reference(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention, same contract as ``pallas_kernels.paged_attention``."""
     batch, num_q_heads, head_dim = q.shape
@@ -66,15 +85,9 @@ def paged_attention_reference(
 
     qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, head_dim)
     logits = cap(jnp.einsum("bhgd,hbkd->bhgk", qg, k, precision=lax.Precision.HIGHEST) * scale, soft_cap)
-    mask = valid[:, None, None, :]
-    logits = jnp.where(mask, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
     v = jnp.where(valid[None, :, :, None], v, 0.0)
-    out = jnp.einsum("bhgk,hbkd->bhgd", probs, v, precision=lax.Precision.HIGHEST)
-    out = out / jnp.where(denom > 0, denom, 1.0)
+    sink_logits = None if sinks is None else sinks.reshape(kv_heads, group)
+    out = _attend(logits, valid[:, None, None, :], v, sink_logits, "bhgk,hbkd->bhgd")
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -93,6 +106,7 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged prefill/extend attention, same contract as ``pallas_kernels.ragged_paged_attention``.
 
@@ -109,6 +123,7 @@ def ragged_paged_attention_reference(
     cu = cu_q_lens.astype(jnp.int32)
     qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim)
     token = jnp.arange(num_tokens, dtype=jnp.int32)
+    sink_logits = None if sinks is None else sinks.reshape(kv_heads, group)
 
     def one_sequence(out: jax.Array, s: jax.Array) -> tuple[jax.Array, None]:
         table = lax.dynamic_slice_in_dim(page_indices, s, 1, axis=0)
@@ -125,15 +140,8 @@ def ragged_paged_attention_reference(
             valid &= key_pos[None, :] > q_pos[:, None] - sliding_window
         valid &= mine[:, None]  # [tokens, keys]
         logits = cap(jnp.einsum("thgd,hkd->thgk", qg, k, precision=lax.Precision.HIGHEST) * scale, soft_cap)
-        mask = valid[:, None, None, :]
-        logits = jnp.where(mask, logits, -jnp.inf)
-        row_max = jnp.max(logits, axis=-1, keepdims=True)
-        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-        probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
-        denom = jnp.sum(probs, axis=-1, keepdims=True)
         v = jnp.where((key_pos < kv_len)[None, :, None], v, 0.0)
-        o = jnp.einsum("thgk,hkd->thgd", probs, v, precision=lax.Precision.HIGHEST)
-        o = o / jnp.where(denom > 0, denom, 1.0)
+        o = _attend(logits, valid[:, None, None, :], v, sink_logits, "thgk,hkd->thgd")
         return out + jnp.where(mine[:, None, None, None], o, 0.0), None
 
     out0 = jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32)

@@ -106,9 +106,11 @@ def make_step(rng: np.random.Generator, rows: list[tuple[int, int]], num_tokens:
                 table, slots, positions)
 
 
-def reference(step: Step, sliding_window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
+def reference(step: Step, sliding_window: int | None = None, soft_cap: float | None = None,
+              sinks: np.ndarray | None = None) -> np.ndarray:
     """float64 causal attention of each real query token over its row's owned keys (logits capped as
-    `soft_cap * tanh(x / soft_cap)` when set); zeros elsewhere."""
+    `soft_cap * tanh(x / soft_cap)` when set; `sinks[h]` one more logit of head h, with no value); zeros
+    elsewhere."""
     batch, num_tokens, q_heads, head_dim = step.q.shape
     kv_heads = step.k_new.shape[2]
     group = q_heads // kv_heads
@@ -129,23 +131,27 @@ def reference(step: Step, sliding_window: int | None = None, soft_cap: float | N
                 logits = k @ step.q[b, j, h].astype(np.float64) / math.sqrt(head_dim)
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
-                p = np.exp(logits - logits.max())
-                out[b, j, h] = p @ v / p.sum()
+                sink = [] if sinks is None else [float(sinks[h])]
+                top = np.max([*logits, *sink])
+                p = np.exp(logits - top)
+                out[b, j, h] = p @ v / (p.sum() + np.sum(np.exp(np.asarray(sink) - top)))
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "soft_cap"))
-def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, *, backend, sliding_window, soft_cap=None):
+def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, sinks, *, backend, sliding_window, soft_cap=None):
     attention = make_attention_backend(backend)
     k_pool, v_pool = attention.write_kv(k_pool, v_pool, k_new, v_new, meta.slot_mapping)
     return attention.attend(q, k_pool, v_pool, meta, sm_scale=1 / math.sqrt(q.shape[-1]),
-                            sliding_window=sliding_window, soft_cap=soft_cap)
+                            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
 
 
-def attend(backend: str, step: Step, sliding_window: int | None = None, soft_cap: float | None = None) -> np.ndarray:
+def attend(backend: str, step: Step, sliding_window: int | None = None, soft_cap: float | None = None,
+           sinks: np.ndarray | None = None) -> np.ndarray:
     """write_kv then attend, jitted together as in the model; returns float64 [B, T, q_heads, D]."""
     out = _write_and_attend(jnp.asarray(step.q), jnp.asarray(step.k_pool), jnp.asarray(step.v_pool),
-                            jnp.asarray(step.k_new), jnp.asarray(step.v_new), step.meta(), backend=backend,
+                            jnp.asarray(step.k_new), jnp.asarray(step.v_new), step.meta(),
+                            None if sinks is None else jnp.asarray(sinks), backend=backend,
                             sliding_window=sliding_window, soft_cap=soft_cap)
     assert out.shape == step.q.shape and out.dtype == jnp.float32
     return np.asarray(out, np.float64)
@@ -249,4 +255,16 @@ def test_soft_cap_matches_the_reference(backend, sliding_window):
     step.q *= 4  # scores well past the cap, so capping changes the output
     expected = reference(step, sliding_window, soft_cap=1.5)
     assert_matches(attend(backend, step, sliding_window, soft_cap=1.5), expected, step.real(), f"{backend} soft-cap")
+    assert np.abs(reference(step, sliding_window) - expected)[step.real()].max() > 1e-2
+
+
+@pytest.mark.parametrize("backend, sliding_window", [("xla", None), ("xla", 5), ("pallas-interpret", 5),
+                                                     ("pallas-tpu-interpret", None)])
+def test_sinks_match_the_reference(backend, sliding_window):
+    """gpt-oss's attention sinks in every backend, binding, with prefill and decode rows, poisoned pools."""
+    rng = np.random.default_rng(54)
+    step = make_step(rng, [(3, 3), (5, 9), (0, 0), (1, 12)], 5, poison="nan")
+    sinks = rng.normal(0.0, 2.0, step.q.shape[2]).astype(np.float32)
+    expected = reference(step, sliding_window, sinks=sinks)
+    assert_matches(attend(backend, step, sliding_window, sinks=sinks), expected, step.real(), f"{backend} sinks")
     assert np.abs(reference(step, sliding_window) - expected)[step.real()].max() > 1e-2

@@ -68,9 +68,9 @@ def _sequence_kv(pages: np.ndarray, table_row: np.ndarray, length: int) -> np.nd
 
 
 def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, scale: float,
-                    soft_cap: float | None = None):
+                    soft_cap: float | None = None, sink: float | None = None):
     """q [rows, D], k/v [keys, D], allowed bool[rows, keys] -> [rows, D]; empty rows -> 0; logits capped as
-    soft_cap * tanh(x / soft_cap) when given."""
+    soft_cap * tanh(x / soft_cap) when given; a sink is one more logit in every row's softmax, with no value."""
     out = np.zeros((q.shape[0], v.shape[1]))
     for r in range(q.shape[0]):
         keys = np.nonzero(allowed[r])[0]
@@ -79,13 +79,15 @@ def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.nda
         logits = (k[keys] @ q[r]) * scale
         if soft_cap is not None:
             logits = soft_cap * np.tanh(logits / soft_cap)
-        p = np.exp(logits - logits.max())
-        out[r] = (p / p.sum()) @ v[keys]
+        top = logits.max() if sink is None else max(logits.max(), float(sink))
+        p = np.exp(logits - top)
+        denominator = p.sum() + (0.0 if sink is None else np.exp(float(sink) - top))
+        out[r] = (p / denominator) @ v[keys]
     return out
 
 
 def numpy_decode_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
-                           sliding_window=None, k_scales=None, v_scales=None, soft_cap=None) -> np.ndarray:
+                           sliding_window=None, k_scales=None, v_scales=None, soft_cap=None, sinks=None) -> np.ndarray:
     q = np.asarray(q, np.float64)
     batch, num_q_heads, head_dim = q.shape
     k_all = _dequantize(np.asarray(k_pages), k_scales)
@@ -102,16 +104,15 @@ def numpy_decode_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
         allowed = np.ones(length, bool)
         if sliding_window is not None:
             allowed &= pos >= length - sliding_window
-        for h in range(kv_heads):
-            rows = slice(h * group, (h + 1) * group)
-            out[b, rows] = _softmax_attend(
-                q[b, rows], k[h], v[h], np.broadcast_to(allowed, (group, length)), scale, soft_cap
-            )
+        for head in range(num_q_heads):
+            out[b, head] = _softmax_attend(q[b, head:head + 1], k[head // group], v[head // group],
+                                           allowed[None], scale, soft_cap, None if sinks is None else sinks[head])[0]
     return out
 
 
 def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           sm_scale=None, sliding_window=None, k_scales=None, v_scales=None, soft_cap=None):
+                           sm_scale=None, sliding_window=None, k_scales=None, v_scales=None, soft_cap=None,
+                           sinks=None):
     q = np.asarray(q, np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
     k_all = _dequantize(np.asarray(k_pages), k_scales)
@@ -136,7 +137,7 @@ def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
             for g in range(group):
                 head = h * group + g
                 out[start:end, head] = _softmax_attend(q[start:end, head], k[h], v[h], allowed, scale,
-                                                       soft_cap)
+                                                       soft_cap, None if sinks is None else sinks[head])
     return out
 
 
@@ -364,6 +365,26 @@ def test_decode_soft_cap(dtype, int8):
     assert_close(out, expected, dtype, "decode soft-cap")
 
 
+SINKS = np.asarray([2.5, -1.0, 0.3, 6.0], np.float32)  # per query head; 6 outweighs most keys (binding)
+
+
+@pytest.mark.parametrize("dtype,int8,splits", [("float32", False, 1), ("float32", False, 3), ("bfloat16", True, 3)])
+def test_decode_sinks(dtype, int8, splits):
+    """gpt-oss's attention sinks through the decode kernel, counted once over split-K, on poisoned pools."""
+    rng = np.random.default_rng(21)
+    lengths = [1, 9, 40, 0, 64]
+    kv = make_paged_kv(rng, lengths, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=8, int8=int8)
+    q = jnp.asarray(rng.standard_normal((len(lengths), 4, 64)), dtype)
+    out = triton_decode.paged_attention(
+        q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+        sinks=jnp.asarray(SINKS), pages_per_compute_block=2, num_splits=splits, interpret=INTERPRET,
+        poison_output=True, **kv.device(dtype))
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, sinks=SINKS, **kv.host(dtype))
+    plain = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, **kv.host(dtype))
+    assert np.abs(plain - expected).max() > 0.1  # the sinks bind
+    assert_close(out, expected, dtype, "decode sinks")
+
+
 def test_decode_all_empty_and_sm_scale():
     rng = np.random.default_rng(3)
     kv = make_paged_kv(rng, [0, 0, 0], kv_heads=1, head_dim=64, page_size=16, pages_per_seq=4)
@@ -500,6 +521,25 @@ def test_ragged_soft_cap(dtype, window):
                                       num_seqs=inp["num_seqs"], sliding_window=window, soft_cap=2.0,
                                       **kv.host(dtype))
     assert_close(out, expected, dtype, "ragged soft-cap")
+
+
+@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 20)])
+def test_ragged_sinks(dtype, window):
+    """Attention sinks through the ragged kernel: mixed prefill/decode rows, poisoned pools, zero padded tail."""
+    rng = np.random.default_rng(22)
+    inp = make_ragged(rng, MIXED, kv_heads=2, group=2, head_dim=64, page_size=16, dtype=dtype)
+    kv, q = inp["kv"], inp["q"]
+    out = triton_ragged.ragged_paged_attention(
+        q, kv_lens=jnp.asarray(inp["kv_lens"]), page_indices=jnp.asarray(kv.page_indices),
+        cu_q_lens=jnp.asarray(inp["cu_q_lens"]), num_seqs=jnp.asarray(inp["num_seqs"]), sliding_window=window,
+        sinks=jnp.asarray(SINKS), pages_per_compute_block=1, interpret=INTERPRET, poison_output=True,
+        **kv.device(dtype))
+    expected = numpy_ragged_reference(np.asarray(q, np.float64), kv_lens=inp["kv_lens"], cu_q_lens=inp["cu_q_lens"],
+                                      num_seqs=inp["num_seqs"], sliding_window=window, sinks=SINKS,
+                                      **kv.host(dtype))
+    assert_close(out, expected, dtype, "ragged sinks")
+    used = int(inp["cu_q_lens"][len(MIXED)])
+    assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
 
 
 @pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 20)])

@@ -69,6 +69,21 @@ def test_decode_matches_float64_reference(group, kv_heads, head_dim, page_size, 
     assert np.all(np.asarray(out[lengths.index(0)], np.float32) == 0.0), "length 0 must give zeros"
 
 
+def test_sinks_join_the_split_merge():
+    """Attention sinks (gpt-oss), binding, over two splits and an empty row, against the float64 reference."""
+    q, kv, lengths = _inputs(2, 2, 64, 16, "bfloat16", seed=3)
+    sinks = np.asarray([2.5, -1.0, 0.3, 6.0], np.float32)
+    out = paged_attention(q, lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(kv.page_indices),
+                          pages_per_compute_block=4, num_splits=2, sinks=jnp.asarray(sinks), interpret=INTERPRET,
+                          **kv.device("bfloat16"))
+    expected = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, sinks=sinks,
+                                      **kv.host("bfloat16"))
+    plain = numpy_decode_reference(np.asarray(q, np.float64), lengths=lengths, **kv.host("bfloat16"))
+    assert np.abs(plain - expected).max() > 0.1  # the sinks bind
+    assert_close(out, expected, "bfloat16", "mosaic gpu decode sinks")
+    assert np.all(np.asarray(out[lengths.index(0)], np.float32) == 0.0), "length 0 must give zeros"
+
+
 def test_no_races_and_batch_invariance():
     """The race detector finds nothing, and a row's output does not depend on the rest of the batch."""
     q, kv, lengths = _inputs(2, 1, 64, 16, "bfloat16", quant="int8", seed=1)

@@ -42,13 +42,13 @@ def make_rows(rng, rows, num_tokens, *, kv_heads, group, head_dim, page_size, dt
     return jnp.asarray(q, dtype), np.asarray(contexts, np.int32), np.asarray(q_lens, np.int32), kv
 
 
-def reference(q, contexts, q_lens, kv, dtype, window, soft_cap=None):
+def reference(q, contexts, q_lens, kv, dtype, window, soft_cap=None, sinks=None):
     """The float64 ragged reference on the real tokens, put back in the padded layout (zeros elsewhere)."""
     q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
     flat = np.concatenate([q[b, :n] for b, n in enumerate(q_lens)])
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     ragged = numpy_ragged_reference(flat, kv_lens=contexts, cu_q_lens=cu, num_seqs=np.asarray([len(q_lens)]),
-                                    sliding_window=window, soft_cap=soft_cap, **kv.host(dtype))
+                                    sliding_window=window, soft_cap=soft_cap, sinks=sinks, **kv.host(dtype))
     out = np.zeros_like(q)
     for b, n in enumerate(q_lens):
         out[b, :n] = ragged[cu[b]:cu[b + 1]]
@@ -112,6 +112,23 @@ def test_ragged_soft_cap_matches_float64_reference(dtype, window, quantized):
     expected = reference(q, contexts, q_lens, kv, dtype, window, soft_cap=2.0)
     assert np.abs(expected - reference(q, contexts, q_lens, kv, dtype, window)).max() > 0.1  # the cap binds
     assert_matches(out, expected, q_lens, dtype, "ragged soft-cap")
+
+
+@pytest.mark.parametrize("dtype,window,quantized", [("float32", None, None), ("bfloat16", 12, "int8")])
+def test_ragged_sinks_match_float64_reference(dtype, window, quantized):
+    """gpt-oss's attention sinks (one logit per query head, binding), query blocks, poisoned pools."""
+    rng = np.random.default_rng(22)
+    rows = mixed_rows(8, 8)
+    q, contexts, q_lens, kv = make_rows(rng, rows, 8, kv_heads=2, group=2, head_dim=64, page_size=8, dtype=dtype,
+                                        int8=quantized == "int8")
+    sinks = np.asarray([2.5, -1.0, 0.3, 6.0], np.float32)
+    out = ragged_paged_attention(q, context_lens=jnp.asarray(contexts), query_lens=jnp.asarray(q_lens),
+                                 page_tables=jnp.asarray(kv.page_indices), sliding_window=window,
+                                 sinks=jnp.asarray(sinks), pages_per_block=2, query_tokens=4, interpret=INTERPRET,
+                                 **kv.device(dtype))
+    expected = reference(q, contexts, q_lens, kv, dtype, window, sinks=sinks)
+    assert np.abs(expected - reference(q, contexts, q_lens, kv, dtype, window)).max() > 0.1  # the sinks bind
+    assert_matches(out, expected, q_lens, dtype, "ragged sinks")
 
 
 def run_detecting_races(run):

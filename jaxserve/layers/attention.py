@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.distributed.tensor_parallel import REPLICATED
+from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED
 from jaxserve.layers.attention_xla import XlaAttention
 from jaxserve.layers.paged_kv import (HEADS, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV, AttentionMetadata,
                                       QuantizedPages, pool_shape)
@@ -52,10 +52,11 @@ class AttentionBackend(Protocol):
         returns the new `(k_pool, v_pool)`."""
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
-               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+               sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
         """Causal attention of `q: [B, T, q_heads, head_dim]` over each row's pages (after `write_kv`), each query
         seeing the last `sliding_window` positions when set; logits capped as `soft_cap * tanh(x / soft_cap)`
-        when `soft_cap` is set (a backend that cannot raises ValueError)."""
+        when `soft_cap` is set; `sinks: [q_heads]` (gpt-oss) one more logit per head in each softmax, with no
+        value."""
 
 
 def backend_by_name(name: str) -> AttentionBackend:
@@ -145,9 +146,15 @@ class PagedAttention:
         return write(k_pool, v_pool, k, v, slot_mapping)
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
-               sliding_window: int | None, soft_cap: float | None = None) -> jax.Array:
-        """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`)."""
-        attend = functools.partial(self.backend.attend, sm_scale=sm_scale, sliding_window=sliding_window,
-                                   soft_cap=soft_cap)
+               sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None
+               ) -> jax.Array:
+        """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`);
+        `sinks [q_heads]` split over the devices like the heads."""
+        def attend(q, k_pool, v_pool, meta, sinks):
+            return self.backend.attend(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window,
+                                       soft_cap=soft_cap, sinks=sinks)
+
         pool = self.pool_specs()
-        return self.per_device(attend, (HEADS, pool, pool, REPLICATED), HEADS)(q, k_pool, v_pool, meta)
+        sinks = None if sinks is None else sinks.astype(jnp.float32)
+        specs = (HEADS, pool, pool, REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: its spec unused
+        return self.per_device(attend, specs, HEADS)(q, k_pool, v_pool, meta, sinks)

@@ -53,9 +53,10 @@ class MosaicTpuAttention:
         return QuantizedPages(*pools[:2]), QuantizedPages(*pools[2:])
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
-               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+               sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
         k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
         # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
         return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                      sinks=sinks,
                                       interpret=self.interpret_params(), **scales)

@@ -3,8 +3,8 @@ on GPU; `pallas-interpret` runs the same kernels in Pallas' interpreter, for tes
 
 New K/V go in by the XLA scatter (`paged_kv.scatter_kv`). A decode step (one query token per row) runs the decode
 kernel; any other step runs all its rows through one ragged-kernel call, the rows packed back to back
-(`to_ragged`, `from_ragged`). Quantized pools go to the kernels as stored, with their per-token scales. The kernels
-take no attention-logit soft-cap yet, so a soft-capped model is refused when its step is traced (at start-up).
+(`to_ragged`, `from_ragged`). Quantized pools go to the kernels as stored, with their per-token scales; the
+soft-cap and attention sinks are the kernels' own.
 """
 
 from __future__ import annotations
@@ -33,20 +33,20 @@ class TritonAttention:
         return scatter_kv(k_pool, v_pool, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
-               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+               sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
         k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
         batch, num_tokens = q.shape[:2]
         if num_tokens == 1:
             out = pallas_kernels.paged_attention(q[:, 0], k_pool, v_pool, meta.context_lens, meta.page_tables,
                                                  sm_scale=sm_scale, sliding_window=sliding_window,
-                                                 soft_cap=soft_cap,
-                                                 interpret=self.interpret, **scales)
+                                                 soft_cap=soft_cap, sinks=sinks, interpret=self.interpret,
+                                                 **scales)
             return out[:, None]
         query_lens = jnp.clip(meta.query_lens, 0, num_tokens).astype(jnp.int32)
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
         out = pallas_kernels.ragged_paged_attention(
             to_ragged(q, cu_q_lens), k_pool, v_pool, meta.context_lens, meta.page_tables, cu_q_lens,
-            jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
             interpret=self.interpret, **scales)
         return from_ragged(out, cu_q_lens, query_lens, num_tokens)
 

@@ -3,7 +3,7 @@
 New K/V go in by an XLA scatter (`paged_kv.scatter_kv`). Queries read the pages blockwise with an online softmax
 (flash attention in plain XLA): a `fori_loop` over each row's key blocks in use, each head's keys contracted without
 transposing them. Quantized pools are read as stored, their per-token scales applied per key block, so the whole pool
-is never dequantized. This is the one backend that applies an attention-logit soft-cap today.
+is never dequantized. Attention sinks (gpt-oss) start each query's online softmax: a logit with no value.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ class XlaAttention:
         return scatter_kv(k_pool, v_pool, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
-               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+               sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
         return xla_paged_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window,
-                                   soft_cap=soft_cap)
+                                   soft_cap=soft_cap, sinks=sinks)
 
 
 DECODE_BLOCK_TOKENS = 32  # keys per loop iteration for one query token: the fastest block size measured on CPU
@@ -37,7 +37,7 @@ PREFILL_BLOCK_TOKENS = 128  # with many query tokens per row a block has more wo
 
 
 def xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
-                        soft_cap: float | None = None) -> jax.Array:
+                        soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention blockwise over each row's pages with an online softmax (flash attention in plain XLA).
 
     The loop runs only as many key blocks as the longest context in the batch needs and never
@@ -96,8 +96,12 @@ def xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale:
         return new_max, denominator, accumulator
 
     stats_shape = (batch, num_kv_heads, group, num_tokens)
-    init = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+    if sinks is None:
+        running_max, denominator = jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32)
+    else:  # as if each query had seen one key of the sink's logit and value zero
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        running_max, denominator = jnp.broadcast_to(sink, stats_shape), jnp.ones(stats_shape, jnp.float32)
+    init = (running_max, denominator, jnp.zeros(stats_shape + (head_dim,), jnp.float32))
     _, denominator, accumulator = jax.lax.fori_loop(0, num_blocks, block, init)
     out = accumulator / jnp.maximum(denominator, 1e-30)[..., None]  # a query with no keys (padding) gives zeros
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -234,6 +234,7 @@ def paged_attention(
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     k_scales: jax.Array | None = None,
@@ -246,7 +247,8 @@ def paged_attention(
     head_dim 16-128 (32-128 for int8/fp8; 256 exceeds SMEM), page_size a power of two >= 8.  The KV tile
     (``pages_per_compute_block * page_size`` tokens) must be a multiple of 64 and at most
     256; the default is 128 tokens (or one page when pages are larger).  ``interpret``:
-    True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.
+    True (GPU interpret mode on the CPU), False, or an ``InterpretGPUParams``.  Attention ``sinks`` join the
+    split-K merge as one more split of zero output; no soft-cap here (the engine does not run this kernel).
     """
     batch, num_q_heads, head_dim = q.shape
     kv_heads, _, page_size = validate(
@@ -293,7 +295,8 @@ def paged_attention(
             gathered = scales.astype(jnp.float32)[:, table]
             inputs.append(gathered.reshape(kv_heads, batch, tiles, plan.pages_per_block * page_size))
     partial_out, partial_lse = kernel(*inputs)
-    out = planning.merge_split_results(partial_out[..., :group, :], partial_lse[..., :group])
+    sink_logits = None if sinks is None else planning.group_sinks(sinks, num_q_heads, kv_heads, group)
+    out = planning.merge_split_results(partial_out[..., :group, :], partial_lse[..., :group], sink_logits)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -8,7 +8,8 @@ write zeros. A cell walks the row's page table (a scalar-prefetch argument) a bl
 copying each page's `[page_size, head_dim]` tile HBM -> VMEM with `make_async_copy` into one of two
 buffers, so block `j + 1` is in flight while block `j` is computed (online softmax in float32). It reads
 only the blocks its causal (and sliding-window) range needs. Int8/fp8 pages come with float32 per-token
-scales, copied alongside their page and applied to the scores and probabilities.
+scales, copied alongside their page and applied to the scores and probabilities. Attention sinks (one logit per
+query head, gpt-oss) start each row's online softmax as a key of that logit with no value.
 
 Each copy lands in a slice of the VMEM buffer; no DMA'd ref is reshaped or bitcast, so the same code runs in
 Pallas' TPU interpret mode (`interpret=pltpu.InterpretParams()`) on a CPU.
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._planning import cdiv, default_sm_scale, sanitize_page_indices, validate_paged_kv
+from pallas_kernels._planning import cdiv, default_sm_scale, group_sinks, sanitize_page_indices, validate_paged_kv
 
 TARGET_BLOCK_TOKENS = 128  # keys per KV block (one 128-row tile of K and of V per block)
 TARGET_QUERY_ROWS = 128  # matmul rows (query tokens x query heads of a group) per grid cell
@@ -39,9 +40,14 @@ def query_block_tokens(num_tokens: int, group: int) -> int:
 
 
 def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap,
-            group, query_tokens, page_size, pages_per_block, pages_per_row, quantized):
+            group, query_tokens, page_size, pages_per_block, pages_per_row, quantized, has_sinks):
+    sinks_ref = None
     if quantized:
-        k_scales_hbm, v_scales_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
+        k_scales_hbm, v_scales_hbm, *rest = rest
+    if has_sinks:
+        sinks_ref, *rest = rest  # f32[rows, 1]: this KV head's query heads, once per token
+    if quantized:
+        o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
     else:
         o_ref, k_buf, v_buf, sems = rest
     row, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -123,8 +129,11 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
                 probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
             return new_max, denominator, accumulator
 
-        init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-                jnp.zeros((rows, q_ref.shape[-1]), jnp.float32))
+        if sinks_ref is None:
+            running_max, denominator = jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
+        else:
+            running_max, denominator = sinks_ref[...], jnp.ones((rows, 1), jnp.float32)
+        init = (running_max, denominator, jnp.zeros((rows, q_ref.shape[-1]), jnp.float32))
         _, denominator, accumulator = jax.lax.fori_loop(first_block, end_block, body, init)
         out = accumulator / jnp.maximum(denominator, 1e-30)
         o_ref[...] = jnp.where(real, out, 0.0).astype(o_ref.dtype)
@@ -135,13 +144,12 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block",
-                                             "query_tokens",
-                                             "interpret"))
+                                             "query_tokens", "interpret"))
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, context_lens: jax.Array,
                            query_lens: jax.Array, page_tables: jax.Array, *, k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None, sm_scale: float | None = None,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           pages_per_block: int | None = None,
+                           sinks: jax.Array | None = None, pages_per_block: int | None = None,
                            query_tokens: int | None = None, interpret: pltpu.InterpretParams | None = None
                            ) -> jax.Array:
     """Causal attention of each row's new tokens over its paged K/V (already holding those tokens).
@@ -158,6 +166,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       sm_scale: logit scale, default 1 / sqrt(head_dim).
       sliding_window: if set, query at position p sees keys at positions > p - sliding_window only.
       soft_cap: if set, scaled scores are capped as soft_cap * tanh(s / soft_cap) (Gemma 2).
+      sinks: if set, f32 [q_heads] attention sinks (gpt-oss): one more logit per query head in each softmax,
+        with no value.
       pages_per_block: pages per KV block (default: `TARGET_BLOCK_TOKENS` keys, at most the table's width).
       query_tokens: query tokens per grid cell, dividing T (default `query_block_tokens`).
       interpret: `pltpu.InterpretParams()` to run in Pallas' TPU interpreter (any backend), None on a TPU.
@@ -201,11 +211,15 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         in_specs += [hbm, hbm]
         operands += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
         scratch += [pltpu.VMEM((2, 1, block_tokens), jnp.float32)] * 2
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda b, h, i, *_: (h, 0, 0)))
+        operands.append(group_sinks(sinks, q_heads, kv_heads, group, repeats=query_tokens)[..., None])
     scratch.append(pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)))
     kernel = functools.partial(
         _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         query_tokens=query_tokens,
-        page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized)
+        page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized,
+        has_sinks=sinks is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

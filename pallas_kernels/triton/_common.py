@@ -68,13 +68,19 @@ def matmul(a: jax.Array, b: jax.Array, *, transpose_b: bool) -> jax.Array:
     )
 
 
-def init_softmax_state(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(unnormalized output, running max, running denominator), all float32."""
-    return (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+def init_softmax_state(
+    rows: int, head_dim: int, sinks: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(unnormalized output, running max, running denominator), all float32.
+
+    With ``sinks`` (f32[rows], gpt-oss's attention sinks) each row starts as if it had seen one key of logit
+    ``sinks[row]`` and value zero, which adds the sink to the softmax's denominator only.  A row given
+    ``MASK_VALUE`` as its sink starts as without one: the first real key rescales that term to zero.
+    """
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    if sinks is None:
+        return acc, jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    return acc, sinks.astype(jnp.float32), jnp.ones((rows,), jnp.float32)
 
 
 def attend_kv_tile(

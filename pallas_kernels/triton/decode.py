@@ -6,6 +6,7 @@ GQA/MQA share one K/V load per KV head), walks its share of the sequence's
 page table in tiles of ``pages_per_block`` pages, and keeps an online softmax
 in float32.  With more than one split the programs write normalized partial
 outputs plus their log-sum-exp, merged afterwards in XLA (flash-decoding).
+Attention sinks (one logit per query head) start split 0's softmax state.
 Only tiles that overlap ``[max(0, length - sliding_window), length)`` are read.
 """
 
@@ -36,12 +37,14 @@ def _decode_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     quantized: bool,
+    has_sinks: bool,
     num_aliased: int,
 ) -> None:
     if quantized:
         k_scales_ref, v_scales_ref, *refs = refs
     else:
         k_scales_ref = v_scales_ref = None
+    sinks_ref, *refs = refs if has_sinks else (None, *refs)  # f32[group_rows] (this KV head's query heads)
     refs = refs[num_aliased:]  # NaN-poisoned buffers aliased to the outputs
     if plan.num_splits == 1:
         (out_ref,) = refs
@@ -82,7 +85,10 @@ def _decode_kernel(
             soft_cap=soft_cap,
         )
 
-    state = lax.fori_loop(tile_lo, tile_hi, body, common.init_softmax_state(rows, q.shape[1]))
+    sinks = None
+    if sinks_ref is not None:  # the sink counts once per row: in the first split only
+        sinks = jnp.where(split_idx == 0, sinks_ref[...], planning.MASK_VALUE)
+    state = lax.fori_loop(tile_lo, tile_hi, body, common.init_softmax_state(rows, q.shape[1], sinks))
     out, lse = common.finish_softmax(state)
     out_ref[...] = out.astype(out_ref.dtype)
     if lse_ref is not None:
@@ -115,6 +121,7 @@ def paged_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -166,6 +173,9 @@ def paged_attention(
         scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, s: (h, 0, 0))
         in_specs += [scale_spec, scale_spec]
         inputs += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
+        inputs.append(planning.group_sinks(sinks, num_q_heads, num_kv_heads, rows))
 
     if plan.num_splits == 1:
         out_shapes = [jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype)]
@@ -198,6 +208,7 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         quantized=quantized,
+        has_sinks=sinks is not None,
         num_aliased=num_aliased,
     )
     results = pl.pallas_call(

@@ -8,6 +8,7 @@ tokens x the KV head's query group into one ``tile_rows x D`` matrix (heads
 padded to a power of two), walks the KV tiles from the sliding-window start to
 its last query's position, and applies the causal (and window) mask per row.
 The padded tail of ``q`` is a pseudo-sequence with no keys: its rows come out 0.
+Attention sinks (one logit per query head) start each row's softmax state.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ def _ragged_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     quantized: bool,
+    has_sinks: bool,
     num_aliased: int,
 ) -> None:
     if quantized:
         k_scales_ref, v_scales_ref, *refs = refs
     else:
         k_scales_ref = v_scales_ref = None
+    sinks_ref, *refs = refs if has_sinks else (None, *refs)  # f32[tile_rows] (this KV head's heads per token)
     (out_ref,) = refs[num_aliased:]
 
     # Walk the work list last-to-first.  The order is irrelevant on a GPU; in
@@ -101,7 +104,8 @@ def _ragged_kernel(
             soft_cap=soft_cap,
         )
 
-    state = lax.fori_loop(tile_lo, tile_hi, body, common.init_softmax_state(rows, head_dim))
+    sinks = None if sinks_ref is None else sinks_ref[...]
+    state = lax.fori_loop(tile_lo, tile_hi, body, common.init_softmax_state(rows, head_dim, sinks))
     out, _ = common.finish_softmax(state)
     out = out.astype(out_ref.dtype).reshape(tokens, heads, head_dim)
     token_valid = lax.broadcasted_iota(jnp.int32, (tokens, heads, head_dim), 0) < num_valid
@@ -135,6 +139,7 @@ def ragged_paged_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -199,6 +204,9 @@ def ragged_paged_attention(
         scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda t, h: (h, 0, 0))
         in_specs += [scale_spec, scale_spec]
         inputs += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec((None, plan.tile_rows), lambda t, h: (h, 0)))
+        inputs.append(planning.group_sinks(sinks, num_q_heads, num_kv_heads, heads, repeats=tokens))
 
     out_shape = jax.ShapeDtypeStruct((padded_tokens, num_kv_heads, heads, head_dim), q.dtype)
     aliases: dict[int, int] = {}
@@ -217,6 +225,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         quantized=quantized,
+        has_sinks=sinks is not None,
         num_aliased=num_aliased,
     )
     out = pl.pallas_call(
