@@ -35,13 +35,19 @@ class MoEConfig:
     goes to the `top_k` experts of highest router probability (softmax over all experts, in float32), their
     outputs summed with those probabilities as weights (renormalized over the chosen `top_k` when
     `normalize_top_k`). `shared_expert_size` > 0: a dense SwiGLU of that width every token also goes through,
-    its output scaled by a sigmoid gate (Qwen2-MoE)."""
+    its output scaled by a sigmoid gate (Qwen2-MoE). gpt-oss: the router and every expert linear have biases
+    (`router_bias`, `expert_bias`), and with `swiglu_limit` set each expert computes its clamped SwiGLU,
+    `(clip(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g)` with `g = min(gate, limit)`."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's SwiGLU width
     normalize_top_k: bool
     shared_expert_size: int = 0
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -67,10 +73,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable copy of HF's rope parameters
     qkv_bias: bool = False
+    o_bias: bool = False  # the attention's output projection has a bias (HF's attention_bias in most families)
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     layers: tuple[LayerSpec, ...] = ()
     attn_logit_softcap: float | None = None  # logits capped as cap * tanh(x / cap) (Gemma 2); None: uncapped
+    attention_sinks: bool = False  # a learned logit per query head in each softmax, with no value (gpt-oss)
     moe: MoEConfig | None = None  # the experts of the layers whose feed_forward is "moe"
     # Gemma's decoder: scores scaled by attention_scale (None: head_dim ** -0.5), RMSNorm scales of 1 + w
     # (norm_offset 1), the gate's activation, the embedding times embedding_scale, norms after attention and

@@ -27,7 +27,7 @@ TINY_DIMS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
 
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
-                 "phi3")
+                 "phi3", "gpt_oss")
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -71,6 +71,13 @@ def tiny_hf_config(family: str, **overrides):
     if family == "phi3":  # fused qkv_proj and gate_up_proj; a sliding window on every layer
         return transformers.Phi3Config(**dims, sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                        tie_word_embeddings=False)
+    if family == "gpt_oss":  # sinks, biases, sliding and full layers, YaRN; a clamp low enough to bind
+        return transformers.GptOssConfig(
+            **{**dims, "intermediate_size": 32}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=16, layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.5,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                             "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+            tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -84,9 +91,11 @@ def save_tiny_model(family: str, path: str, seed: int = 0, **overrides) -> str:
     config = tiny_hf_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits small; larger weights make logits differ visibly between tokens
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.08)
+            elif (family == "gpt_oss" or getattr(config, "attention_bias", False)) and name.endswith(("bias", "sinks")):  # HF: zero
+                param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.08)
     model.save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path, config.vocab_size)
     return path

@@ -58,7 +58,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
     assert_matches_transformers(tiny_model_dirs[family], family)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss"])
 def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs,
                                                                                               family):
     path = tiny_model_dirs[family]
@@ -137,6 +137,19 @@ def assert_matches_transformers(path: str, label: str) -> None:
     for _ in range(24):  # one compiled forward for every length (padded to 40)
         ours.append(int(np.argmax(full_forward_logits(params, loaded.config, ours, pad_to=40)[-1])))
     assert ours[len(prompt):] == hf_tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_bias_covers_the_output_projection(tmp_path, family):
+    """Llama and Qwen3's attention_bias puts a bias on o_proj too (Qwen2's q/k/v biases do not)."""
+    path = save_tiny_model(family, str(tmp_path / family), attention_bias=True)
+    loaded = load_model(path)
+    assert loaded.config.o_bias and loaded.config.qkv_bias
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = list(range(3, 40))
+    ours = full_forward_logits(fuse_params(loaded.params, loaded.config), loaded.config, prompt)
+    theirs = hf_logits(hf_model, prompt)
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
 
 def test_unsupported_model_type_is_a_clear_error(tmp_path):

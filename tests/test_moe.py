@@ -126,34 +126,41 @@ def test_int8_experts_are_quantized_per_expert_and_channel_and_the_router_stays_
 
 
 def test_expert_parallel_and_tensor_parallel_on_four_devices_match_one_device(tiny_model_dirs):
-    """Qwen2-MoE (a shared expert, a dense layer) on 4 devices: experts split inside each expert (the default)
-    or by expert (each device holds 2 of the 8), int8 experts with their scales split alike; greedy tokens
-    identical to one device's."""
-    path = tiny_model_dirs["qwen2_moe"]
+    """On 4 devices, experts split inside each expert (the default) or by expert, greedy tokens identical to one
+    device's: Qwen2-MoE (a shared expert, a dense layer; each device 2 of the 8 experts under EP), and gpt-oss with
+    int8 experts (biases on every expert linear and the router, the down bias added once over the devices'
+    partial sums; sinks split with the heads; scales split like their kernels)."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 500, 5, 40, seed=14)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     options = dict(max_num_seqs=4, max_model_len=128, page_size=8, max_num_batched_tokens=64, warmup=False)
 
-    def run(**extra):
-        llm = LLM(path, **options, **extra)
+    def run(family, **extra):
+        llm = LLM(tiny_model_dirs[family], **options, **extra)
         tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-        return tokens, llm.llm_engine.runner.params["layers_0"]["mlp"]["experts"]
+        return tokens, llm.llm_engine.runner.params["layers_0"]
 
-    reference, _ = run()
-    tokens, experts = run(tensor_parallel_size=4)
+    reference, _ = run("qwen2_moe")
+    tokens, layer = run("qwen2_moe", tensor_parallel_size=4)
     assert tokens == reference
-    assert shard_shapes(experts["gate_up_proj"]["kernel"]) == {(8, 64, 2 * 32 // 4)}
-    assert shard_shapes(experts["down_proj"]["kernel"]) == {(8, 32 // 4, 64)}
-    tokens, experts = run(tensor_parallel_size=4, enable_expert_parallel=True)
+    assert shard_shapes(layer["mlp"]["experts"]["gate_up_proj"]["kernel"]) == {(8, 64, 2 * 32 // 4)}
+    assert shard_shapes(layer["mlp"]["experts"]["down_proj"]["kernel"]) == {(8, 32 // 4, 64)}
+    tokens, layer = run("qwen2_moe", tensor_parallel_size=4, enable_expert_parallel=True)
     assert tokens == reference
-    assert shard_shapes(experts["gate_up_proj"]["kernel"]) == {(2, 64, 2 * 32)}
-    assert shard_shapes(experts["down_proj"]["kernel"]) == {(2, 32, 64)}
-    int8_reference, _ = run(quantization="int8")
-    tokens, experts = run(tensor_parallel_size=4, enable_expert_parallel=True, quantization="int8")
+    assert shard_shapes(layer["mlp"]["experts"]["gate_up_proj"]["kernel"]) == {(2, 64, 2 * 32)}
+    assert shard_shapes(layer["mlp"]["experts"]["down_proj"]["kernel"]) == {(2, 32, 64)}
+
+    int8_reference, _ = run("gpt_oss", quantization="int8")
+    tokens, layer = run("gpt_oss", tensor_parallel_size=4, quantization="int8")
     assert tokens == int8_reference
+    assert shard_shapes(layer["mlp"]["experts"]["gate_up_proj"]["bias"]) == {(4, 2 * 32 // 4)}
+    assert shard_shapes(layer["attn"]["sinks"]) == {(1,)}
+    tokens, layer = run("gpt_oss", tensor_parallel_size=4, enable_expert_parallel=True, quantization="int8")
+    assert tokens == int8_reference
+    experts = layer["mlp"]["experts"]
     assert experts["down_proj"]["kernel"].dtype == jnp.int8
-    assert shard_shapes(experts["gate_up_proj"]["scale"]) == {(2, 2 * 32)}
-    assert shard_shapes(experts["down_proj"]["scale"]) == {(2, 64)}
+    assert shard_shapes(experts["gate_up_proj"]["scale"]) == {(1, 2 * 32)}
+    assert shard_shapes(experts["gate_up_proj"]["bias"]) == {(1, 2 * 32)}
+    assert shard_shapes(experts["down_proj"]["scale"]) == {(1, 64)}
 
 
 def test_a_split_the_experts_cannot_take_is_a_value_error_before_loading(tiny_llama_dir):

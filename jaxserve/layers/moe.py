@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jax.sharding import AbstractMesh
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, MoEConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED, TensorParallel
 from jaxserve.layers import matmul_blocks
@@ -34,9 +34,10 @@ EXPERT_BLOCK_BYTES = 1 << 20  # float bytes of one expert-kernel block in the CP
 # the shard_map): split inside each expert like the dense MLP, or by expert under expert parallelism
 SHARDING_RULES: tuple[tuple[str, str], ...] = (
     (r"experts/(gate_up|gate|up)_proj/kernel$", "expert_columns"),
-    (r"experts/(gate_up|gate|up)_proj/scale$", "expert_vector"),
+    (r"experts/(gate_up|gate|up)_proj/(scale|bias)$", "expert_vector"),
     (r"experts/down_proj/kernel$", "expert_rows"),
     (r"experts/down_proj/scale$", "expert_replicated"),
+    (r"experts/down_proj/bias$", "replicated"),  # added once, after the devices' partial sums (`MoE`)
     (r"mlp/(router|shared_expert_gate)/", "replicated"),
 )
 
@@ -121,9 +122,9 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
 
 
 class ExpertKernels(nn.Module):
-    """Every expert's linears: `{name: {"kernel": [E, in, out], "scale": [E, out] (int8 kernels only)}}` for
-    `gate_up_proj [E, H, 2I]` (each device's gate and up columns together, as the dense MLP's; whole under
-    expert parallelism) and `down_proj [E, I, H]`."""
+    """Every expert's linears: `{name: {"kernel": [E, in, out], "scale": [E, out] (int8 kernels only), "bias":
+    [E, out] (gpt-oss)}}` for `gate_up_proj [E, H, 2I]` (each device's gate and up columns together, as the dense
+    MLP's; whole under expert parallelism) and `down_proj [E, I, H]`."""
 
     config: ModelConfig
     dtype: Any
@@ -134,27 +135,43 @@ class ExpertKernels(nn.Module):
         shapes = {"gate_up_proj": (moe.num_experts, cfg.hidden_size, 2 * moe.intermediate_size),
                   "down_proj": (moe.num_experts, moe.intermediate_size, cfg.hidden_size)}
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        return {name: ExpertLinear(shape, init, self.dtype, name=name)() for name, shape in shapes.items()}
+        return {name: ExpertLinear(shape, init, self.dtype, moe.expert_bias, name=name)()
+                for name, shape in shapes.items()}
 
 
 class ExpertLinear(nn.Module):
     shape: tuple[int, int, int]
     initializer: Any
     dtype: Any
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self) -> dict:
         if self.has_variable("params", "scale"):
-            return {"kernel": self.get_variable("params", "kernel"), "scale": self.get_variable("params", "scale")}
-        return {"kernel": self.param("kernel", self.initializer, self.shape, self.dtype)}
+            linear = {"kernel": self.get_variable("params", "kernel"), "scale": self.get_variable("params", "scale")}
+        else:
+            linear = {"kernel": self.param("kernel", self.initializer, self.shape, self.dtype)}
+        if self.use_bias:
+            experts, _, fan_out = self.shape
+            linear["bias"] = self.param("bias", nn.initializers.zeros_init(), (experts, fan_out), self.dtype)
+        return linear
+
+
+def gated(gate: jax.Array, up: jax.Array, moe: MoEConfig) -> jax.Array:
+    """An expert's activation: SwiGLU `silu(gate) * up`, or gpt-oss's clamped variant when `moe.swiglu_limit`."""
+    if moe.swiglu_limit is None:
+        return nn.silu(gate) * up
+    limit = moe.swiglu_limit
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
 
 
 def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, kernels: dict, first_expert,
-                   dtype) -> jax.Array:
+                   moe: MoEConfig, dtype) -> jax.Array:
     """Float32 `[T, H]`: each token's outputs of the experts `kernels` holds (`first_expert` onwards; the rest
     of its experts are other devices'), weighted by its routing weights and summed. Under tensor parallelism the
     kernels are this device's columns of every expert and the sum is partial over them; either way the devices'
-    results add up to the whole."""
+    results add up to the whole. `down_proj`'s bias is not added here (`down_bias`)."""
     num_local = kernels["down_proj"]["kernel"].shape[0]
     top_k = experts.shape[-1]
     flat = experts.reshape(-1) - first_expert
@@ -165,11 +182,13 @@ def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ke
     token_of_row, expert_of_row = order // top_k, jnp.minimum(key[order], num_local - 1)
 
     def linear(x, name):
-        y = grouped_matmul(x, kernels[name]["kernel"], group_sizes)
-        return (y * kernels[name]["scale"][expert_of_row] if "scale" in kernels[name] else y).astype(dtype)
+        params = kernels[name]
+        y = grouped_matmul(x, params["kernel"], group_sizes)
+        y = (y * params["scale"][expert_of_row] if "scale" in params else y).astype(dtype)
+        return y + params["bias"][expert_of_row].astype(dtype) if "bias" in params and name != "down_proj" else y
 
     gate, up = jnp.split(linear(tokens[token_of_row], "gate_up_proj"), 2, axis=-1)
-    out = linear(nn.silu(gate) * up, "down_proj").astype(jnp.float32)
+    out = linear(gated(gate, up, moe), "down_proj").astype(jnp.float32)
     row_weights = jnp.where(local[order], weights.reshape(-1)[order], 0.0)
     return jnp.zeros(tokens.shape, jnp.float32).at[token_of_row].add(out * row_weights[:, None])
 
@@ -192,17 +211,20 @@ class MoE(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg, moe, tp = self.config, self.config.moe, self.tp
         tokens = x.reshape(-1, cfg.hidden_size)
-        logits = Linear(moe.num_experts, dtype=jnp.float32, name="router")(tokens.astype(jnp.float32))
+        logits = Linear(moe.num_experts, use_bias=moe.router_bias, dtype=jnp.float32, name="router")(
+            tokens.astype(jnp.float32))
         weights, experts = route(logits, moe.top_k, moe.normalize_top_k)
         kernels = ExpertKernels(cfg, self.dtype, name="experts")()
+        down_bias = kernels["down_proj"].pop("bias", None)
         if tp.size == 1:
-            y = expert_outputs(tokens, weights, experts, kernels, 0, self.dtype)
+            y = expert_outputs(tokens, weights, experts, kernels, 0, moe, self.dtype)
         else:
             per_device = moe.num_experts // tp.size if tp.expert_parallel else 0
 
             def on_device(tokens, weights, experts, kernels):
                 first = jax.lax.axis_index(MODEL_AXIS) * per_device
-                return jax.lax.psum(expert_outputs(tokens, weights, experts, kernels, first, self.dtype), MODEL_AXIS)
+                return jax.lax.psum(expert_outputs(tokens, weights, experts, kernels, first, moe, self.dtype),
+                                    MODEL_AXIS)
 
             specs = jax.tree_util.tree_map_with_path(
                 lambda path, _: spec_from_rules("experts/" + path_name(path), SHARDING_RULES, cfg, tp), kernels)
@@ -210,6 +232,8 @@ class MoE(nn.Module):
             # check_vma off: the CPU tile loop's zero carry would have to be cast to device-varying by hand
             y = jax.shard_map(on_device, mesh=mesh, in_specs=(REPLICATED, REPLICATED, REPLICATED, specs),
                               out_specs=REPLICATED, check_vma=False)(tokens, weights, experts, kernels)
+        if down_bias is not None:  # each chosen expert's output bias, by its routing weight: once, not per device
+            y = y + jnp.einsum("tk,tkh->th", weights, down_bias[experts].astype(self.dtype).astype(jnp.float32))
         if moe.shared_expert_size:
             shared = MLP(cfg.hidden_size, moe.shared_expert_size, tp, self.dtype, name="shared_expert")(tokens)
             gate = Linear(1, dtype=self.dtype, name="shared_expert_gate")(tokens)

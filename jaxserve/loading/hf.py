@@ -49,15 +49,16 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                 if name not in files:
                     raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
                 tensors.append(stack.enter_context(safe_open(files[name], framework="np")).get_slice(name))
-                check_shape(name, source_shape(tensors[-1].get_shape(), source.transposed, source.rows),
+                check_shape(name, source_shape(tensors[-1].get_shape(), source.transposed, source.rows,
+                                               source.columns),
                             expected.shape[1:] if stacked else expected.shape, path)
 
             def read(index: tuple) -> np.ndarray:
                 if not stacked:
-                    return read_hf_slice(tensors[0], source.transposed, index, dtype, source.rows)
+                    return read_hf_slice(tensors[0], source.transposed, index, dtype, source.rows, source.columns)
                 chosen = range(len(tensors))[index[0] if index else slice(None)]
-                return np.stack([read_hf_slice(tensors[i], source.transposed, index[1:], dtype, source.rows)
-                                 for i in chosen])
+                return np.stack([read_hf_slice(tensors[i], source.transposed, index[1:], dtype, source.rows,
+                                               source.columns) for i in chosen])
 
             return jax.make_array_from_callback(expected.shape, sharding, read, dtype=dtype)
 
@@ -76,6 +77,8 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
             if name not in state:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             tensor = state[name] if source.rows is None else state[name][source.rows[0]:source.rows[1]]
+            if source.columns is not None:
+                tensor = tensor[..., source.columns[0]::source.columns[1]]
             tensors.append(tensor.T if source.transposed else tensor)
         tensor = np.stack(tensors) if len(tensors) > 1 else tensors[0]
         check_shape(", ".join(source.names), tensor.shape, expected.shape, "state dict")

@@ -56,11 +56,19 @@ def tensor_files(path: str) -> dict[str, str]:
 
 
 def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype,
-                  rows: tuple[int, int] | None = None) -> np.ndarray:
+                  rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> np.ndarray:
     """Our `index` of the HF tensor `tensor` (a safetensors slice) in `dtype`: for a transposed kernel our
     `[i0, i1]` is their `[i1, i0]`, read and then transposed; with `rows`, our parameter is their first axis'
-    rows `[start, stop)` only."""
+    rows `[start, stop)` only; with `columns` `(offset, step)`, their last axis' every `step`-th entry from
+    `offset` (the span of our slice is read, then strided)."""
     index = tuple(index) + (slice(None),) * (len(tensor.get_shape()) - len(index))
+    if columns is not None:
+        offset, step = columns
+        ours = index[-1]
+        start = (ours.start or 0) * step
+        stop = tensor.get_shape()[-1] if ours.stop is None else ours.stop * step
+        span = tensor[index[:-1] + (slice(start, stop),)]
+        return np.ascontiguousarray(span[..., offset::step], dtype=dtype)
     if rows is not None:
         first = 1 if transposed else 0  # the index entry that addresses their first axis
         wanted = index[first]
@@ -72,12 +80,15 @@ def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype,
     return np.ascontiguousarray(tensor[index], dtype=dtype)
 
 
-def source_shape(shape: tuple, transposed: bool, rows: tuple[int, int] | None) -> tuple:
-    """A HF tensor's shape in our orientation, of our slice of it (`rows`; a tensor too short for the slice shows
-    a shorter shape, which `check_shape` reports)."""
+def source_shape(shape: tuple, transposed: bool, rows: tuple[int, int] | None,
+                 columns: tuple[int, int] | None = None) -> tuple:
+    """A HF tensor's shape in our orientation, of our slice of it (`rows`, `columns`; a tensor too short for the
+    slice shows a shorter shape, which `check_shape` reports)."""
     shape = tuple(shape)
     if rows is not None:
         shape = (max(0, min(shape[0], rows[1]) - rows[0]), *shape[1:])
+    if columns is not None:
+        shape = (*shape[:-1], len(range(columns[0], shape[-1], columns[1])))
     return shape[::-1] if transposed else shape
 
 

@@ -35,15 +35,17 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
 def parse_config(hf_config: Any) -> ModelConfig:
     """The `ModelConfig` of a transformers config of this family (v4 or v5 spelling of rope fields)."""
     model_type = hf_config.model_type
-    qkv_bias = model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-    return decoder_config(hf_config, qkv_bias=qkv_bias, qk_norm=model_type == "qwen3")
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))  # q, k, v and o (Qwen2: q, k, v always)
+    return decoder_config(hf_config, qkv_bias=model_type == "qwen2" or attention_bias,
+                          o_bias=model_type != "qwen2" and attention_bias, qk_norm=model_type == "qwen3")
 
 
-def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, moe: MoEConfig | None = None,
-                   sparse_layers: tuple[bool, ...] = (), activation: str | None = None) -> ModelConfig:
+def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, o_bias: bool = False,
+                   moe: MoEConfig | None = None, sparse_layers: tuple[bool, ...] = (),
+                   activation: str | None = None) -> ModelConfig:
     """The `ModelConfig` of a Llama-shaped decoder (this module's, the mixture-of-experts families that swap its
-    MLP for experts in the `sparse_layers`, Gemma's); ValueError naming a field this decoder cannot compute.
-    `activation`: the family's (`config.ACTIVATIONS`), else `hidden_act`, which must be silu."""
+    MLP for experts in the `sparse_layers`, Gemma's, gpt-oss's); ValueError naming a field this decoder cannot
+    compute. `activation`: the family's (`config.ACTIVATIONS`), else `hidden_act`, which must be silu."""
     if activation is None:
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported for model_type "
@@ -68,6 +70,7 @@ def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, moe: MoECon
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         qkv_bias=qkv_bias,
+        o_bias=o_bias,
         qk_norm=qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         layers=layers,
@@ -109,10 +112,13 @@ class Attention(nn.Module):
         k = apply_rope(k, meta.positions, inv_freq, rope_scale)
         k_pool, v_pool = self.attention.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         sm_scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        sinks = self.param("sinks", nn.initializers.zeros_init(), (cfg.num_q_heads,), self.dtype) \
+            if cfg.attention_sinks else None
         out = self.attention.attend(q, k_pool, v_pool, meta, sm_scale=sm_scale,
-                                    sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap)
+                                    sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap,
+                                    sinks=sinks)
         out = out.reshape(batch, num_tokens, cfg.q_size)
-        out = Linear(cfg.hidden_size, dtype=self.dtype, in_shards=tp.size, name="o_proj")(out)
+        out = Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=tp.size, name="o_proj")(out)
         return out, k_pool, v_pool
 
 

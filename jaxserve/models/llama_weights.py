@@ -46,7 +46,8 @@ SHARDING_RULES: tuple[tuple[str, str], ...] = (
     (r"attn/[kv]_proj/(kernel|zeros|scales)$", "kv_columns"),
     (r"attn/[kv]_proj/(bias|scale)", "kv_vector"),
     (r"attn/o_proj/(kernel|zeros|scales)$", "rows"),
-    (r"attn/o_proj/scale", "replicated"),
+    (r"attn/o_proj/(scale|bias)", "replicated"),
+    (r"attn/sinks$", "vector"),  # one per query head, split like the heads
     (r"(mlp|shared_expert)/(gate_up|gate|up)_proj/(kernel|zeros|scales)$", "columns"),
     (r"(mlp|shared_expert)/(gate_up|gate|up)_proj/scale", "vector"),
     (r"(mlp|shared_expert)/down_proj/(kernel|zeros|scales)$", "rows"),
@@ -74,9 +75,10 @@ def checkpoint_source(path: str, config: ModelConfig, moe_names: MoENames = MoEN
     """
     if path in GLOBAL_TENSORS:
         return TensorSource((GLOBAL_TENSORS[path],), path.endswith("/kernel"))
-    group, module, *inner, leaf = path.split("/")
-    if not group.startswith("layers_") or module not in LAYER_MODULES:
+    group, module, *inner = path.split("/")
+    if not group.startswith("layers_") or module not in LAYER_MODULES or not inner:
         raise KeyError(f"no Hugging Face tensor for parameter {path!r}")
+    *inner, leaf = inner
     index = group.removeprefix("layers_")
     hf_module = LAYER_MODULES[module]
     if module == "mlp" and config.layers[int(index)].feed_forward == "moe":
@@ -87,7 +89,7 @@ def checkpoint_source(path: str, config: ModelConfig, moe_names: MoENames = MoEN
             linear = dict(moe_names.linears)[inner[1]]
             return TensorSource(tuple(f"model.layers.{index}.{hf_module}.experts.{expert}.{linear}.weight"
                                       for expert in range(config.moe.num_experts)), True)
-    name = ".".join(["model.layers", index, hf_module, *inner, "bias" if leaf == "bias" else "weight"])
+    name = ".".join(["model.layers", index, hf_module, *inner, leaf if leaf in ("bias", "sinks") else "weight"])
     return TensorSource((name,), leaf == "kernel")
 
 
@@ -116,9 +118,11 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
         moe = cfg.moe
 
         def stacked(fan_in: int, fan_out: int) -> dict:
-            return {"kernel": jax.ShapeDtypeStruct((moe.num_experts, fan_in, fan_out), dtype)}
+            leaf = {"kernel": jax.ShapeDtypeStruct((moe.num_experts, fan_in, fan_out), dtype)}
+            return leaf | ({"bias": jax.ShapeDtypeStruct((moe.num_experts, fan_out), dtype)} if moe.expert_bias
+                           else {})
 
-        group = {"router": dense(cfg.hidden_size, moe.num_experts),
+        group = {"router": dense(cfg.hidden_size, moe.num_experts, moe.router_bias),
                  "experts": {"gate_proj": stacked(cfg.hidden_size, moe.intermediate_size),
                              "up_proj": stacked(cfg.hidden_size, moe.intermediate_size),
                              "down_proj": stacked(moe.intermediate_size, cfg.hidden_size)}}
@@ -130,7 +134,9 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
         attn = {"q_proj": dense(cfg.hidden_size, cfg.q_size, cfg.qkv_bias),
                 "k_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
                 "v_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
-                "o_proj": dense(cfg.q_size, cfg.hidden_size)}
+                "o_proj": dense(cfg.q_size, cfg.hidden_size, cfg.o_bias)}
+        if cfg.attention_sinks:
+            attn["sinks"] = jax.ShapeDtypeStruct((cfg.num_q_heads,), dtype)
         if cfg.qk_norm:
             attn |= {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)}
         mlp = experts() if spec.feed_forward == "moe" else swiglu(cfg.intermediate_size)

@@ -24,13 +24,13 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
-from jaxserve.models import gemma, llama, mixtral, phi3, qwen_moe
+from jaxserve.models import gemma, gpt_oss, llama, mixtral, phi3, qwen_moe
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
 
 
-FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, phi3.SPEC)
+FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, phi3.SPEC, gpt_oss.SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 

@@ -19,11 +19,17 @@ class TensorSource:
     """The checkpoint tensor(s) one checkpoint-layout parameter is read from: one name, or several stacked on a
     new leading axis (e.g. one tensor per expert); `transposed` when stored `[out, in]` (HF linears); `rows`
     `(start, stop)` when it is that slice of the tensor's first axis (a projection fused in the checkpoint,
-    Phi-3's `qkv_proj`)."""
+    Phi-3's `qkv_proj`); `columns` `(offset, step)` when it is the tensor's last-axis entries `offset, offset +
+    step, ...` (projections interleaved in the checkpoint, gpt-oss's `gate_up_proj`; not transposed)."""
 
     names: tuple[str, ...]
     transposed: bool = False
     rows: tuple[int, int] | None = None
+    columns: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.columns is not None and self.transposed:
+            raise ValueError("TensorSource: columns of a transposed tensor are not supported")
 
 
 @dataclasses.dataclass(frozen=True)
