@@ -8,7 +8,8 @@ casts it to the serving dtype and hands it to the device. The file is opened (me
 time, so the host holds one parameter's slices in flight: no float32 copy of the model, no copy of the checkpoint,
 and with tensor parallelism a split tensor is never read whole, only each device's part of it.
 `convert_hf_state_dict` applies the same sources to an in-memory state dict (the GGUF conversion's). An AutoAWQ
-checkpoint loads through `loading/awq.py`.
+checkpoint loads through `loading/awq.py`. A tensor stored as MXFP4 (`{name}_blocks` and `{name}_scales`, gpt-oss's
+experts) is dequantized to the serving dtype as each device reads its slice.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading.awq import load_awq_checkpoint
-from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, read_hf_slice,
-                                       source_shape, tensor_files)
+from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, is_mxfp4,
+                                       mxfp4_shape, read_hf_slice, read_mxfp4_slice, source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
 from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources
 
@@ -43,6 +44,8 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
 
     def load(source: TensorSource, sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
         stacked = len(source.names) > 1
+        if not stacked and is_mxfp4(source.names[0], files):
+            return load_mxfp4(source, sharding, expected)
         with contextlib.ExitStack() as stack:  # unmapped again once this parameter is placed
             tensors = []
             for name in source.names:
@@ -61,6 +64,20 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                                                source.columns) for i in chosen])
 
             return jax.make_array_from_callback(expected.shape, sharding, read, dtype=dtype)
+
+    def load_mxfp4(source: TensorSource, sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
+        name = source.names[0]
+        with contextlib.ExitStack() as stack:
+            blocks, scales = (stack.enter_context(safe_open(files[f"{name}_{part}"], framework="np"))
+                              .get_slice(f"{name}_{part}") for part in ("blocks", "scales"))
+            if tuple(scales.get_shape()) != tuple(blocks.get_shape()[:-1]):
+                raise ValueError(f"checkpoint {path!r}: MXFP4 tensor {name!r} has blocks {blocks.get_shape()} "
+                                 f"and scales {scales.get_shape()}, which do not match")
+            check_shape(f"{name}_blocks", source_shape(mxfp4_shape(blocks.get_shape()), False, None, source.columns),
+                        expected.shape, path)
+            return jax.make_array_from_callback(
+                expected.shape, sharding, lambda index: read_mxfp4_slice(blocks, scales, index, dtype, source.columns),
+                dtype=dtype)
 
     return jax.tree.map(load, checkpoint_sources(config), shardings, checkpoint_shapes(config, dtype),
                         is_leaf=is_source)

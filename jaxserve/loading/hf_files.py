@@ -80,6 +80,45 @@ def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype,
     return np.ascontiguousarray(tensor[index], dtype=dtype)
 
 
+MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                        np.float32)  # an FP4 (e2m1) code's value
+MXFP4_GROUP = 32  # values per shared power-of-two scale (OCP microscaling), 16 bytes of two codes each
+
+
+def is_mxfp4(name: str, files: dict[str, str]) -> bool:
+    """Whether tensor `name` is stored as MXFP4, `{name}_blocks` and `{name}_scales` (gpt-oss's experts)."""
+    return name not in files and f"{name}_blocks" in files and f"{name}_scales" in files
+
+
+def mxfp4_shape(blocks_shape: tuple) -> tuple:
+    """Our `[E, in, out]` shape of an MXFP4 tensor from its blocks' `[E, out, in / 32, 16]`."""
+    *lead, out, groups, _ = blocks_shape
+    return (*lead, groups * MXFP4_GROUP, out)
+
+
+def read_mxfp4_slice(blocks, scales, index: tuple, dtype: np.dtype,
+                     columns: tuple[int, int] | None = None) -> np.ndarray:
+    """Our `index` of `[E, in, out]` from an MXFP4 tensor (safetensors slices of `blocks` uint8 `[E, out, in / 32,
+    16]`, two FP4 codes per byte, low nibble first, and `scales` uint8 `[E, out, in / 32]`, exponents biased by
+    127), dequantized to `dtype`: only the whole groups that cover our input rows are read. `columns` as for
+    `read_hf_slice`."""
+    experts, rows, outputs = tuple(index) + (slice(None),) * (3 - len(index))
+    if columns is not None:
+        offset, step = columns
+        outputs = slice((outputs.start or 0) * step + offset, None if outputs.stop is None else outputs.stop * step,
+                        step)
+    num_in = mxfp4_shape(blocks.get_shape())[1]
+    first, stop = rows.start or 0, num_in if rows.stop is None else rows.stop
+    group_lo, group_hi = first // MXFP4_GROUP, -(-stop // MXFP4_GROUP)
+    span = slice(outputs.start, outputs.stop)  # safetensors reads contiguous spans; the step is taken after
+    codes = np.asarray(blocks[experts, span, group_lo:group_hi, :], np.uint8)[:, ::outputs.step or 1]
+    exponents = np.asarray(scales[experts, span, group_lo:group_hi], np.int32)[:, ::outputs.step or 1] - 127
+    values = np.stack([MXFP4_VALUES[codes & 0x0F], MXFP4_VALUES[codes >> 4]], axis=-1)  # [e, out, groups, 16, 2]
+    values = np.ldexp(values.reshape(*codes.shape[:3], MXFP4_GROUP), exponents[..., None])
+    values = values.reshape(*codes.shape[:2], -1)[..., first - group_lo * MXFP4_GROUP:stop - group_lo * MXFP4_GROUP]
+    return np.ascontiguousarray(values.transpose(0, 2, 1), dtype=dtype)
+
+
 def source_shape(shape: tuple, transposed: bool, rows: tuple[int, int] | None,
                  columns: tuple[int, int] | None = None) -> tuple:
     """A HF tensor's shape in our orientation, of our slice of it (`rows`, `columns`; a tensor too short for the
