@@ -68,6 +68,25 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
         rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
+    "gpt-oss-20b": dict(  # 32 experts of 2880, 4 per token, attention sinks: 20.9B parameters, 3.6B active + embedding
+        model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                             rope_theta=150000.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
+        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999),
+    "gemma-3-27b": dict(  # the text decoder: 5 sliding (1024) layers per global one, a rope per layer type
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=5376,
+        intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, query_pre_attn_scalar=168, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", sliding_window=1024,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)],
+        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                             full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)),
+        final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=[1, 106]),
 }
 
 
@@ -78,7 +97,7 @@ def shape_config(shape: str, **overrides: Any) -> dict[str, Any]:
     unknown = set(overrides) - {*SHAPES[shape], "num_hidden_layers", "vocab_size", "max_position_embeddings"}
     if unknown:
         raise ValueError(f"cannot override {sorted(unknown)} of shape {shape!r}")
-    return {**SHAPES[shape], "hidden_act": "silu", "torch_dtype": "bfloat16", **overrides}
+    return {"hidden_act": "silu", **SHAPES[shape], "torch_dtype": "bfloat16", **overrides}
 
 
 def write_config(path: str | Path, shape: str, **overrides: Any) -> str:

@@ -473,6 +473,33 @@ def test_serving_smoke_against_jaxserve(tiny_llama_dir, tmp_path):
     assert chat["runs"][0]["metrics"]["completed"] == 3 and chat["runs"][0]["metrics"]["total_output_tokens"] == 12
 
 
+def test_every_random_model_shape_is_served_with_its_published_size(tmp_path):
+    """Each shape's config.json parses (the families, ropes and windows jaxserve reads from it), with the published
+    parameter counts: total, and active per token for the mixtures of experts."""
+    import jax
+
+    from benchmarks import random_model
+    from jaxserve.loading.hf_files import hf_model_config
+    from jaxserve.models import checkpoint_shapes
+
+    published = {"llama-3.1-8b": (8.03, 8.03), "qwen3-30b-a3b": (30.5, 3.35), "mixtral-8x7b": (46.7, 12.9),
+                 "gpt-oss-20b": (20.9, 3.6 + 0.58), "gemma-3-27b": (27.0, 27.0)}  # billions; gpt-oss: + embedding
+    for shape in random_model.SHAPES:
+        config = hf_model_config(random_model.write_config(tmp_path / shape, shape))
+        leaves = jax.tree_util.tree_leaves_with_path(checkpoint_shapes(config))
+        total = sum(math.prod(leaf.shape) for _, leaf in leaves)
+        experts = sum(math.prod(leaf.shape) for path, leaf in leaves if "experts" in jax.tree_util.keystr(path))
+        active = total - experts + (experts * config.moe.top_k // config.moe.num_experts if config.moe else 0)
+        if shape in published:
+            assert (total / 1e9, active / 1e9) == pytest.approx(published[shape], rel=0.01), shape
+    gpt_oss = hf_model_config(str(tmp_path / "gpt-oss-20b"))
+    assert gpt_oss.attention_sinks and gpt_oss.layer_sliding_windows[:2] == (128, None)
+    assert dict(gpt_oss.layers[1].rope_scaling)["rope_type"] == "yarn"
+    gemma = hf_model_config(str(tmp_path / "gemma-3-27b"))
+    assert gemma.layer_sliding_windows[:6] == (1024,) * 5 + (None,) and gemma.activation == "gelu_tanh"
+    assert (gemma.layers[0].rope_theta, gemma.layers[5].rope_theta) == (10000.0, 1000000.0)
+
+
 def test_random_model_has_the_default_models_shapes(tmp_path):
     import gguf
 
