@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128)
+    return LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, warmup=False)  # compiles as used
 
 
 def test_greedy_tokens_match_transformers_on_the_same_gguf(default_llm):
