@@ -102,6 +102,18 @@ class ModelConfig:
             raise ValueError("a ModelConfig has a MoEConfig exactly when some layer's feed_forward is 'moe'")
 
     @property
+    def rope_length_rule(self) -> tuple[str, int] | None:
+        """`(rule, threshold)` when some layer's rope (LongRoPE, dynamic NTK) rotates tokens by a length past
+        `threshold` rather than by their positions alone (`layers/rotary.LENGTH_RULES`); None otherwise."""
+        from jaxserve.layers.rotary import LENGTH_RULES, rope_length_threshold
+
+        rules = {(LENGTH_RULES[layer.rope_scaling_dict["rope_type"]], rope_length_threshold(layer.rope_scaling_dict))
+                 for layer in self.layers if rope_length_threshold(layer.rope_scaling_dict) is not None}
+        if len(rules) > 1:
+            raise ValueError(f"layers whose ropes change with the length differently are not supported: {rules}")
+        return next(iter(rules), None)
+
+    @property
     def has_dense_layers(self) -> bool:
         return any(layer.feed_forward == "dense" for layer in self.layers)
 
@@ -141,8 +153,11 @@ class ModelConfig:
 
 
 def rope_tuple(items) -> tuple[tuple[str, Any], ...] | None:
-    """JSON's list of [key, value] pairs (or None) back to the hashable rope parameters."""
-    return tuple(tuple(item) for item in items) if items else None
+    """JSON's list of [key, value] pairs (or None) back to the hashable rope parameters (list values as tuples:
+    longrope's factors)."""
+    if not items:
+        return None
+    return tuple((key, tuple(value) if isinstance(value, list) else value) for key, value in items)
 
 
 def token_ids(value: int | list[int] | None) -> tuple[int, ...]:

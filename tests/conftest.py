@@ -81,14 +81,14 @@ def tiny_hf_config(family: str, **overrides):
     raise ValueError(family)
 
 
-def save_tiny_model(family: str, path: str, seed: int = 0, **overrides) -> str:
-    """A random-weight HF model of `family` (float32, `overrides` of TINY_DIMS) with a small byte-level tokenizer,
-    saved to `path`."""
+def save_tiny_model(family: str, path: str, seed: int = 0, config=None, **overrides) -> str:
+    """A random-weight HF model of `family` (float32, `overrides` of TINY_DIMS, or the whole `config`) with a small
+    byte-level tokenizer, saved to `path`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(family, **overrides)
+    config = config if config is not None else tiny_hf_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits small; larger weights make logits differ visibly between tokens
         for name, param in model.named_parameters():

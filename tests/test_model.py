@@ -105,7 +105,8 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(extra):
 
 @pytest.mark.parametrize("scaling, message", [
     ({"rope_type": "yarn", "factor": 4.0}, "needs rope parameter 'original_max_position_embeddings'"),
-    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+    ({"rope_type": "fourier", "factor": 2.0}, "rope_type 'fourier' is not supported"),
+    ({"rope_type": "dynamic"}, "rope_type 'dynamic' needs rope parameter 'factor'"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
      "partial_rotary_factor"),
     ({"rope_type": "default", "partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # was ignored

@@ -148,7 +148,7 @@ def test_phi3_projections_are_row_slices_of_its_fused_tensors_on_every_device(ti
     up = two["layers_1"]["mlp"]["up_proj"]["kernel"]
     assert shard_shapes(up) == {(config.hidden_size, config.intermediate_size // 2)}
     np.testing.assert_array_equal(np.asarray(up), np.asarray(one["layers_1"]["mlp"]["up_proj"]["kernel"]))
-    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+    with pytest.raises(ValueError, match="rope_type 'longrope' needs rope parameter 'long_factor'"):
         config_from_hf(types.SimpleNamespace(**{**transformers.AutoConfig.from_pretrained(path).to_dict(),
                                                 "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                                                    "long_factor": [2.0] * 8}}))
+                                                                    "original_max_position_embeddings": 64}}))

@@ -76,7 +76,8 @@ class LLMEngine:
                              f"{self.config.max_model_len} ({self.config.pages_per_seq} pages + 1 scratch page)")
         self.page_manager = PageManager(self.runner.num_pages, self.config.page_size,
                                         self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids))
+        self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
+                                   loaded_config.rope_length_rule)
         in_process = self.config.detokenizer_process and self.tokenizer is not None
         self.inputs = InputProcessor(self.config, self.tokenizer, loaded_config.vocab_size, self.grammars, in_process)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.inputs.release, in_process)

@@ -170,8 +170,9 @@ class ModelRunner:
         batch.apply(plan)
         for new in plan.new_seqs:
             self._reset_penalties(new)
-        calls = [prefill_inputs(batch, tokens, chunks) for tokens, chunks in prefill_groups(plan.prefills,
-                                                                                            self.engine_config)]
+        by_sequence = (self.config.rope_length_rule or ("",))[0] == "sequence"
+        calls = [prefill_inputs(batch, tokens, chunks, by_sequence)
+                 for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
         verify = (self.speculator.verify_inputs(plan.decodes)
                   if self.speculator is not None and any(decode.num_draft for decode in plan.decodes) else None)
         decode = decode_inputs(batch, plan.decodes, self.engine_config) if plan.decodes and verify is None else None

@@ -10,6 +10,10 @@ A colliding key is a miss, never a wrong page. Freed pages keep their contents a
 until they are reallocated; the free list is LRU ordered and a sequence frees its pages tail first,
 so the longest prefixes' tails are evicted first.
 
+A sequence whose tokens rotate by a length rather than by their positions alone (`Sequence.rope_by_length`: a
+LongRoPE or dynamic-NTK model past its threshold, `layers/rotary.py`) neither looks up nor registers pages: equal
+tokens at equal positions hold equal K/V only when rotated by position.
+
 The manager owns the prefix-cache chain of every sequence holding pages (the key and registration serial of each
 of its full pages); a sequence's page table is the list it extends. Token counters are the scheduler's.
 """
@@ -83,9 +87,13 @@ class PageManager:
         """New pages `seq` needs so that its first `num_tokens` tokens have a slot."""
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
 
+    def caches(self, seq: Sequence) -> bool:
+        """Whether `seq` looks up and registers prefix pages."""
+        return self.enable_prefix_caching and not seq.rope_by_length
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The cached pages holding the longest prefix of `seq` (exactly), leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
+        if not self.caches(seq):
             return []
         pages: list[int] = []
         parent_key, parent_serial = b"", None
@@ -136,7 +144,7 @@ class PageManager:
 
     def commit_full_pages(self, seq: Sequence) -> None:
         """Registers the pages `seq` has completely computed since the last call in the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self.caches(seq):
             return
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size  # token ids known to the host
         keys, serials = self._chains.setdefault(seq.seq_id, ([], []))

@@ -13,6 +13,11 @@ waits at most one budget's worth of prefill. In order:
 3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
    longest cached prefix (none for a sequence that must score its prompt), while budget, slots and pages last.
 
+With a rope whose rotations change with the length (`rope_length_rule`, `layers/rotary.py`) a sequence past the
+threshold is marked `rope_by_length` at admission (no prefix caching for it); under LongRoPE ("sequence") one that
+outgrows the threshold while decoding is requeued to recompute every token rotated long, as transformers' Phi-3
+recomputes its cache then, and its drafts never cross the threshold.
+
 The scheduler owns every sequence's state: `update_after_dispatch` advances a dispatched plan's sequences (KV
 computed, tokens pending on the device), and `update_from_output` applies the tokens a step sampled (appended,
 grammar advanced, token stop rules and length limits, full pages committed to the prefix cache, the room made for
@@ -81,8 +86,10 @@ class AppendedToken(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, page_manager: PageManager, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, config: EngineConfig, page_manager: PageManager, eos_token_ids: frozenset[int] = frozenset(),
+                 rope_length_rule: tuple[str, int] | None = None):
         self.config = config
+        self.rope_length_rule = rope_length_rule  # ModelConfig.rope_length_rule
         self.page_manager = page_manager
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -204,6 +211,9 @@ class Scheduler:
             if (seq.status is not SequenceStatus.RUNNING or seq.is_prefilling
                     or seq.at_length_limit(max_model_len, with_pending=True)):
                 continue
+            if self._outgrows_its_rope(seq):
+                self._requeue(seq, out)  # recomputed whole, every token rotated by the longer length
+                continue
             seq.num_lookahead = self._lookahead(seq) if speculate else 0
             if self._make_room(seq, seq.num_tokens + seq.num_lookahead, out):
                 out.decodes.append(seq)
@@ -222,6 +232,7 @@ class Scheduler:
             seq = self._next_waiting()
             if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
                 break
+            seq.rope_by_length = self._rope_by_length(seq)
             looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
             cached = self.page_manager.admit(seq, self.page_manager.match_prefix(seq) if looks_up else [])
             seq.num_computed_tokens = seq.num_cached_tokens = cached
@@ -254,6 +265,8 @@ class Scheduler:
         if seq.grammar is not None:
             return 0
         room = self.config.max_model_len - seq.num_tokens
+        if self.rope_length_rule is not None and self.rope_length_rule[0] == "sequence" and not seq.rope_by_length:
+            room = min(room, self.rope_length_rule[1] - seq.num_tokens)  # drafts stay within the short rope
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
         return max(0, min(self.config.num_speculative_tokens, room))
@@ -284,11 +297,28 @@ class Scheduler:
             return seq.priority, seq.admission_order
         return seq.admission_order
 
+    def _rope_by_length(self, seq: Sequence) -> bool:
+        """Whether `seq`, being admitted, rotates by a length past the rope's threshold: its prompt's (dynamic NTK)
+        or its whole length (LongRoPE)."""
+        if self.rope_length_rule is None:
+            return False
+        rule, threshold = self.rope_length_rule
+        return (len(seq) if rule == "sequence" else seq.num_prompt_tokens) > threshold
+
+    def _outgrows_its_rope(self, seq: Sequence) -> bool:
+        """LongRoPE: whether the decode would take `seq`, computed rotated short, past the threshold."""
+        rule = self.rope_length_rule
+        return rule is not None and rule[0] == "sequence" and not seq.rope_by_length and seq.num_tokens > rule[1]
+
     def _preempt(self, seq: Sequence, out: Plan) -> None:
+        self.num_preemptions += 1
+        self._requeue(seq, out)
+
+    def _requeue(self, seq: Sequence, out: Plan) -> None:
+        """Frees `seq`'s pages and slot and puts it first in line, to be recomputed when admitted again."""
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.prefills = [chunk for chunk in out.prefills if chunk.seq is not seq]
         out.decodes = [s for s in out.decodes if s is not seq]

@@ -50,6 +50,7 @@ class Sequence:
         self.num_sent_tokens = self.num_sent_pages = self.num_kept_pages = 0
         self.slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
+        self.rope_by_length = False  # its tokens rotate by a length past the rope's threshold (`layers/rotary.py`)
         self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use
         self.grammar = None  # constrained decoding: the sequence's llguidance matcher, advanced token by token
         self.admission_order = -1

@@ -68,7 +68,10 @@ def prefill_groups(chunks: tuple[ScheduledChunk, ...],
     return groups
 
 
-def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk]) -> PrefillInputs:
+def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk],
+                   rope_by_sequence: bool = False) -> PrefillInputs:
+    """One prefill call of `chunks`; `rope_by_sequence`: the tokens rotate by the sequence's length (LongRoPE),
+    else by the prompt's (`layers/rotary.py`)."""
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
     batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1])
     inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
@@ -82,6 +85,7 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
         batch.page_tables[row] = rows_of.page_tables[slot]
         inputs.output_index[row] = len(token_ids) - rows_of.num_prompt_tokens[slot]
         batch.is_final[row] = chunk.is_final
+        batch.rope_lens[row] = len(token_ids) if rope_by_sequence else rows_of.num_prompt_tokens[slot]
         if chunk.is_final:
             inputs.sampled.append(RowSequence(row, chunk.seq_id, rows_of.logprobs_of(slot)))
             if rows_of.guided[slot]:
@@ -98,7 +102,7 @@ def empty_prefill(rows: int, tokens: int, pages_per_seq: int) -> PrefillBatch:
     zeros = functools.partial(np.zeros, rows, np.int32)
     return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
                         page_tables=np.zeros((rows, pages_per_seq), np.int32), slots=zeros(),
-                        is_final=np.zeros(rows, bool), next_tokens=zeros())
+                        is_final=np.zeros(rows, bool), next_tokens=zeros(), rope_lens=zeros())
 
 
 def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:

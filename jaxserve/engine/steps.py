@@ -66,6 +66,7 @@ class PrefillBatch:
     slots: jax.Array  # int32 [rows]
     is_final: jax.Array  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
     next_tokens: jax.Array  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
+    rope_lens: jax.Array  # int32 [rows]: the rope length each row's tokens have at least (`layers/rotary.py`)
 
 
 @flax.struct.dataclass
@@ -161,7 +162,7 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_tables=page_tables,
                              context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0),
-                             query_lens=num_tokens)
+                             query_lens=num_tokens, rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1))
     (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                          logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
                                          with_hidden=True)

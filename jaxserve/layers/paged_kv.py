@@ -55,6 +55,12 @@ class AttentionMetadata:
     page_tables: jax.Array  # int32 [B, P]: pages of each sequence, in order; unused entries point at the scratch page
     context_lens: jax.Array  # int32 [B]: KV length of each sequence after this step's tokens (0 = inactive row)
     query_lens: jax.Array  # int32 [B]: real (unpadded) query tokens of each sequence in this step
+    # int32 [B, T]: each token's rope length, max(prompt length, position + 1) (`layers/rotary.py`); None: position
+    # + 1, which it is for every token after its prompt (decode, verify and draft steps)
+    rope_lens: jax.Array | None = None
+
+    def token_rope_lens(self) -> jax.Array:
+        return self.positions + 1 if self.rope_lens is None else self.rope_lens
 
 
 def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -1,6 +1,16 @@
-"""Rotary position embeddings (RoPE) with the linear, Llama-3 and YaRN frequency scalings, in Hugging Face's
-half-split layout. YaRN also scales the rotated vectors (`rope_attention_factor`), as transformers scales cos and
-sin."""
+"""Rotary position embeddings (RoPE) with the linear, Llama-3, YaRN, LongRoPE and dynamic-NTK frequency scalings, in
+Hugging Face's half-split layout. YaRN and LongRoPE also scale the rotated vectors (`rope_attention_factor`), as
+transformers scales cos and sin.
+
+LongRoPE and dynamic NTK change the frequencies with the sequence's length past a threshold, as transformers does
+(`LENGTH_RULES`): dynamic NTK computes one forward's frequencies from its longest position, so in transformers'
+greedy loop a prompt's tokens rotate by the prompt's length and each later token by its own position + 1 ("prompt");
+Phi-3 (LongRoPE) rotates every token of a sequence by whether the whole sequence is longer than the threshold, and
+recomputes the cache of one that outgrows it ("sequence"; the scheduler requeues such a sequence for recompute).
+Each token carries its "rope length" (`AttentionMetadata.rope_lens`): `max(base, position + 1)` with base the
+prompt's length (prompt) or the sequence's at its prefill (sequence), so chunked prefill, batching and recomputing
+a preempted sequence rotate every token as transformers does (`token_inverse_frequencies`).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +21,28 @@ import jax.numpy as jnp
 import numpy as np
 
 
+LENGTH_RULES = {"longrope": "sequence", "dynamic": "prompt"}  # what a token's rope length is taken from
+
+
+def rope_length_threshold(scaling: dict[str, Any] | None) -> int | None:
+    """The rope length past which a length-dependent rope's frequencies change (None for the other ropes)."""
+    if not scaling or scaling["rope_type"] not in LENGTH_RULES:
+        return None
+    key = "original_max_position_embeddings" if scaling["rope_type"] == "longrope" else "max_position_embeddings"
+    return int(scaling[key])
+
+
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
-    """Per-pair rotation frequencies `[head_dim // 2]`, computed once on the host in float64."""
+    """Per-pair rotation frequencies `[head_dim // 2]`, computed once on the host in float64 (a length-dependent
+    rope's at lengths up to its threshold)."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if not scaling:
         return inv_freq
     rope_type = scaling["rope_type"]
+    if rope_type == "dynamic":
+        return inv_freq
+    if rope_type == "longrope":
+        return inv_freq / np.asarray(scaling["short_factor"], np.float64)
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv_freq / factor
@@ -37,14 +63,37 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
+def token_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any], rope_lens: jnp.ndarray
+                              ) -> jnp.ndarray:
+    """A length-dependent rope's frequencies `[..., tokens, head_dim // 2]` for tokens of `rope_lens [..., tokens]`:
+    LongRoPE's long factors past the original length, else its short ones; dynamic NTK's base grown with the length
+    past the model's, `theta * (factor * L / M - factor + 1) ** (d / (d - 2))`, in float32 as transformers
+    computes it."""
+    threshold = rope_length_threshold(scaling)
+    short = jnp.asarray(rope_inverse_frequencies(head_dim, theta, scaling), jnp.float32)
+    beyond = (rope_lens > threshold)[..., None]
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    if scaling["rope_type"] == "longrope":
+        long = 1.0 / (jnp.asarray(scaling["long_factor"], jnp.float32) * jnp.float32(theta) ** exponents)
+        return jnp.where(beyond, long, short)
+    factor = jnp.float32(scaling["factor"])
+    length = jnp.maximum(rope_lens, threshold).astype(jnp.float32)[..., None]
+    base = jnp.float32(theta) * ((factor * length / threshold) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return jnp.where(beyond, 1.0 / base ** exponents, short)
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor cos and sin are scaled by: YaRN's `attention_factor` (given, or from `factor` and the optional
-    `mscale` / `mscale_all_dim`), 1 for the other rope types."""
-    if not scaling or scaling["rope_type"] != "yarn":
+    """The factor cos and sin are scaled by: YaRN's and LongRoPE's `attention_factor` (given, or from `factor`: YaRN
+    with the optional `mscale` / `mscale_all_dim`, LongRoPE `sqrt(1 + ln factor / ln original length)`), 1 for the
+    other rope types."""
+    if not scaling or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
@@ -77,8 +126,9 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, An
 
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:
-    """Rotates `x: [..., tokens, heads, head_dim]` by `positions: [..., tokens]` (first half / second half pairs),
-    scaled by `scale` (`rope_attention_factor`)."""
+    """Rotates `x: [..., tokens, heads, head_dim]` by `positions: [..., tokens]` (first half / second half pairs) at
+    frequencies `inv_freq` (`[head_dim // 2]`, or per token `[..., tokens, head_dim // 2]`), scaled by `scale`
+    (`rope_attention_factor`)."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]

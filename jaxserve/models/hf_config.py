@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 REQUIRED_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                           "original_max_position_embeddings"),
-                        "yarn": ("original_max_position_embeddings",)}
+                        "yarn": ("original_max_position_embeddings",),
+                        "longrope": ("long_factor", "short_factor", "original_max_position_embeddings"),
+                        "dynamic": ("factor",)}
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
@@ -17,6 +19,9 @@ def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] 
     rope_params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     if getattr(hf_config, "partial_rotary_factor", None) is not None:
         rope_params.setdefault("partial_rotary_factor", hf_config.partial_rotary_factor)
+    longrope = rope_params.get("rope_type", rope_params.get("type")) == "longrope"
+    if longrope and getattr(hf_config, "original_max_position_embeddings", None) is not None:  # Phi-3: top level
+        rope_params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
     return parse_rope(rope_params, getattr(hf_config, "rope_theta", None),
                       getattr(hf_config, "max_position_embeddings", 2048))
 
@@ -39,8 +44,11 @@ def parse_rope(rope_params: dict, default_theta: float | None,
     missing = [name for name in REQUIRED_ROPE_FIELDS[rope_type] if rope_params.get(name) is None]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs rope parameter {missing[0]!r}")
-    if rope_type == "yarn" and rope_params.get("factor") is None:  # transformers: the ratio of the two lengths
+    if rope_type in ("yarn", "longrope") and rope_params.get("factor") is None:  # transformers: the two lengths' ratio
         rope_params["factor"] = max_position_embeddings / rope_params["original_max_position_embeddings"]
+    if rope_type == "dynamic":  # its frequencies change once a sequence outgrows the model's length
+        rope_params["max_position_embeddings"] = max_position_embeddings
+    rope_params = {name: tuple(value) if isinstance(value, list) else value for name, value in rope_params.items()}
     rope_params["rope_type"] = rope_type
     rope_params.pop("type", None)
     return float(rope_theta), tuple(sorted(rope_params.items()))

@@ -24,7 +24,8 @@ from jaxserve.layers.mlp import MLP
 from jaxserve.layers.moe import MoE
 from jaxserve.layers.norms import RMSNorm
 from jaxserve.layers.quant_dense import Embedding, Linear
-from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_inverse_frequencies
+from jaxserve.layers.rotary import (apply_rope, rope_attention_factor, rope_inverse_frequencies, rope_length_threshold,
+                                    token_inverse_frequencies)
 from jaxserve.models import hf_config as hf
 from jaxserve.models import llama_weights as weights
 from jaxserve.models.spec import ModelSpec
@@ -106,7 +107,10 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
         scaling = self.layer.rope_scaling_dict
-        inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling)
+        if rope_length_threshold(scaling) is None:
+            inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling)
+        else:
+            inv_freq = token_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling, meta.token_rope_lens())
         rope_scale = rope_attention_factor(scaling)
         q = apply_rope(q, meta.positions, inv_freq, rope_scale)
         k = apply_rope(k, meta.positions, inv_freq, rope_scale)

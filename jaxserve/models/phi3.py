@@ -3,8 +3,8 @@
 Phi-3 checkpoints hold q/k/v as one `qkv_proj` (`[q | k | v]` rows) and gate/up as one `gate_up_proj`
 (`[gate | up]` rows); each of our checkpoint-layout projections is its slice of those rows (`TensorSource.rows`),
 so loading, fusing per device, sharding and quantization are the Llama family's. The sliding window, when the
-config has one, applies to every layer. The 128k variants' `longrope` scaling is not served (a ValueError names
-it): its frequencies change with the sequence's length in transformers.
+config has one, applies to every layer. The 128k variants' `longrope` rotates a sequence's every token by whether
+the sequence is longer than the original context, recomputing one that outgrows it (`layers/rotary.py`).
 """
 
 from __future__ import annotations
