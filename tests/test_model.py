@@ -17,7 +17,7 @@ from jaxserve.loading import load_model
 from jaxserve.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import forward, fuse_params
 from jaxserve.models.hf_config import rope_parameters
-from tests.conftest import TINY_FAMILIES, random_prompts, save_tiny_model
+from tests.conftest import TINY_FAMILIES, random_prompts, save_tiny_model, save_tiny_tokenizer, tiny_hf_config
 
 FAMILIES = TINY_FAMILIES
 PAGE_SIZE = 8
@@ -138,6 +138,36 @@ def assert_matches_transformers(path: str, label: str) -> None:
     for _ in range(24):  # one compiled forward for every length (padded to 40)
         ours.append(int(np.argmax(full_forward_logits(params, loaded.config, ours, pad_to=40)[-1])))
     assert ours[len(prompt):] == hf_tokens
+
+
+def test_gemma3_image_and_text_checkpoints_serve_their_text_decoder(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (the published Gemma 3 4B-27B are): its text decoder's greedy
+    tokens through the engine equal transformers' on text prompts; the vision tower is never read."""
+    path = str(tmp_path / "gemma3")
+    text = tiny_hf_config("gemma3_text")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, text.vocab_size)
+    prompts = random_prompts(3, 500, 5, 30, seed=41)
+    llm = LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, warmup=False)
+    assert llm.llm_engine.runner.config.model_type == "gemma3"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

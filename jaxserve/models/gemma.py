@@ -5,8 +5,9 @@ embedding times sqrt(hidden_size), tied embeddings. Gemma 2 and 3 add norms afte
 feed-forward (`sandwich_norms`), scores scaled by `query_pre_attn_scalar ** -0.5`, and sliding layers by
 `layer_types`. Gemma 2 caps attention logits and final logits (`attn_logit_softcapping`,
 `final_logit_softcapping`); Gemma 3 has q/k norms and a rope per layer type (`rope_parameters` keyed by
-"sliding_attention" / "full_attention": the local base and the global base with its scaling). Only the text
-models (`gemma3_text`, Gemma3ForCausalLM checkpoints) are served; the multimodal `gemma3` checkpoints are not.
+"sliding_attention" / "full_attention": the local base and the global base with its scaling). The image + text
+`gemma3` checkpoints (the published Gemma 3 4B-27B) are served text-only: their `text_config` and the decoder's
+tensors under `language_model.` (`MULTIMODAL_SPEC`); the vision tower is not read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from jaxserve.config import ModelConfig
 from jaxserve.models import hf_config as hf
 from jaxserve.models import llama
+from jaxserve.models.spec import TensorSource
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma 1 configs say "gelu", mean tanh
@@ -56,3 +58,21 @@ def parse_config(hf_config: Any) -> ModelConfig:
 
 
 SPEC = dataclasses.replace(llama.SPEC, model_types=MODEL_TYPES, parse_config=parse_config)
+
+MULTIMODAL_PREFIX = "language_model."  # where a `gemma3` (image + text) checkpoint keeps its text decoder
+
+
+def parse_multimodal_config(hf_config: Any) -> ModelConfig:
+    """A `gemma3` checkpoint's text decoder (its `text_config`), served text-only."""
+    return dataclasses.replace(parse_config(hf_config.text_config), model_type=hf_config.model_type)
+
+
+def multimodal_checkpoint_source(path: str, config: ModelConfig) -> TensorSource:
+    source = llama.SPEC.checkpoint_source(path, config)
+    return dataclasses.replace(source, names=tuple(MULTIMODAL_PREFIX + name for name in source.names))
+
+
+# Gemma 3's image + text checkpoints (Gemma3ForConditionalGeneration): the text decoder only; the vision tower and
+# its projector are not read, and prompts are text
+MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=("gemma3",), parse_config=parse_multimodal_config,
+                                      checkpoint_source=multimodal_checkpoint_source)

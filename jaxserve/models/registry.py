@@ -30,7 +30,8 @@ from jaxserve.models.spec import ModelSpec
 KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
 
 
-FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, phi3.SPEC, gpt_oss.SPEC)
+FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC,
+                                   gpt_oss.SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
