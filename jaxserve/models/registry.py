@@ -4,8 +4,9 @@ A `ModelSpec` is everything jaxserve knows about one family (one module each und
 Hugging Face config becomes a `ModelConfig`, its Flax module, its checkpoint-layout parameters and the checkpoint
 tensors each comes from, how a layer's parameters fuse into the serving layout, where each parameter lives on the
 mesh, which linears a 4-bit checkpoint stores quantized, and the fan-ins of dummy weights. A new family adds one
-module with its spec and one line to `FAMILIES`; the mixture-of-experts families (`qwen_moe`, `mixtral`), Gemma
-(`gemma`) and Phi-3 (`phi3`) are the Llama decoder's spec with their own config parsing (and checkpoint names).
+module with its spec and one line to `FAMILIES`; the mixture-of-experts families (`qwen_moe`, `mixtral`,
+`gpt_oss`), Gemma (`gemma`) and Phi-3 (`phi3`) are the Llama decoder's spec with their own config parsing (and
+checkpoint names).
 
 Two parameter layouts, kernels stored `[in_features, out_features]` in both: the checkpoint layout (what loaders
 produce, `checkpoint_shapes`) and the serving layout (what the model reads, `fuse_params`).
