@@ -79,7 +79,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[int]) -> list[tuple[list, list]]:
     """For each sequence: (log-probabilities of tokens[start:] given what precedes them, argmax at those positions),
     from the engine's serving params (one device) through `models.forward` with its attention backend over a fresh
-    pool of its KV page dtype."""
+    pool of its KV page dtype, every sequence padded to the longest's length (one compiled forward)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -94,8 +94,8 @@ def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[i
     backend = runner.backend
     run = jax.jit(forward, static_argnums=(1, 2), static_argnames=("dtype",))
     results = []
+    length = -(-max(map(len, sequences)) // PAD_TO) * PAD_TO  # one length, one compile: later tokens change nothing
     for tokens, start in zip(sequences, starts):
-        length = -(-len(tokens) // PAD_TO) * PAD_TO
         pages = length // page_size
         shape = backend.pool_shape(pages + 1, page_size, runner.tp.pool_heads(cfg), cfg.head_dim)
         cache = [tuple(backend.empty_pool(shape, runner.dtype) for _ in "kv") for _ in range(cfg.num_layers)]

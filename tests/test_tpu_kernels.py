@@ -212,11 +212,11 @@ def test_kernels_reject_bad_arguments():
         write_to_pages((pages,), (jnp.zeros((2, 3, 32)),), jnp.zeros((3,), jnp.int32), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
 def test_engine_greedy_tokens_match_xla(tiny_model_dirs, family):
     """Whole models on the interpreted TPU kernels: chunked prefills (16-token budget) run between the decode
-    steps of earlier requests; Gemma 2's sliding window (16, every other layer) is shorter than its sequences,
-    and it caps its attention logits."""
+    steps of earlier requests; the sliding windows (16, every other layer) are shorter than the sequences, Gemma 2
+    caps its attention logits and gpt-oss has attention sinks."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 30, seed=17)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     options = dict(max_num_seqs=2, decode_batch_buckets=(2,), max_model_len=64, page_size=8,
