@@ -1,6 +1,8 @@
-"""Runs the test suite as `make test` does: in two pytest processes, one after the other, sharing one fresh folder
-for jax's persistent compilation cache (so the second reuses what the first compiled, and nothing of an earlier
-run is read). Extra arguments go to both pytest calls. Exits non-zero if either failed.
+"""Runs the test suite as `make test` does: in two pytest processes at once (the CI machine has two cores, and
+most tests are bound by one core's compiling), the test files dealt to them alternately by name, sharing one fresh
+folder for jax's persistent compilation cache (nothing of an earlier run is read), after the default model's
+store is converted (both would otherwise write it at once). Extra arguments go to both
+pytest calls. Exits non-zero if either failed.
 
 Why two: one process running every test died at the same test on CI and on a developer's machine, in XLA's loading
 of a cached executable during an engine's warm-up (a segfault in jax's `compilation_cache.get_executable_and_time`)
@@ -17,17 +19,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-SECOND_HALF_FROM = "test_page_manager.py"  # files from this one on (by name) run in the second process
-
 
 def main() -> int:
     files = sorted(path.name for path in (Path(__file__).parent).glob("test_*.py"))
-    halves = [[name for name in files if name < SECOND_HALF_FROM], [name for name in files if name >= SECOND_HALF_FROM]]
+    halves = [files[0::2], files[1::2]]
     root = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
     env = {**os.environ, "JAXSERVE_CACHE_ROOT": root}
-    try:
-        codes = [subprocess.call([sys.executable, "-m", "pytest", "-q", *(f"tests/{name}" for name in half),
-                                  *sys.argv[1:]], env=env, cwd=Path(__file__).parents[1]) for half in halves]
+    try:  # the default model's converted store first, so the two never convert it at once
+        subprocess.check_call([sys.executable, "-c", "from jaxserve.loading import load_model; load_model()"],
+                              env=env, cwd=Path(__file__).parents[1])
+        runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  *(f"tests/{name}" for name in half), *sys.argv[1:]], env=env,
+                                 cwd=Path(__file__).parents[1]) for half in halves]
+        codes = [run.wait() for run in runs]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return next((code for code in codes if code != 0), 0)
