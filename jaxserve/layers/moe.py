@@ -171,7 +171,7 @@ def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ke
     """Float32 `[T, H]`: each token's outputs of the experts `kernels` holds (`first_expert` onwards; the rest
     of its experts are other devices'), weighted by its routing weights and summed. Under tensor parallelism the
     kernels are this device's columns of every expert and the sum is partial over them; either way the devices'
-    results add up to the whole. `down_proj`'s bias is not added here (`down_bias`)."""
+    results add up to the whole. `MoE` keeps `down_proj`'s bias out of `kernels`: it adds it once, not per device."""
     num_local = kernels["down_proj"]["kernel"].shape[0]
     top_k = experts.shape[-1]
     flat = experts.reshape(-1) - first_expert
@@ -185,7 +185,7 @@ def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ke
         params = kernels[name]
         y = grouped_matmul(x, params["kernel"], group_sizes)
         y = (y * params["scale"][expert_of_row] if "scale" in params else y).astype(dtype)
-        return y + params["bias"][expert_of_row].astype(dtype) if "bias" in params and name != "down_proj" else y
+        return y + params["bias"][expert_of_row].astype(dtype) if "bias" in params else y
 
     gate, up = jnp.split(linear(tokens[token_of_row], "gate_up_proj"), 2, axis=-1)
     out = linear(gated(gate, up, moe), "down_proj").astype(jnp.float32)
