@@ -57,6 +57,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the device memory jax may use, for weights + KV + activations
     max_num_batched_tokens: int = 512  # prefill tokens per step, padded to their buckets (decodes come on top)
     enable_prefix_caching: bool = True
+    # KV tiers under the prefix cache (engine/kv_tiers.py), vLLM's names: GiB of host memory for cached pages, and a
+    # directory whose files keep them across restarts (at most kv_offloading_disk_size GiB)
+    kv_offloading_size: float | None = None
+    kv_offloading_dir: str | None = None
+    kv_offloading_disk_size: float = 64.0
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
     quantization: str | None = None  # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq"
     # (an AutoAWQ checkpoint's 4-bit weights; set from the checkpoint's config.json when left None)
@@ -92,6 +97,10 @@ class EngineConfig:
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
             ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
+            ("kv_offloading_size", self.kv_offloading_size is None or self.kv_offloading_size >= 0, "must be >= 0"),
+            ("kv_offloading_disk_size", self.kv_offloading_disk_size > 0, "must be > 0"),
+            ("enable_prefix_caching", self.enable_prefix_caching or not self.kv_tiers,
+             "must be on for the KV tiers (kv_offloading_size / kv_offloading_dir)"),
             ("decode_batch_buckets", self.decode_batch_buckets is None or max(self.decode_batch_buckets, default=0)
              >= self.max_num_seqs, f"must reach max_num_seqs ({self.max_num_seqs})"),
         ]
@@ -111,6 +120,9 @@ class EngineConfig:
                            "slowly (measured about 7x slower offline, 30x single-stream); float32 is the CPU dtype")
         speculative = SpeculativeConfig.parse(self.speculative_config,
                                               CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None)
+        if self.kv_tiers and speculative is not None and speculative.method == "draft_model":
+            raise ValueError("kv_offloading_size / kv_offloading_dir do not work with a draft model yet (its own KV "
+                             "pool is not copied to the tiers); n-gram speculation works with them")
         async_scheduling = self.async_scheduling
         if speculative is not None and async_scheduling:
             # as vLLM for n-gram proposals: a step's drafts need the previous step's tokens on the host
@@ -127,6 +139,11 @@ class EngineConfig:
             max_model_len=max_model_len, decode_batch_buckets=buckets,
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
             quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
+
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether cached pages are kept off the device too (host memory, disk)."""
+        return self.kv_offloading_size is not None or self.kv_offloading_dir is not None
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -26,9 +26,11 @@ import jax
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
+from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
+from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.page_manager import PageManager
+from jaxserve.engine.page_manager import PageManager, page_key
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.engine.step_output import InFlightStep
@@ -75,7 +77,7 @@ class LLMEngine:
             raise ValueError(f"num_kv_pages={self.runner.num_pages} cannot hold one sequence of max_model_len="
                              f"{self.config.max_model_len} ({self.config.pages_per_seq} pages + 1 scratch page)")
         self.page_manager = PageManager(self.runner.num_pages, self.config.page_size,
-                                        self.config.enable_prefix_caching)
+                                        self.config.enable_prefix_caching, tiers=_kv_tiers(self.config, self.runner))
         self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
         in_process = self.config.detokenizer_process and self.tokenizer is not None
@@ -164,6 +166,10 @@ class LLMEngine:
         if self._in_flight is not None:  # its forward runs meanwhile; its masks need the tokens just read
             self._sample_pending(self._in_flight)
         touched |= self.outputs.end_step(idle=plan.is_empty and self._in_flight is None)
+        if self.runner.transfers is not None:  # the pages registered this step, once its forwards are dispatched
+            stored = self.page_manager.tiers.take_pending()
+            if stored:
+                self.runner.transfers.store(stored)
         outputs = self.outputs.outputs(touched)
         self._stats = self._snapshot()
         self._iteration = IterationStats(tuple(self.outputs.first_token_latencies),
@@ -219,6 +225,12 @@ class LLMEngine:
                         self.scheduler.finish(seq, "abort")
                 changed.add(payload)
 
+    def shutdown(self) -> None:
+        """Flushes the KV tiers (every page stored so far reaches host memory and the disk tier's files) and stops
+        their threads. The engine may not step afterwards."""
+        if self.runner.transfers is not None:
+            self.runner.transfers.close()
+
     def _snapshot(self) -> SchedulerStats:
         manager, spec = self.page_manager, self.runner.spec_counters
         return SchedulerStats(
@@ -231,6 +243,31 @@ class LLMEngine:
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos))
+
+
+def _kv_tiers(config: EngineConfig, runner: ModelRunner) -> KVTiers | None:
+    """The KV tiers the config asks for, attached to the runner (None: none). The disk tier's fingerprint covers the
+    weights' files, the model's config, the dtypes, the page size and the pool's layout over the devices."""
+    if not config.kv_tiers:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("kv_offloading_size / kv_offloading_dir do not work across several hosts yet")
+    tiers = KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None, config.page_size, page_key)
+    runner.attach_tiers(tiers)
+    if config.kv_offloading_dir:
+        specs = runner.transfers.page_specs
+        weights = (["dummy", config.seed] if config.load_format == "dummy"
+                   else weights_identity(resolve_model(config.model).weights))
+        fingerprint = kv_fingerprint(
+            format=1, model=repr(runner.config), weights=weights, dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype, storage_dtype=runner.kv_storage_dtype,
+            quantization=config.quantization, page_size=config.page_size, tensor_parallel_size=runner.tp.size,
+            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.config), pages=specs)
+        tiers.disk = DiskTier(config.kv_offloading_dir, fingerprint, int(config.kv_offloading_disk_size * 2**30),
+                              specs)
+    logger.info("KV tiers: host %.2f GiB%s", config.kv_offloading_size or 0,
+                f", disk {config.kv_offloading_disk_size:g} GiB at {tiers.disk.directory}" if tiers.disk else "")
+    return tiers
 
 
 def _enable_compilation_cache(directory: str | None) -> None:

@@ -5,7 +5,8 @@ turning a scheduler output (plain data: `engine/scheduler_output.py`) into their
 The narrow interface the host loop uses (after JetStream's engine_api):
 
 * `dispatch(plan)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state of newly
-  admitted slots) and launches it without waiting — its prefill chunks (one compiled shape per (rows,
+  admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`), and
+  launches it without waiting — its prefill chunks (one compiled shape per (rows,
   chunk-length) bucket) and its decode batch (one per batch bucket) — returning an `InFlightStep` whose sampled
   tokens are still on the device. Decode rows read their input token from the device's `SlotState`, so the next
   plan may be dispatched before this one's tokens reach the host (async scheduling).
@@ -49,6 +50,8 @@ from jaxserve.engine import startup
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import empty_pool, kv_pages, page_bytes
+from jaxserve.engine.kv_tiers import KVTiers
+from jaxserve.engine.kv_transfer import KVTransfers
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
 from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from jaxserve.engine.speculator import Speculator
@@ -101,12 +104,18 @@ class ModelRunner:
                              for rows in startup.sampler_rows(engine_config)}
         self.steps = StepRegistry()
         self.steps.add(startup.runner_steps(self) + (self.speculator.steps() if self.speculator is not None else []))
+        self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
                     "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
                     self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
                     self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
                     self.backend.name, pool_shape, self.tp.size)
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
+        self.transfers = KVTransfers(self, tiers)
+        self.steps.add(self.transfers.steps())
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
@@ -168,6 +177,8 @@ class ModelRunner:
         """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
         phases, batch = self.phases, self.batch
         batch.apply(plan)
+        if plan.restores:
+            self.transfers.restore(list(plan.restores))
         for new in plan.new_seqs:
             self._reset_penalties(new)
         by_sequence = (self.config.rope_length_rule or ("",))[0] == "sequence"

@@ -14,6 +14,10 @@ A sequence whose tokens rotate by a length rather than by their positions alone 
 LongRoPE or dynamic-NTK model past its threshold, `layers/rotary.py`) neither looks up nor registers pages: equal
 tokens at equal positions hold equal K/V only when rotated by position.
 
+With KV tiers (`engine/kv_tiers.py`) a lookup that ends on the device continues in the host and disk tiers: the pages
+found there get newly allocated device pages, registered like computed ones, and the runner copies them in before
+the step's forwards (`restore`); every page newly registered from a computation is noted for the tiers to copy.
+
 The manager owns the prefix-cache chain of every sequence holding pages (the key and registration serial of each
 of its full pages); a sequence's page table is the list it extends. Token counters are the scheduler's.
 """
@@ -28,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxserve.engine.kv_tiers import KVTiers, TierPage
 from jaxserve.engine.sequence import Sequence
 
 SCRATCH_PAGE = 0
@@ -53,13 +58,14 @@ class CachedPage:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: PageHash = page_key):
+                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None):
         if num_pages < 2:
             raise ValueError(f"num_kv_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
+        self.tiers = tiers
         self.ref_counts = [0] * num_pages
         # free pages, least recently freed first; dict used as an ordered set
         self.free_pages: OrderedDict[int, None] = OrderedDict((page, None) for page in range(1, num_pages))
@@ -109,6 +115,15 @@ class PageManager:
             parent_key, parent_serial = key, entry.serial
         return pages
 
+    def match_tiers(self, seq: Sequence, cached_pages: list[int]) -> list[tuple[TierPage, str]]:
+        """The tier pages (and their tiers) continuing `seq`'s device match `cached_pages`, leaving >= 1 token to
+        compute (none without tiers)."""
+        if self.tiers is None or not self.caches(seq):
+            return []
+        parent_key = self.cached[cached_pages[-1]].key if cached_pages else b""
+        max_pages = (len(seq.token_ids) - 1) // self.page_size - len(cached_pages)
+        return self.tiers.lookup(seq.token_ids, len(cached_pages), parent_key, max_pages)
+
     def admit(self, seq: Sequence, cached_pages: list[int]) -> int:
         """Gives `seq` the cached prefix pages, taking a reference on each; returns the tokens they hold."""
         for page in cached_pages:
@@ -122,11 +137,28 @@ class PageManager:
         """The cache registration holding each of `seq`'s full pages' prefix, in order (None: not held exactly)."""
         return list(self._chains.get(seq.seq_id, ((), ()))[1])
 
-    def record_lookup(self, seq: Sequence) -> None:
-        """Counts an admitted sequence's prefix lookup (once it has its pages, so failed admissions do not count)."""
+    def restore(self, seq: Sequence, found: list[tuple[TierPage, str]]) -> list[tuple[int, TierPage]]:
+        """Registers the pages allocated to `seq` past its device match for the tier pages `found` (whose K/V the
+        runner copies into them before the step's forwards); returns (device page, tier page) pairs."""
+        keys, serials = self._chains.setdefault(seq.seq_id, ([], []))
+        restores = []
+        for tier_page, _ in found:
+            index = len(keys)
+            tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
+            page = seq.page_table[index]
+            serials.append(self._register(page, tier_page.key, tokens, index, serials[-1] if serials else None))
+            keys.append(tier_page.key)
+            restores.append((page, tier_page))
+        return restores
+
+    def record_lookup(self, seq: Sequence, num_device_tokens: int, found: list[tuple[TierPage, str]]) -> None:
+        """Counts an admitted sequence's prefix lookup (once it has its pages, so failed admissions do not count):
+        `num_device_tokens` found on the device, then the pages `found` in the tiers."""
         if self.enable_prefix_caching:
             self.num_prefix_queries += len(seq.token_ids)
-            self.num_prefix_hits += seq.num_cached_tokens
+            self.num_prefix_hits += num_device_tokens
+            if self.tiers is not None:
+                self.tiers.count(len(seq.token_ids) - num_device_tokens, found)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Adds pages so `seq` can hold `num_tokens` tokens; False (and nothing taken) if the pool is short."""
@@ -153,7 +185,11 @@ class PageManager:
             key = self.hash_fn(keys[-1] if keys else b"", tokens)
             parent_serial = serials[-1] if serials else None
             keys.append(key)
-            serials.append(self._register(seq.page_table[index], key, tokens, index, parent_serial))
+            page = seq.page_table[index]
+            serials.append(self._register(page, key, tokens, index, parent_serial))
+            if self.tiers is not None and serials[-1] is not None and self.cached.get(page) is not None \
+                    and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
+                self.tiers.note_registered(page, key, seq.token_ids, (index + 1) * self.page_size)
 
     def _register(self, page: int, key: bytes, tokens: tuple[int, ...], index: int,
                   parent_serial: int | None) -> int | None:

@@ -11,7 +11,8 @@ waits at most one budget's worth of prefill. In order:
    requeued at the front) until it fits;
 2. running sequences still prefilling get the next chunk of their tokens;
 3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
-   longest cached prefix (none for a sequence that must score its prompt), while budget, slots and pages last.
+   longest cached prefix (none for a sequence that must score its prompt), while budget, slots and pages last;
+   with KV tiers the prefix continues in the host and disk tiers, whose pages the step restores first.
 
 With a rope whose rotations change with the length (`rope_length_rule`, `layers/rotary.py`) a sequence past the
 threshold is marked `rope_by_length` at admission (no prefix caching for it); under LongRoPE ("sequence") one that
@@ -35,6 +36,7 @@ import time
 from collections import deque
 from typing import NamedTuple
 
+from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.scheduler_output import (SchedulerOutput, ScheduledChunk, cached_sequence, new_sequence,
@@ -73,6 +75,7 @@ class Plan:
     prefills: list[PrefillChunk]
     decodes: list[Sequence]
     admitted: list[Sequence]
+    restores: list[tuple[int, TierPage]] = dataclasses.field(default_factory=list)  # (device page, tier page)
 
 
 class AppendedToken(NamedTuple):
@@ -199,7 +202,7 @@ class Scheduler:
         return SchedulerOutput(
             left, new, tuple(c for c in cached if c is not None),
             tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills),
-            decodes)
+            decodes, tuple(plan.restores))
 
     def _plan(self) -> Plan:
         budget = self.config.max_num_batched_tokens
@@ -234,15 +237,19 @@ class Scheduler:
                 break
             seq.rope_by_length = self._rope_by_length(seq)
             looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
-            cached = self.page_manager.admit(seq, self.page_manager.match_prefix(seq) if looks_up else [])
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            manager = self.page_manager
+            cached_pages = manager.match_prefix(seq) if looks_up else []
+            found = manager.match_tiers(seq, cached_pages) if looks_up else []
+            on_device = manager.admit(seq, cached_pages)
+            seq.num_computed_tokens = seq.num_cached_tokens = on_device + len(found) * manager.page_size
             num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
-            if not self.page_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
-                self.page_manager.free(seq)
+            if not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+                manager.free(seq)
                 seq.num_computed_tokens = 0
                 break
             if looks_up:
-                self.page_manager.record_lookup(seq)
+                manager.record_lookup(seq, on_device, found)
+                out.restores += manager.restore(seq, found)
             self.waiting.remove(seq)
             seq.slot = self.free_slots.pop()
             seq.mark_admitted()

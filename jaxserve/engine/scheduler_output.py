@@ -5,7 +5,7 @@ The runner keeps a persistent per-slot batch (`engine/input_batch.py`) and appli
 sequences that left their slots since the last step (finished or preempted), sequences admitted into a slot (every
 token the host has, their page table, their sampling parameters), and for each running sequence scheduled again the
 pages it got or lost since it was last scheduled and, where the step reads them, the tokens the host read. Then
-come the step's work items: prefill chunks and decodes by sequence id.
+come the step's work items: pages to restore from the KV tiers, prefill chunks and decodes by sequence id.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -72,6 +73,8 @@ class SchedulerOutput:
     cached_seqs: tuple[CachedSequence, ...]
     prefills: tuple[ScheduledChunk, ...]
     decodes: tuple[ScheduledDecode, ...]
+    # KV tiers: pages to copy into the pool before the step's forwards, (device page, tier page)
+    restores: tuple[tuple[int, TierPage], ...] = ()
 
     @property
     def is_empty(self) -> bool:

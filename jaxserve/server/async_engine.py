@@ -313,6 +313,7 @@ class AsyncEngine:
                 iteration = llm_engine.iteration_stats()
                 if outputs or iteration.time_to_first_tokens or iteration.inter_token_latencies:
                     self._call_in_loop(self._dispatch, outputs, iteration)
+            llm_engine.shutdown()
         except BaseException as error:  # noqa: BLE001 - fail in-flight requests instead of hanging them
             logger.exception("the engine loop died; failing in-flight requests, the server exits")
             self.error = error

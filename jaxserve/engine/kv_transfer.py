@@ -1,0 +1,209 @@
+"""`KVTransfers`: the device side of the KV tiers (`engine/kv_tiers.py`) — batched copies of pages between the
+device pool and host memory, as two steps in the runner's registry, compiled at start-up for each bucket of page
+counts (`transfer_buckets`):
+
+* `kv_store` gathers pages out of the pool into one array per group of the pool's leaves (every layer's K and V
+  values `[2 * layers, heads, pages, page_size, head_dim]`, and a quantized pool's scales), placed in jax's
+  `pinned_host` memory where the devices have that memory kind (the XLA CPU devices do too: there the copy is a
+  memcpy between two host buffers). The engine stores the pages the prefix cache registered at the end of each step,
+  after the step's forwards are dispatched; the copy is started at once (`copy_to_host_async`) and the transfer
+  thread waits for it, cuts the pages out and hands them to the host tier (and the disk tier's writer), so the
+  stepping thread never waits for a store.
+* `kv_restore` writes pages read from the tiers into newly allocated pool pages (the pool donated): one host-to-device
+  copy of the stacked pages and one scatter, issued by `dispatch` before the step's forwards.
+
+A step's pages travel in one call per direction (more than the largest bucket: one call per bucket's worth).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_tiers import KVTiers, PageToStore, TierPage, numpy_dtype
+from jaxserve.engine.step_inputs import bucket_for
+from jaxserve.engine.step_registry import RunnerState, Step, assign
+from jaxserve.layers.paged_kv import KV_PAGES
+
+logger = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class StoreInputs:
+    pages: jax.Array  # int32 [bucket]: pool pages to copy out (padding: the scratch page)
+
+
+@flax.struct.dataclass
+class RestoreInputs:
+    pages: jax.Array  # int32 [bucket]: pool pages to write (padding: the scratch page)
+    arrays: tuple  # per leaf group, [2 * layers, heads, bucket, page_size(, head_dim)]
+
+
+def transfer_buckets(ec: EngineConfig) -> tuple[int, ...]:
+    """Page counts of the compiled transfers: 4, 16, 64, ... up to a step's prefill budget in pages."""
+    largest = max(4, -(-ec.max_num_batched_tokens // ec.page_size))
+    buckets = [4]
+    while buckets[-1] < largest:
+        buckets.append(buckets[-1] * 4)
+    return tuple(buckets)
+
+
+def _groups(leaves: list[jax.Array]) -> list[list[int]]:
+    """The pool's leaves by group, as indices: values `[heads, pages, page_size, head_dim]`, then scales `[heads,
+    pages, page_size]` (a quantized pool's)."""
+    groups = ([i for i, leaf in enumerate(leaves) if leaf.ndim == 4], [i for i, leaf in enumerate(leaves) if leaf.ndim == 3])
+    return [group for group in groups if group]
+
+
+def page_specs(kv_cache) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each page's arrays off the device: (dtype name, `[2 * layers, heads, page_size(, head_dim)]`) per group."""
+    leaves = jax.tree.leaves(kv_cache)
+    return tuple((jnp.dtype(leaves[group[0]].dtype).name, (len(group), leaves[group[0]].shape[0],
+                                                           *leaves[group[0]].shape[2:])) for group in _groups(leaves))
+
+
+def store_step(kv_cache, inputs: StoreInputs):
+    leaves = jax.tree.leaves(kv_cache)
+    return tuple(jnp.stack([leaves[i][:, inputs.pages] for i in group]) for group in _groups(leaves)), ()
+
+
+def restore_step(kv_cache, inputs: RestoreInputs):
+    leaves, treedef = jax.tree.flatten(kv_cache)
+    new = list(leaves)
+    for group, data in zip(_groups(leaves), inputs.arrays):
+        for position, i in enumerate(group):
+            new[i] = leaves[i].at[:, inputs.pages].set(data[position])
+    return None, (jax.tree.unflatten(treedef, new),)
+
+
+class KVTransfers:
+    def __init__(self, runner: RunnerState, tiers: KVTiers):
+        self.runner = runner
+        self.tiers = tiers
+        self.buckets = transfer_buckets(runner.engine_config)
+        mesh = runner.mesh
+        kinds = {memory.kind for memory in mesh.devices.flat[0].addressable_memories()}
+        self.memory_kind = "pinned_host" if "pinned_host" in kinds else None
+        self.host_sharding = NamedSharding(mesh, KV_PAGES, memory_kind=self.memory_kind)
+        # each page's arrays off the device: (dtype, [2 * layers, heads, page_size(, head_dim)]) per group
+        self.page_specs = page_specs(runner.kv_cache)
+        self.num_stores = self.num_restores = 0  # calls, each one transfer per leaf group
+        self.pages_stored = self.pages_restored = 0
+        self.bytes_to_host = self.bytes_to_device = 0
+        self.store_seconds = self.restore_seconds = 0.0
+        self._queue: queue.Queue = queue.Queue()
+        # the thread holds the transfers weakly, and stops when they are collected (or closed)
+        threading.Thread(target=_store_loop, args=(self._queue, weakref.ref(self)), name="kv-transfer",
+                         daemon=True).start()
+        weakref.finalize(self, self._queue.put, None)
+
+    def steps(self) -> list[Step]:
+        runner = self.runner
+        replicated = NamedSharding(runner.mesh, REPLICATED)
+        pool = runner.backend.pool_shardings()
+        kv_in = [(pool, pool)] * runner.config.num_layers
+        groups = (self.host_sharding,) * len(self.page_specs)
+        store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(groups, ()))
+        restore = jax.jit(restore_step, in_shardings=(kv_in, RestoreInputs(replicated, groups)),
+                          out_shardings=(None, (kv_in,)), donate_argnums=(0,))
+        state = lambda: (runner.kv_cache,)  # noqa: E731
+        return [Step("kv_store", store, state, assign(runner), self._store_examples),
+                Step("kv_restore", restore, state, assign(runner, "kv_cache"), self._restore_examples)]
+
+    def _store_examples(self):
+        for bucket in self.buckets:
+            yield StoreInputs(np.zeros(bucket, np.int32))
+
+    def _restore_examples(self):
+        for bucket in self.buckets:
+            yield self._restore_inputs([], bucket)
+
+    # -- the stepping thread -----------------------------------------------------------------------------------
+
+    def store(self, pages: list[PageToStore]) -> None:
+        """Starts copying `pages` (whose steps are dispatched) to host memory; the transfer thread finishes it."""
+        largest = self.buckets[-1]
+        for start in range(0, len(pages), largest):
+            part = pages[start:start + largest]
+            indices = np.zeros(bucket_for(len(part), self.buckets), np.int32)
+            indices[:len(part)] = [store.page for store in part]
+            arrays = self.runner.steps.run("kv_store", StoreInputs(indices))
+            for array in arrays:
+                array.copy_to_host_async()
+            self.num_stores += 1
+            self._queue.put((arrays, part, time.perf_counter()))
+
+    def restore(self, restores: list[tuple[int, TierPage]]) -> None:
+        """Writes tier pages into their newly allocated pool pages, before anything else of the step runs."""
+        started = time.perf_counter()
+        largest = self.buckets[-1]
+        for start in range(0, len(restores), largest):
+            part = restores[start:start + largest]
+            inputs = self._restore_inputs(part, bucket_for(len(part), self.buckets))
+            self.runner.steps.run("kv_restore", inputs)
+            self.num_restores += 1
+            self.pages_restored += len(part)
+            self.bytes_to_device += sum(page.nbytes - page.prefix.nbytes for _, page in part)
+        self.restore_seconds += time.perf_counter() - started
+
+    def _restore_inputs(self, part: list[tuple[int, TierPage]], bucket: int) -> RestoreInputs:
+        indices = np.zeros(bucket, np.int32)
+        indices[:len(part)] = [page for page, _ in part]
+        arrays = []
+        for group, (dtype, shape) in enumerate(self.page_specs):
+            stacked = np.zeros((*shape[:2], bucket, *shape[2:]), numpy_dtype(dtype))
+            for index, (_, page) in enumerate(part):
+                stacked[:, :, index] = page.arrays[group]
+            arrays.append(stacked)
+        return RestoreInputs(indices, tuple(jax.device_put(arrays, self.host_sharding)))
+
+    def flush(self) -> None:
+        """Waits until every store started so far has reached the host tier and the disk tier's files."""
+        self._queue.join()
+        if self.tiers.disk is not None:
+            self.tiers.disk.flush()
+
+    def close(self) -> None:
+        """Flushes, then stops the transfer thread (and the disk tier's writer)."""
+        self.flush()
+        self._queue.put(None)
+        if self.tiers.disk is not None:
+            self.tiers.disk.close()
+
+    # -- the transfer thread -----------------------------------------------------------------------------------
+
+    def _finish_store(self, arrays, part: list[PageToStore], started: float) -> None:
+        host = [np.asarray(array) for array in arrays]  # waits for the copy
+        for index, store in enumerate(part):
+            page = TierPage(store.key, store.prefix, tuple(np.ascontiguousarray(group[:, :, index]) for group in host))
+            self.tiers.host.put(page)
+            if self.tiers.disk is not None:
+                self.tiers.disk.submit(page)
+            self.bytes_to_host += page.nbytes - page.prefix.nbytes
+        self.pages_stored += len(part)
+        self.store_seconds += time.perf_counter() - started
+
+
+def _store_loop(jobs: queue.Queue, transfers: "weakref.ref[KVTransfers]") -> None:
+    while (job := jobs.get()) is not None:
+        owner = transfers()
+        try:
+            if owner is not None:
+                owner._finish_store(*job)
+        except Exception:  # a failed copy loses the pages' tier copies, never the engine
+            logger.exception("KV tiers: a store to host memory failed")
+        finally:
+            owner = job = None  # nothing of the owner's stays alive while the thread waits
+            jobs.task_done()
+    jobs.task_done()
