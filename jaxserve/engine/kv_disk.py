@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -58,7 +59,8 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
         self.array_specs = [[dtype, list(shape)] for dtype, shape in array_specs]  # each page's, as in the header
-        self.num_written = self.num_removed = self.bytes_written = self.bytes_read = 0
+        self.num_written = self.num_read = self.num_removed = self.bytes_written = self.bytes_read = 0
+        self.write_seconds = self.read_seconds = 0.0
         self._sizes: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
         self._lock = threading.Lock()
         existing = sorted((p for p in self.directory.glob("*" + SUFFIX)), key=_mtime)
@@ -76,16 +78,19 @@ class DiskTier:
     def read(self, key: bytes) -> TierPage | None:
         """The page stored under `key`, checked whole (None: no file, or one that failed a check, now removed)."""
         file = self.directory / (key.hex() + SUFFIX)
+        started = time.perf_counter()
         try:
             data = file.read_bytes()
         except OSError:
             return None
         page = self._decode(data, key)
+        self.read_seconds += time.perf_counter() - started
         if page is None:
             logger.warning("KV disk tier: %s failed its checks; removed", file.name)
             self._remove(file)
             return None
         self.bytes_read += len(data)
+        self.num_read += 1
         try:
             os.utime(file)
         except OSError:
@@ -115,12 +120,14 @@ class DiskTier:
         final = self.directory / name
         if final.exists():
             return
+        started = time.perf_counter()
         data = self._encode(page)
         temporary = self.directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         temporary.write_bytes(data)
         os.replace(temporary, final)
         self.num_written += 1
         self.bytes_written += len(data)
+        self.write_seconds += time.perf_counter() - started
         with self._lock:
             self._sizes[name] = len(data)
             self.used_bytes += len(data)

@@ -169,3 +169,18 @@ class KVTiers:
         if self.disk is not None:
             self.counters["disk"].queries += num_queried - hits["host"]
             self.counters["disk"].hits += hits["disk"]
+
+    def stats(self, transfers) -> dict:
+        """The tiers' fields of a `SchedulerStats` snapshot (`transfers`: the runner's `KVTransfers`)."""
+        tiers = TIERS if self.disk is not None else TIERS[:1]
+        usage = [("host", self.host.used_bytes, self.host.capacity_bytes)]
+        moved = [("device_to_host", transfers.num_stores, transfers.bytes_to_host, transfers.store_seconds),
+                 ("host_to_device", transfers.num_restores, transfers.bytes_to_device, transfers.restore_seconds)]
+        if self.disk is not None:
+            disk = self.disk
+            usage.append(("disk", disk.used_bytes, disk.capacity_bytes))
+            moved += [("host_to_disk", disk.num_written, disk.bytes_written, disk.write_seconds),
+                      ("disk_to_host", disk.num_read, disk.bytes_read, disk.read_seconds)]
+        return dict(external_prefix_cache=tuple((tier, self.counters[tier].queries, self.counters[tier].hits)
+                                                for tier in tiers),
+                    kv_tier_usage=tuple(usage), kv_transfers=tuple(moved))

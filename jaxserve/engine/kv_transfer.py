@@ -51,8 +51,9 @@ class RestoreInputs:
 
 
 def transfer_buckets(ec: EngineConfig) -> tuple[int, ...]:
-    """Page counts of the compiled transfers: 4, 16, 64, ... up to a step's prefill budget in pages."""
-    largest = max(4, -(-ec.max_num_batched_tokens // ec.page_size))
+    """Page counts of the compiled transfers: 4, 16, 64, ... up to the pages a step registers (its prefill budget's
+    and a filled page per decode slot) and one whole sequence's pages (what an admission restores at most)."""
+    largest = max(4, -(-ec.max_num_batched_tokens // ec.page_size) + ec.max_num_seqs, ec.pages_per_seq)
     buckets = [4]
     while buckets[-1] < largest:
         buckets.append(buckets[-1] * 4)

@@ -242,7 +242,16 @@ class LLMEngine:
             kv_cache_capacity_tokens=self.runner.kv_capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos))
+            spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
+            kv_cache_fragmentation=_fragmentation(self.scheduler.running, self.config.page_size),
+            **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}))
+
+
+def _fragmentation(running: list, page_size: int) -> float:
+    """Slots of the running sequences' pages that hold no token yet, over all their slots."""
+    allocated = sum(len(seq.page_table) for seq in running) * page_size
+    used = sum(min(seq.num_computed_tokens, len(seq.page_table) * page_size) for seq in running)
+    return 1 - used / allocated if allocated else 0.0
 
 
 def _kv_tiers(config: EngineConfig, runner: ModelRunner) -> KVTiers | None:

@@ -34,6 +34,14 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: tuple[int, ...] = ()
+    # KV tiers (engine/kv_tiers.py): per tier, prompt tokens looked up past the tiers above and found (vLLM's
+    # external_prefix_cache_queries / _hits), and bytes held / its bound; per transfer type ("device_to_host",
+    # "host_to_device", "host_to_disk", "disk_to_host"), the transfers, bytes and seconds so far
+    external_prefix_cache: tuple[tuple[str, int, int], ...] = ()  # (tier, queries, hits)
+    kv_tier_usage: tuple[tuple[str, int, int], ...] = ()  # (tier, bytes used, capacity bytes)
+    kv_transfers: tuple[tuple[str, int, int, float], ...] = ()  # (transfer type, transfers, bytes, seconds)
+    # slots of the pages running sequences hold that hold no token yet, over all their slots (0 to 1)
+    kv_cache_fragmentation: float = 0.0
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

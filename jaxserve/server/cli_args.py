@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV pages of shared prompt "
                                                                                 "prefixes")
+    engine.add_argument("--kv-offloading-size", type=float, default=None,
+                        help="GiB of host memory for KV pages under the prefix cache (a host tier; default: none)")
+    engine.add_argument("--kv-offloading-dir", default=None,
+                        help="directory for KV pages on disk, kept across restarts (a disk tier; default: none)")
+    engine.add_argument("--kv-offloading-disk-size", type=float, default=ENGINE_DEFAULTS["kv_offloading_disk_size"],
+                        help="GiB the disk tier's files may take (least recently used removed first)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=ENGINE_DEFAULTS["async_scheduling"],
                         help="dispatch each engine step before reading the previous one's tokens "
@@ -136,6 +142,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+                        kv_offloading_size=args.kv_offloading_size, kv_offloading_dir=args.kv_offloading_dir,
+                        kv_offloading_disk_size=args.kv_offloading_disk_size,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,

@@ -81,6 +81,9 @@ class EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield from tier_metrics(stats, labels, name)
+        yield gauge("kv_cache_fragmentation_perc", "Slots of running sequences' KV pages holding no token yet, over "
+                    "all their slots (0 to 1).", stats.kv_cache_fragmentation)
         yield counter("spec_decode_num_drafts", "Speculative decoding: sequence steps verified with drafts.",
                       stats.spec_decode_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
@@ -93,6 +96,36 @@ class EngineCollector(Collector):
         for position, accepted in enumerate(stats.spec_decode_accepted_per_pos):
             per_position.add_metric(name + [str(position)], accepted)
         yield per_position
+
+
+def tier_metrics(stats: SchedulerStats, labels: list[str], name: list[str]) -> Iterable[Metric]:
+    """The KV tiers' lookups (vLLM's external prefix cache counters, by tier), usage and transfers (none without
+    tiers)."""
+    families = {
+        "external_prefix_cache_queries": ("Prompt tokens looked up in a KV tier (those the tiers above missed).",
+                                          "tier"),
+        "external_prefix_cache_hits": ("Prompt tokens found in a KV tier.", "tier"),
+        "kv_offload_transfers": ("KV page transfers (batched copies, one file each for the disk).", "transfer_type"),
+        "kv_offload_total_bytes": ("KV bytes moved, by transfer type.", "transfer_type"),
+        "kv_offload_total_time": ("Seconds spent moving KV, by transfer type (from issue to done).",
+                                  "transfer_type")}
+    counters = {metric: CounterMetricFamily(PREFIX + metric, doc, labels=labels + [label])
+                for metric, (doc, label) in families.items()}
+    for tier, queries, hits in stats.external_prefix_cache:
+        counters["external_prefix_cache_queries"].add_metric(name + [tier], queries)
+        counters["external_prefix_cache_hits"].add_metric(name + [tier], hits)
+    for kind, transfers, num_bytes, seconds in stats.kv_transfers:
+        counters["kv_offload_transfers"].add_metric(name + [kind], transfers)
+        counters["kv_offload_total_bytes"].add_metric(name + [kind], num_bytes)
+        counters["kv_offload_total_time"].add_metric(name + [kind], seconds)
+    used = GaugeMetricFamily(PREFIX + "kv_tier_usage_bytes", "Bytes of KV a tier holds.", labels=labels + ["tier"])
+    capacity = GaugeMetricFamily(PREFIX + "kv_tier_capacity_bytes", "Bytes of KV a tier may hold.",
+                                 labels=labels + ["tier"])
+    for tier, used_bytes, capacity_bytes in stats.kv_tier_usage:
+        used.add_metric(name + [tier], used_bytes)
+        capacity.add_metric(name + [tier], capacity_bytes)
+    if stats.kv_tier_usage:
+        yield from (*counters.values(), used, capacity)
 
 
 class ServerMetrics:
@@ -170,6 +203,14 @@ class StatLogger:
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                         prompt / seconds, generation / seconds, stats.num_running_seqs, stats.num_waiting_seqs,
                         100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+            if stats.external_prefix_cache:
+                before = {tier: (q, h) for tier, q, h in last.external_prefix_cache}
+                rates = []
+                for tier, tier_queries, tier_hits in stats.external_prefix_cache:
+                    q, h = tier_queries - before.get(tier, (0, 0))[0], tier_hits - before.get(tier, (0, 0))[1]
+                    rates.append(f"{tier} {100 * h / q if q else 0.0:.1f}%")
+                logger.info("External prefix cache hit rate: %s, KV cache fragmentation: %.1f%%", ", ".join(rates),
+                            100 * stats.kv_cache_fragmentation)
             drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
             if drafted:
                 accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
