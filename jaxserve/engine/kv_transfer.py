@@ -2,15 +2,16 @@
 device pool and host memory, as two steps in the runner's registry, compiled at start-up for each bucket of page
 counts (`transfer_buckets`):
 
-* `kv_store` gathers pages out of the pool into one array per group of the pool's leaves (every layer's K and V
-  values `[2 * layers, heads, pages, page_size, head_dim]`, and a quantized pool's scales), placed in jax's
-  `pinned_host` memory where the devices have that memory kind (the XLA CPU devices do too: there the copy is a
-  memcpy between two host buffers). The engine stores the pages the prefix cache registered at the end of each step,
-  after the step's forwards are dispatched; the copy is started at once (`copy_to_host_async`) and the transfer
-  thread waits for it, cuts the pages out and hands them to the host tier (and the disk tier's writer), so the
-  stepping thread never waits for a store.
+* `kv_store` gathers pages out of the pool into one array per group of the pool's leaves (each page's every layer's
+  K and V values `[pages, 2 * layers, heads, page_size, head_dim]`, and a quantized pool's scales), so each page is
+  one contiguous block on the host. On an accelerator it lands in jax's `pinned_host` memory (the copy is a DMA
+  the device runs); on a CPU the device's memory is host memory already, so it stays there and is read as it is.
+  The engine stores the pages the prefix cache registered at the end of each step, after the step's forwards are
+  dispatched; the copy is started at once (`copy_to_host_async`) and the transfer thread waits for it, cuts the
+  pages out and hands them to the host tier (and the disk tier's writer), so the stepping thread never waits for it.
 * `kv_restore` writes pages read from the tiers into newly allocated pool pages (the pool donated): one host-to-device
-  copy of the stacked pages and one scatter, issued by `dispatch` before the step's forwards.
+  copy of the stacked pages (from `pinned_host` on an accelerator) and one scatter, issued by `dispatch` before the
+  step's forwards.
 
 A step's pages travel in one call per direction (more than the largest bucket: one call per bucket's worth).
 """
@@ -30,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxserve.distributed.shardings import REPLICATED
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.kv_tiers import KVTiers, PageToStore, TierPage, numpy_dtype
 from jaxserve.engine.step_inputs import bucket_for
 from jaxserve.engine.step_registry import RunnerState, Step, assign
@@ -51,13 +52,10 @@ class RestoreInputs:
 
 
 def transfer_buckets(ec: EngineConfig) -> tuple[int, ...]:
-    """Page counts of the compiled transfers: 4, 16, 64, ... up to the pages a step registers (its prefill budget's
+    """Page counts of the compiled transfers: 4, 8, 16, ... up to the pages a step registers (its prefill budget's
     and a filled page per decode slot) and one whole sequence's pages (what an admission restores at most)."""
     largest = max(4, -(-ec.max_num_batched_tokens // ec.page_size) + ec.max_num_seqs, ec.pages_per_seq)
-    buckets = [4]
-    while buckets[-1] < largest:
-        buckets.append(buckets[-1] * 4)
-    return tuple(buckets)
+    return power_of_two_buckets(4, 1 << (largest - 1).bit_length())
 
 
 def _groups(leaves: list[jax.Array]) -> list[list[int]]:
@@ -76,7 +74,8 @@ def page_specs(kv_cache) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 def store_step(kv_cache, inputs: StoreInputs):
     leaves = jax.tree.leaves(kv_cache)
-    return tuple(jnp.stack([leaves[i][:, inputs.pages] for i in group]) for group in _groups(leaves)), ()
+    return tuple(jnp.stack([jnp.swapaxes(leaves[i][:, inputs.pages], 0, 1) for i in group], axis=1)
+                 for group in _groups(leaves)), ()
 
 
 def restore_step(kv_cache, inputs: RestoreInputs):
@@ -84,7 +83,7 @@ def restore_step(kv_cache, inputs: RestoreInputs):
     new = list(leaves)
     for group, data in zip(_groups(leaves), inputs.arrays):
         for position, i in enumerate(group):
-            new[i] = leaves[i].at[:, inputs.pages].set(data[position])
+            new[i] = leaves[i].at[:, inputs.pages].set(jnp.swapaxes(data[:, position], 0, 1))
     return None, (jax.tree.unflatten(treedef, new),)
 
 
@@ -94,8 +93,9 @@ class KVTransfers:
         self.tiers = tiers
         self.buckets = transfer_buckets(runner.engine_config)
         mesh = runner.mesh
-        kinds = {memory.kind for memory in mesh.devices.flat[0].addressable_memories()}
-        self.memory_kind = "pinned_host" if "pinned_host" in kinds else None
+        device = mesh.devices.flat[0]
+        kinds = {memory.kind for memory in device.addressable_memories()}
+        self.memory_kind = "pinned_host" if "pinned_host" in kinds and device.platform != "cpu" else None
         self.host_sharding = NamedSharding(mesh, KV_PAGES, memory_kind=self.memory_kind)
         # each page's arrays off the device: (dtype, [2 * layers, heads, page_size(, head_dim)]) per group
         self.page_specs = page_specs(runner.kv_cache)
@@ -163,10 +163,8 @@ class KVTransfers:
         indices[:len(part)] = [page for page, _ in part]
         arrays = []
         for group, (dtype, shape) in enumerate(self.page_specs):
-            stacked = np.zeros((*shape[:2], bucket, *shape[2:]), numpy_dtype(dtype))
-            for index, (_, page) in enumerate(part):
-                stacked[:, :, index] = page.arrays[group]
-            arrays.append(stacked)
+            padding = [np.zeros(shape, numpy_dtype(dtype))] * (bucket - len(part))  # written to the scratch page
+            arrays.append(np.stack([page.arrays[group] for _, page in part] + padding))
         return RestoreInputs(indices, tuple(jax.device_put(arrays, self.host_sharding)))
 
     def flush(self) -> None:
@@ -187,7 +185,7 @@ class KVTransfers:
     def _finish_store(self, arrays, part: list[PageToStore], started: float) -> None:
         host = [np.asarray(array) for array in arrays]  # waits for the copy
         for index, store in enumerate(part):
-            page = TierPage(store.key, store.prefix, tuple(np.ascontiguousarray(group[:, :, index]) for group in host))
+            page = TierPage(store.key, store.prefix, tuple(group[index].copy() for group in host))
             self.tiers.host.put(page)
             if self.tiers.disk is not None:
                 self.tiers.disk.submit(page)

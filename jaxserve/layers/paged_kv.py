@@ -19,9 +19,9 @@ from jaxserve.distributed.tensor_parallel import MODEL_AXIS
 
 KV_POOL = P(MODEL_AXIS)  # [pool_heads, pages, page_size, head_dim]
 KV_SCALES = P(MODEL_AXIS)  # quantized pools' per-token scales [pool_heads, pages, page_size]: split like their pages
-# pages copied between the pool and host memory (`engine/kv_transfer.py`): every layer's K and V pools' (or their
-# scales') pages stacked, [2 * layers, pool_heads, pages, page_size(, head_dim)], split like the pool
-KV_PAGES = P(None, MODEL_AXIS)
+# pages copied between the pool and host memory (`engine/kv_transfer.py`): each page's every layer's K and V (or
+# their scales), [pages, 2 * layers, pool_heads, page_size(, head_dim)], split on the heads like the pool
+KV_PAGES = P(None, None, MODEL_AXIS)
 HEADS = P(None, None, MODEL_AXIS, None)  # q, k, v and the output: [B, T, heads, head_dim]
 # kv_cache_dtype -> (stored dtype, largest magnitude the scale maps a token's max|x| to). "auto": the model dtype.
 QUANTIZED_KV = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
