@@ -21,7 +21,7 @@ def admit(manager: PageManager, seq: Sequence, pages: list[int]) -> None:
 def run_to_completion(manager: PageManager, seq: Sequence) -> None:
     admit(manager, seq, manager.match_prefix(seq))
     assert manager.allocate(seq, len(seq))
-    manager.record_lookup(seq)
+    manager.record_lookup(seq, seq.num_cached_tokens, [])
     seq.num_computed_tokens = len(seq)
     manager.commit_full_pages(seq)
 
@@ -45,7 +45,7 @@ def test_prefix_hit_shares_pages_and_leaves_one_token_to_compute():
     hit = manager.match_prefix(second)
     assert hit == first.page_table[:2]
     admit(manager, second, hit)
-    manager.record_lookup(second)
+    manager.record_lookup(second, second.num_cached_tokens, [])
     assert second.num_computed_tokens == 8 and manager.ref_counts[hit[0]] == 2
     # a prompt that is entirely cached still leaves its last token to compute
     third = make_seq(list(range(8)))
