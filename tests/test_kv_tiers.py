@@ -83,7 +83,7 @@ def test_disk_tier_round_trip_and_every_bad_file_is_a_removed_miss(tmp_path):
     disk = DiskTier(str(tmp_path), fingerprint, 10**8, SPECS)
     pages = [tier_page(list(range(4 * (i + 1))), i) for i in range(4)]
     for page in pages:
-        disk.submit(page)
+        disk.submit(page, 0.0)
     disk.flush()
     assert disk.num_written == 4
     read = disk.read(pages[0].key)
@@ -95,14 +95,14 @@ def test_disk_tier_round_trip_and_every_bad_file_is_a_removed_miss(tmp_path):
     files[pages[1].key].write_bytes(bytes(data))
     files[pages[2].key].write_bytes(files[pages[2].key].read_bytes()[:-100])  # truncated
     other = DiskTier(str(tmp_path), kv_fingerprint(model="b"), 10**8, SPECS)  # another model's file, moved in
-    other.submit(pages[3])
+    other.submit(pages[3], 0.0)
     other.flush()
     os.replace(other.directory / files[pages[3].key].name, files[pages[3].key])
     files[pages[0].key].rename(files[pages[0].key].with_name(pages[3].key.hex() + "x.kv"))
     for page in pages[1:]:
         assert disk.read(page.key) is None and not files[page.key].exists()
     assert disk.read(pages[0].key) is None  # renamed away: no file under its key
-    disk.submit(TierPage(pages[0].key, pages[0].prefix, pages[0].arrays[:1]))  # other shapes than the tier's
+    disk.submit(TierPage(pages[0].key, pages[0].prefix, pages[0].arrays[:1]), 0.0)  # other shapes than the tier's
     disk.flush()
     assert disk.read(pages[0].key) is None and not files[pages[0].key].exists()
 
@@ -111,17 +111,48 @@ def test_disk_tier_keeps_its_size_bound_and_a_new_tier_sees_old_files(tmp_path):
     pages = [tier_page(list(range(4)), i) for i in range(6)]
     fingerprint = kv_fingerprint(model="a")
     disk = DiskTier(str(tmp_path), fingerprint, 10**8, SPECS)
-    disk.submit(pages[0])
+    disk.submit(pages[0], 0.0)
     disk.flush()
     size = disk.used_bytes
     bounded = DiskTier(str(tmp_path), fingerprint, 3 * size, SPECS)  # finds the first file at start
     assert bounded.used_bytes == size
     for page in pages[1:]:
-        bounded.submit(page)
+        bounded.submit(page, 0.0)
     bounded.flush()
     names = sorted(p.name for p in bounded.directory.glob("*.kv"))
     assert bounded.used_bytes <= 3 * size and names == sorted(p.key.hex() + ".kv" for p in pages[3:])
     assert not list(bounded.directory.glob("*.tmp"))
+
+
+def test_engines_sharing_a_directory_never_read_a_torn_file(tmp_path):
+    """Two tiers on one directory (two engines' worth) write the same pages at once while a third reads them: every
+    read is a miss or the page exactly, and every file left is whole."""
+    import threading
+
+    fingerprint = kv_fingerprint(model="a")
+    pages = [tier_page(list(range(4 * (i + 1))), i) for i in range(40)]
+    writers = [DiskTier(str(tmp_path), fingerprint, 10**8, SPECS) for _ in range(2)]
+    reader = DiskTier(str(tmp_path), fingerprint, 10**8, SPECS)
+    seen, done = [], threading.Event()
+
+    def read_all():
+        while not done.is_set():
+            for page in pages:
+                got = reader.read(page.key)
+                if got is not None:
+                    seen.append(all(np.array_equal(a, b) for a, b in zip(got.arrays, page.arrays)))
+    thread = threading.Thread(target=read_all)
+    thread.start()
+    for page in pages:
+        for writer in writers:
+            writer.submit(page, 0.0)
+    for writer in writers:
+        writer.flush()
+    done.set()
+    thread.join()
+    assert all(seen) and reader.num_removed == 0
+    assert all(reader.read(page.key) is not None for page in pages)
+    assert not list(reader.directory.glob("*.tmp"))
 
 
 # -- the engine ------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ arrays' dtypes and shapes, the payload's length and sha256), then the payload (t
 arrays). Nothing read is trusted: a file that fails any check (truncated, corrupted, another fingerprint or key,
 other shapes) is a miss and is removed.
 
-Writes happen on the tier's own thread, in the order pages are handed to it (`submit`), each to a temporary name
-then renamed, so engines sharing a directory never read a half-written file. The files' total size stays under
+Writes happen on the tier's own thread, in the order pages are handed to it (`submit`: write-through, as each
+page reaches host memory, within a step of being computed), each to a temporary name then renamed, so engines sharing a directory never read a half-written file. The files' total size stays under
 `capacity_bytes`, least recently used (by modification time; a hit touches its file) removed first. `flush` waits
 for the queued writes (a clean shutdown calls it).
 """
@@ -61,6 +61,8 @@ class DiskTier:
         self.array_specs = [[dtype, list(shape)] for dtype, shape in array_specs]  # each page's, as in the header
         self.num_written = self.num_read = self.num_removed = self.bytes_written = self.bytes_read = 0
         self.write_seconds = self.read_seconds = 0.0
+        self.max_write_lag = 0.0  # the longest a page took from leaving the device to its file (seconds)
+        self._closed = False
         self._sizes: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
         self._lock = threading.Lock()
         existing = sorted((p for p in self.directory.glob("*" + SUFFIX)), key=_mtime)
@@ -100,22 +102,27 @@ class DiskTier:
             self._sizes.move_to_end(file.name)
         return page
 
-    def submit(self, page: TierPage) -> None:
-        """Queues `page` to be written (from any thread)."""
-        self._queue.put(page)
+    def submit(self, page: TierPage, since: float) -> None:
+        """Queues `page` to be written (from any thread); `since`: when its copy off the device was issued
+        (`time.perf_counter()`), for `max_write_lag`."""
+        if self._closed:
+            raise RuntimeError("the KV disk tier is closed")
+        self._queue.put((page, since))
 
     def flush(self) -> None:
         """Waits until every page submitted so far is written."""
         self._queue.join()
 
     def close(self) -> None:
-        """Flushes, then stops the writer."""
-        self.flush()
-        self._queue.put(None)
+        """Flushes, then stops the writer (again: nothing)."""
+        if not self._closed:
+            self._closed = True
+            self.flush()
+            self._queue.put(None)
 
     # -- the writer thread -------------------------------------------------------------------------------------
 
-    def _write(self, page: TierPage) -> None:
+    def _write(self, page: TierPage, since: float) -> None:
         name = page.key.hex() + SUFFIX
         final = self.directory / name
         if final.exists():
@@ -128,6 +135,7 @@ class DiskTier:
         self.num_written += 1
         self.bytes_written += len(data)
         self.write_seconds += time.perf_counter() - started
+        self.max_write_lag = max(self.max_write_lag, time.perf_counter() - since)
         with self._lock:
             self._sizes[name] = len(data)
             self.used_bytes += len(data)
@@ -191,15 +199,15 @@ class DiskTier:
 
 
 def _write_loop(pages: queue.Queue, tier: "weakref.ref[DiskTier]") -> None:
-    while (page := pages.get()) is not None:
+    while (job := pages.get()) is not None:
         owner = tier()
         try:
             if owner is not None:
-                owner._write(page)
+                owner._write(*job)
         except Exception:  # a full or read-only disk must not stop the engine: the page is only not stored
             logger.exception("KV disk tier: could not write a page")
         finally:
-            owner = page = None  # nothing of the owner's stays alive while the thread waits
+            owner = job = None  # nothing of the owner's stays alive while the thread waits
             pages.task_done()
     pages.task_done()
 

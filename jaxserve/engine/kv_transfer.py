@@ -103,6 +103,7 @@ class KVTransfers:
         self.pages_stored = self.pages_restored = 0
         self.bytes_to_host = self.bytes_to_device = 0
         self.store_seconds = self.restore_seconds = 0.0
+        self._closed = False
         self._queue: queue.Queue = queue.Queue()
         # the thread holds the transfers weakly, and stops when they are collected (or closed)
         threading.Thread(target=_store_loop, args=(self._queue, weakref.ref(self)), name="kv-transfer",
@@ -134,6 +135,8 @@ class KVTransfers:
 
     def store(self, pages: list[PageToStore]) -> None:
         """Starts copying `pages` (whose steps are dispatched) to host memory; the transfer thread finishes it."""
+        if self._closed:
+            raise RuntimeError("the KV tiers are shut down")
         largest = self.buckets[-1]
         for start in range(0, len(pages), largest):
             part = pages[start:start + largest]
@@ -174,7 +177,10 @@ class KVTransfers:
             self.tiers.disk.flush()
 
     def close(self) -> None:
-        """Flushes, then stops the transfer thread (and the disk tier's writer)."""
+        """Flushes, then stops the transfer thread and the disk tier's writer (again: nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self.flush()
         self._queue.put(None)
         if self.tiers.disk is not None:
@@ -188,7 +194,7 @@ class KVTransfers:
             page = TierPage(store.key, store.prefix, tuple(group[index].copy() for group in host))
             self.tiers.host.put(page)
             if self.tiers.disk is not None:
-                self.tiers.disk.submit(page)
+                self.tiers.disk.submit(page, started)
             self.bytes_to_host += page.nbytes - page.prefix.nbytes
         self.pages_stored += len(part)
         self.store_seconds += time.perf_counter() - started
