@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
            "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py",
-           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py",
+           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py",
            "lm_eval_tasks/make_data.py", "lm_eval_tasks/export_hf.py", "lm_eval_tasks/compare_samples.py"]
 
 
@@ -292,6 +292,17 @@ def test_throughput_smoke(tiny_llama_dir, tmp_path):
         assert split["longest_prefill_step_s"] > 0
     assert result_file.with_suffix(".png").exists()
     assert payload["startup_s"] > 0
+
+
+def test_multi_turn_smoke(tiny_llama_dir, tmp_path):
+    from benchmarks import multi_turn
+
+    payload = multi_turn.main(["--model", tiny_llama_dir, "--modes", "host", "--num-conversations", "4", "--turns",
+                               "2", "--doc-len", "48", "--user-len", "8", "--output-len", "4",
+                               "--max-num-batched-tokens", "64", "--result-file", str(tmp_path / "mt.json")])
+    off, host = payload["results"]  # "off" runs first: the reference answers
+    assert (off["mode"], host["mode"]) == ("off", "host") and host["identical"]
+    assert host["prefill_tokens_later"] < off["prefill_tokens_later"] and payload["num_kv_pages"] < 4 * 64 // 16
 
 
 def test_host_overhead_smoke(tiny_llama_dir, tmp_path, capsys):
