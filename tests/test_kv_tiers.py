@@ -209,7 +209,7 @@ def test_host_and_disk_tiers_give_identical_outputs_and_a_restart_hits(tiny_llam
         assert by_step and max(max(pages) for pages in by_step.values()) > 1
         assert all(sorted(pages)[1:] == [largest] * (len(pages) - 1) for pages in by_step.values()), (name, by_step)
     assert sum(pages for _, called, pages in calls if called == "kv_store") == transfers.pages_stored
-    engine.shutdown()  # flushes the disk tier
+    engine.shutdown()  # flushes the disk tier (so does the end of the process)
     files = sorted(engine.page_manager.tiers.disk.directory.glob("*.kv"))
     assert len(files) == transfers.pages_stored
     for file in files[::3]:  # a third of the files corrupted: misses, removed, recomputed

@@ -11,7 +11,8 @@ other shapes) is a miss and is removed.
 
 Writes happen on the tier's own thread, in the order pages are handed to it (`submit`: write-through, as each
 page reaches host memory, within a step of being computed), each to a temporary name then renamed, so engines sharing a directory never read a half-written file. The files' total size stays under
-`capacity_bytes`, least recently used (by modification time; a hit touches its file) removed first. `flush` waits
+`capacity_bytes`, least recently used (by modification time; a hit touches its file) removed first; each engine
+keeps the bound over the files it knows of (those there when it started, and its own). `flush` waits
 for the queued writes (a clean shutdown calls it).
 """
 

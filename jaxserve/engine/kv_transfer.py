@@ -18,6 +18,7 @@ A step's pages travel in one call per direction (more than the largest bucket: o
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -109,6 +110,7 @@ class KVTransfers:
         threading.Thread(target=_store_loop, args=(self._queue, weakref.ref(self)), name="kv-transfer",
                          daemon=True).start()
         weakref.finalize(self, self._queue.put, None)
+        atexit.register(_flush_at_exit, weakref.ref(self))  # a script that ends normally keeps its pending pages
 
     def steps(self) -> list[Step]:
         runner = self.runner
@@ -212,3 +214,9 @@ def _store_loop(jobs: queue.Queue, transfers: "weakref.ref[KVTransfers]") -> Non
             owner = job = None  # nothing of the owner's stays alive while the thread waits
             jobs.task_done()
     jobs.task_done()
+
+
+def _flush_at_exit(transfers: "weakref.ref[KVTransfers]") -> None:
+    owner = transfers()
+    if owner is not None and not owner._closed:
+        owner.flush()
