@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.engine.kv_tiers import TierPage, numpy_dtype
+from jaxserve.engine.kv_tiers import TierPage, numpy_dtype, run_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ class DiskTier:
         self.used_bytes = sum(self._sizes.values())
         self._queue: queue.Queue = queue.Queue()
         # the writer holds the tier weakly, and stops when it is collected (or closed)
-        threading.Thread(target=_write_loop, args=(self._queue, weakref.ref(self)), name="kv-disk-writer",
-                         daemon=True).start()
+        threading.Thread(target=run_jobs, args=(self._queue, weakref.ref(self), lambda tier, job: tier._write(*job),
+                                                "KV disk tier: could not write a page"),
+                         name="kv-disk-writer", daemon=True).start()
         weakref.finalize(self, self._queue.put, None)
 
     # -- the scheduling thread ---------------------------------------------------------------------------------
@@ -120,6 +121,13 @@ class DiskTier:
             self._closed = True
             self.flush()
             self._queue.put(None)
+
+    def usage(self) -> tuple[int, int]:
+        return self.used_bytes, self.capacity_bytes
+
+    def transfers(self) -> tuple[tuple[str, int, int, float], ...]:
+        return (("host_to_disk", self.num_written, self.bytes_written, self.write_seconds),
+                ("disk_to_host", self.num_read, self.bytes_read, self.read_seconds))
 
     # -- the writer thread -------------------------------------------------------------------------------------
 
@@ -197,21 +205,6 @@ class DiskTier:
             self.num_removed += 1
         except FileNotFoundError:  # another engine on the directory removed it first
             pass
-
-
-def _write_loop(pages: queue.Queue, tier: "weakref.ref[DiskTier]") -> None:
-    while (job := pages.get()) is not None:
-        owner = tier()
-        try:
-            if owner is not None:
-                owner._write(*job)
-        except Exception:  # a full or read-only disk must not stop the engine: the page is only not stored
-            logger.exception("KV disk tier: could not write a page")
-        finally:
-            owner = job = None  # nothing of the owner's stays alive while the thread waits
-            pages.task_done()
-    pages.task_done()
-
 
 
 def _mtime(file: Path) -> int:

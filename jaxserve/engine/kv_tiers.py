@@ -15,14 +15,16 @@ and a lookup takes it only if they equal the sequence's. Its chain key (`page_ma
 from __future__ import annotations
 
 import dataclasses
+import logging
+import queue
 import threading
+import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxserve.engine.kv_disk import DiskTier
+logger = logging.getLogger(__name__)
 
 TIERS = ("host", "disk")
 
@@ -51,6 +53,32 @@ class TierPage:
     def holds(self, token_ids: np.ndarray) -> bool:
         """Whether this page holds the K/V of `token_ids`' first `len(prefix)` tokens (exactly: every token equal)."""
         return len(token_ids) >= len(self.prefix) and np.array_equal(token_ids[:len(self.prefix)], self.prefix)
+
+
+class LowerTier(Protocol):
+    """A tier below the host's (the disk's, `engine/kv_disk.py`): pages by key, checked, and its own counters."""
+
+    def read(self, key: bytes) -> TierPage | None: ...
+    def submit(self, page: TierPage, since: float) -> None: ...
+    def usage(self) -> tuple[int, int]: ...  # (bytes used, capacity bytes)
+    def transfers(self) -> tuple[tuple[str, int, int, float], ...]: ...  # as SchedulerStats.kv_transfers
+
+
+def run_jobs(jobs: queue.Queue, owner: weakref.ref, handle: Callable[[Any, Any], None], failure: str) -> None:
+    """A tier thread's loop: `handle(owner, job)` for each job until a None, holding the owner only while handling
+    (so an owner nobody else holds is collected, and its finalizer's None stops the loop); a failed job is logged
+    (`failure`), never fatal."""
+    while (job := jobs.get()) is not None:
+        target = owner()
+        try:
+            if target is not None:
+                handle(target, job)
+        except Exception:  # a lost tier copy, never a stopped engine
+            logger.exception(failure)
+        finally:
+            target = job = None
+            jobs.task_done()
+    jobs.task_done()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +147,7 @@ class KVTiers:
     """The host tier, the disk tier (or None) and what the device prefix cache hands them: the pages registered
     since the transfer thread last took them (`pending`), and the lookups continuing a device match."""
 
-    def __init__(self, host: HostTier, disk: "DiskTier | None", page_size: int,
+    def __init__(self, host: HostTier, disk: LowerTier | None, page_size: int,
                  hash_fn: Callable[[bytes, tuple[int, ...]], bytes]):
         self.host = host
         self.disk = disk
@@ -177,10 +205,8 @@ class KVTiers:
         moved = [("device_to_host", transfers.num_stores, transfers.bytes_to_host, transfers.store_seconds),
                  ("host_to_device", transfers.num_restores, transfers.bytes_to_device, transfers.restore_seconds)]
         if self.disk is not None:
-            disk = self.disk
-            usage.append(("disk", disk.used_bytes, disk.capacity_bytes))
-            moved += [("host_to_disk", disk.num_written, disk.bytes_written, disk.write_seconds),
-                      ("disk_to_host", disk.num_read, disk.bytes_read, disk.read_seconds)]
+            usage.append(("disk", *self.disk.usage()))
+            moved += self.disk.transfers()
         return dict(external_prefix_cache=tuple((tier, self.counters[tier].queries, self.counters[tier].hits)
                                                 for tier in tiers),
                     kv_tier_usage=tuple(usage), kv_transfers=tuple(moved))

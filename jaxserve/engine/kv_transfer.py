@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
-from jaxserve.engine.kv_tiers import KVTiers, PageToStore, TierPage, numpy_dtype
+from jaxserve.engine.kv_tiers import KVTiers, PageToStore, TierPage, numpy_dtype, run_jobs
 from jaxserve.engine.step_inputs import bucket_for
 from jaxserve.engine.step_registry import RunnerState, Step, assign
 from jaxserve.layers.paged_kv import KV_PAGES
@@ -107,8 +107,10 @@ class KVTransfers:
         self._closed = False
         self._queue: queue.Queue = queue.Queue()
         # the thread holds the transfers weakly, and stops when they are collected (or closed)
-        threading.Thread(target=_store_loop, args=(self._queue, weakref.ref(self)), name="kv-transfer",
-                         daemon=True).start()
+        threading.Thread(target=run_jobs, args=(self._queue, weakref.ref(self),
+                                                lambda transfers, job: transfers._finish_store(*job),
+                                                "KV tiers: a store to host memory failed"),
+                         name="kv-transfer", daemon=True).start()
         weakref.finalize(self, self._queue.put, None)
         atexit.register(_flush_at_exit, weakref.ref(self))  # a script that ends normally keeps its pending pages
 
@@ -200,20 +202,6 @@ class KVTransfers:
             self.bytes_to_host += page.nbytes - page.prefix.nbytes
         self.pages_stored += len(part)
         self.store_seconds += time.perf_counter() - started
-
-
-def _store_loop(jobs: queue.Queue, transfers: "weakref.ref[KVTransfers]") -> None:
-    while (job := jobs.get()) is not None:
-        owner = transfers()
-        try:
-            if owner is not None:
-                owner._finish_store(*job)
-        except Exception:  # a failed copy loses the pages' tier copies, never the engine
-            logger.exception("KV tiers: a store to host memory failed")
-        finally:
-            owner = job = None  # nothing of the owner's stays alive while the thread waits
-            jobs.task_done()
-    jobs.task_done()
 
 
 def _flush_at_exit(transfers: "weakref.ref[KVTransfers]") -> None:
