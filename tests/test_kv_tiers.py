@@ -243,8 +243,8 @@ def test_tier_options_are_checked():
         EngineConfig(kv_offloading_size=1, speculative_config={"model": "x", "num_speculative_tokens": 2}).resolve(64)
 
 
-def test_tier_metrics_are_exposed():
-    stats = SchedulerStats(external_prefix_cache=(("host", 100, 64), ("disk", 36, 16)),
+def test_tier_metrics_are_exposed(caplog):
+    stats = SchedulerStats(external_prefix_cache=(("host", 100, 64), ("disk", 36, 16)), prompt_tokens=10,
                            kv_tier_usage=(("host", 10, 20), ("disk", 5, 50)),
                            kv_transfers=(("device_to_host", 3, 300, 0.5), ("host_to_device", 2, 200, 0.25)),
                            kv_cache_fragmentation=0.125)
@@ -256,3 +256,9 @@ def test_tier_metrics_are_exposed():
                  'jaxserve:kv_cache_fragmentation_perc{model_name="m"} 0.125'):
         assert line in text
     assert "external_prefix_cache" not in ServerMetrics(lambda: SchedulerStats(), "m").exposition().decode()
+    from jaxserve.server.metrics import StatLogger
+
+    logger = StatLogger(lambda: stats)
+    with caplog.at_level(logging.INFO):
+        logger.log()
+    assert "External prefix cache hit rate: host 64.0%, disk 44.4%, KV cache fragmentation: 12.5%" in caplog.text
