@@ -232,6 +232,14 @@ def test_int8_kv_cache_on_two_devices_with_a_host_tier(tiny_llama_dir):
     assert len(llm.llm_engine.runner.transfers.page_specs) == 2  # int8 values and their float32 scales
 
 
+def test_ngram_speculation_with_a_host_tier(tiny_llama_dir):
+    """Speculative steps (synchronous, drafts' room trimmed) register and restore pages like plain ones."""
+    options = dict(OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    expected, _ = two_rounds(LLM(tiny_llama_dir, **options))
+    outputs, cached = two_rounds(LLM(tiny_llama_dir, **options, kv_offloading_size=0.05))
+    assert outputs == expected and cached[1] > 0
+
+
 def test_tier_options_are_checked():
     with pytest.raises(ValueError, match="kv_offloading_size must be >= 0"):
         EngineConfig(kv_offloading_size=-1)
