@@ -62,6 +62,11 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offloading_dir: str | None = None
     kv_offloading_disk_size: float = 64.0
+    # bytes each device gives the KV pools (vLLM's kv_cache_memory_bytes); default: from gpu_memory_utilization on
+    # an accelerator, enough for every slot on a CPU
+    kv_cache_memory_bytes: int | None = None
+    # vLLM's: one pool for every layer even where sliding-window layers could keep only their window's pages
+    disable_hybrid_kv_cache_manager: bool = False
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
     quantization: str | None = None  # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq"
     # (an AutoAWQ checkpoint's 4-bit weights; set from the checkpoint's config.json when left None)
@@ -99,6 +104,8 @@ class EngineConfig:
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "must be >= 2"),
             ("kv_offloading_size", self.kv_offloading_size is None or self.kv_offloading_size >= 0, "must be >= 0"),
             ("kv_offloading_disk_size", self.kv_offloading_disk_size > 0, "must be > 0"),
+            ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             "must be > 0"),
             ("enable_prefix_caching", self.enable_prefix_caching or not self.kv_tiers,
              "must be on for the KV tiers (kv_offloading_size / kv_offloading_dir)"),
             ("decode_batch_buckets", self.decode_batch_buckets is None or max(self.decode_batch_buckets, default=0)

@@ -76,7 +76,7 @@ class SlotSamplingParams:
 class InputBatch:
     """Host rows and device state of every slot; `sharding`: where the device state lives (replicated)."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, sharding):
+    def __init__(self, config: EngineConfig, vocab_size: int, sharding, hybrid: bool = False):
         slots = config.max_num_seqs
         self.slot_of: dict[int, int] = {}  # seq id -> its slot
         self.seq_ids = np.full(slots, -1, np.int64)
@@ -84,11 +84,13 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(slots, np.int32)
         self.page_tables = np.zeros((slots, config.pages_per_seq), np.int32)
         self.num_pages = np.zeros(slots, np.int32)
+        # hybrid KV cache: the sliding-window layers' page tables (None: every layer reads page_tables)
+        self.window_page_tables = np.zeros((slots, config.pages_per_seq), np.int32) if hybrid else None
         self.num_logprobs = np.full(slots, -1, np.int32)  # -1: the sequence asked for none
         self.num_prompt_logprobs = np.zeros(slots, np.int32)
         self.guided = np.zeros(slots, bool)  # constrained decoding: the sampler waits for a token mask
         self.sampling = SlotSamplingParams(slots)
-        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding)
+        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, hybrid)
         self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab_size), bool, device=sharding),
                                       output_counts=jnp.zeros((slots, vocab_size), jnp.int32, device=sharding),
                                       min_tokens_ban=jnp.zeros((slots, vocab_size), bool, device=sharding))
@@ -108,6 +110,8 @@ class InputBatch:
             self.token_ids[slot] += cached.new_token_ids
             if cached.page_ids or cached.first_page != self.num_pages[slot]:  # most steps: a token, no page
                 self._set_pages(slot, cached.first_page, cached.page_ids)
+            if self.window_page_tables is not None:
+                self._set_window_pages(slot, cached.window_first_page, cached.window_page_ids)
 
     def _add(self, new: NewSequence) -> None:
         slot, params = new.slot, new.params
@@ -116,6 +120,8 @@ class InputBatch:
         self.token_ids[slot] = list(new.token_ids)
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self._set_pages(slot, 0, new.page_ids)
+        if self.window_page_tables is not None:
+            self._set_window_pages(slot, 0, new.window_page_ids)
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[slot] = params.prompt_logprobs or 0
         self.guided[slot] = params.guided_decoding is not None
@@ -126,6 +132,11 @@ class InputBatch:
         self.page_tables[slot, first:end] = page_ids
         self.page_tables[slot, end:] = 0
         self.num_pages[slot] = end
+
+    def _set_window_pages(self, slot: int, first: int, page_ids: tuple[int, ...]) -> None:
+        end = first + len(page_ids)
+        self.window_page_tables[slot, first:end] = page_ids
+        self.window_page_tables[slot, end:] = 0
 
     def logprobs_of(self, slot: int) -> int | None:
         """The top logprobs a slot's sequence asked for (None: no logprobs)."""

@@ -26,6 +26,7 @@ import jax
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
+from jaxserve.engine.kv_budget import window_pages_per_seq
 from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
@@ -33,6 +34,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager, page_key
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.stats import IterationStats, SchedulerStats
+from jaxserve.engine.window_pages import WindowPages
 from jaxserve.engine.step_output import InFlightStep
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
 from jaxserve.outputs import RequestOutput
@@ -76,8 +78,14 @@ class LLMEngine:
         if self.runner.num_pages - 1 < self.config.pages_per_seq:
             raise ValueError(f"num_kv_pages={self.runner.num_pages} cannot hold one sequence of max_model_len="
                              f"{self.config.max_model_len} ({self.config.pages_per_seq} pages + 1 scratch page)")
-        self.page_manager = PageManager(self.runner.num_pages, self.config.page_size,
-                                        self.config.enable_prefix_caching, tiers=_kv_tiers(self.config, self.runner))
+        runner = self.runner
+        if runner.hybrid and runner.num_window_pages - 1 < window_pages_per_seq(self.config, runner.window):
+            raise ValueError(f"the sliding-window layers' pool ({runner.num_window_pages} pages) cannot hold one "
+                             f"sequence's window and step ({window_pages_per_seq(self.config, runner.window)} pages "
+                             "+ 1 scratch page): raise kv_cache_memory_bytes or gpu_memory_utilization")
+        window = WindowPages(runner.num_window_pages, self.config.page_size, runner.window) if runner.hybrid else None
+        self.page_manager = PageManager(runner.num_pages, self.config.page_size, self.config.enable_prefix_caching,
+                                        tiers=_kv_tiers(self.config, runner), window=window)
         self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
         in_process = self.config.detokenizer_process and self.tokenizer is not None
@@ -244,6 +252,8 @@ class LLMEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
             kv_cache_fragmentation=_fragmentation(self.scheduler.running, self.config.page_size),
+            kv_cache_window_capacity_tokens=self.runner.window_capacity_tokens,
+            kv_cache_window_usage=manager.window.usage if manager.window is not None else 0.0,
             **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}))
 
 

@@ -49,7 +49,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine import startup
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
-from jaxserve.engine.kv_budget import empty_pool, kv_pages, page_bytes
+from jaxserve.engine.kv_budget import empty_pool, hybrid_pages, hybrid_window, kv_budget_bytes, kv_pages, page_bytes
 from jaxserve.engine.kv_tiers import KVTiers
 from jaxserve.engine.kv_transfer import KVTransfers
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
@@ -88,16 +88,26 @@ class ModelRunner:
         self.params = serving_params(params, config, self.tp, self.mesh, self.dtype, engine_config.quantization)
         replicated = NamedSharding(self.mesh, REPLICATED)
         vocab = config.vocab_size
-        self.batch = InputBatch(engine_config, vocab, replicated)
+        self.window = hybrid_window(config, engine_config)  # the hybrid KV cache's window pool, or None: one pool
+        self.hybrid = self.window is not None
+        self.num_window_layers = sum(w is not None for w in config.layer_sliding_windows) if self.hybrid else 0
+        self.batch = InputBatch(engine_config, vocab, replicated, self.hybrid)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
         self.spec_counters = self.speculator.counters if self.speculator is not None else SpecDecodeCounters(0)
-        self.num_pages = engine_config.num_kv_pages or kv_pages(self.mesh.local_devices[0], config, engine_config,
-                                                                 self.page_bytes, self.device_page_bytes)
+        budget = None if engine_config.num_kv_pages else kv_budget_bytes(self.mesh.local_devices[0], config,
+                                                                          engine_config)
+        self.num_window_pages = 0
+        if self.hybrid:
+            self.num_pages, self.num_window_pages = hybrid_pages(
+                engine_config, self.window, budget, self.device_page_bytes, self.window_page_bytes // self.tp.size)
+        else:
+            self.num_pages = engine_config.num_kv_pages or kv_pages(budget, engine_config, self.page_bytes,
+                                                                     self.device_page_bytes)
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.allocate_pool(self.num_pages)
         self.kv_cache, pool_shape = empty_pool(config, self.tp, self.backend, self.num_pages, self.page_size,
-                                                self.dtype)
+                                                self.dtype, self.num_window_pages if self.hybrid else None)
         self.batch.sampling_table = jax.device_put(self.batch.sampling.table(), replicated)
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
         self.all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
@@ -111,6 +121,11 @@ class ModelRunner:
                     self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
                     self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
                     self.backend.name, pool_shape, self.tp.size)
+        if self.hybrid:
+            logger.info("hybrid KV cache: %d sliding-window layers (window %d) hold %d pages of their own (%d "
+                        "tokens: every sequence's window and step), the other %d layers the pool above",
+                        self.num_window_layers, self.window, self.num_window_pages, self.window_capacity_tokens,
+                        config.num_layers - self.num_window_layers)
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
@@ -149,8 +164,19 @@ class ModelRunner:
         """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included; a draft
         model's page too)."""
         draft = self.speculator.draft if self.speculator is not None else None  # its pool has as many pages
-        return (page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype)
+        layers = self.config.num_layers - self.num_window_layers  # under the hybrid KV cache: the full layers'
+        return (page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype, layers)
                 + (draft.page_bytes if draft is not None else 0))
+
+    @property
+    def window_page_bytes(self) -> int:
+        """Bytes of one page of the hybrid KV cache's window pool, over its layers and all devices (0: none)."""
+        return page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype, self.num_window_layers)
+
+    @property
+    def window_capacity_tokens(self) -> int:
+        """Tokens the window pool holds (0: no hybrid KV cache)."""
+        return max(0, self.num_window_pages - 1) * self.page_size
 
     @property
     def kv_storage_dtype(self) -> str:
@@ -169,7 +195,7 @@ class ModelRunner:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.page_bytes + self.num_window_pages * self.window_page_bytes
 
     # -- the step interface ------------------------------------------------------------------------------------
 

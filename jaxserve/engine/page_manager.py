@@ -18,6 +18,11 @@ With KV tiers (`engine/kv_tiers.py`) a lookup that ends on the device continues 
 found there get newly allocated device pages, registered like computed ones, and the runner copies them in before
 the step's forwards (`restore`); every page newly registered from a computation is noted for the tiers to copy.
 
+Under the hybrid KV cache the sliding-window layers keep their pages in a second pool (`window`,
+`engine/window_pages.py`) by the same indices: allocation takes from both (short in either is short), freeing and
+trimming release both, a full page registers in both, and a prefix hit is only as long as the window pool still
+holds what its next token's window reads.
+
 The manager owns the prefix-cache chain of every sequence holding pages (the key and registration serial of each
 of its full pages); a sequence's page table is the list it extends. Token counters are the scheduler's.
 """
@@ -34,6 +39,7 @@ import numpy as np
 
 from jaxserve.engine.kv_tiers import KVTiers, TierPage
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.window_pages import WindowPages
 
 SCRATCH_PAGE = 0
 PageHash = Callable[[bytes, tuple[int, ...]], bytes]
@@ -58,7 +64,7 @@ class CachedPage:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None):
+                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None, window: WindowPages | None = None):
         if num_pages < 2:
             raise ValueError(f"num_kv_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         self.num_pages = num_pages
@@ -66,6 +72,7 @@ class PageManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.tiers = tiers
+        self.window = window  # the sliding-window layers' pool (hybrid KV cache), or None: every layer uses this one
         self.ref_counts = [0] * num_pages
         # free pages, least recently freed first; dict used as an ordered set
         self.free_pages: OrderedDict[int, None] = OrderedDict((page, None) for page in range(1, num_pages))
@@ -113,6 +120,8 @@ class PageManager:
                 break
             pages.append(page)
             parent_key, parent_serial = key, entry.serial
+        if self.window is not None:  # as far as the window layers still hold the pages the next token reads
+            pages = pages[:self.window.usable_hit([self.cached[page].serial for page in pages])]
         return pages
 
     def match_tiers(self, seq: Sequence, cached_pages: list[int]) -> list[tuple[TierPage, str]]:
@@ -129,6 +138,8 @@ class PageManager:
         for page in cached_pages:
             self._take(page)
         seq.page_table = list(cached_pages)
+        if self.window is not None:
+            self.window.admit(seq, [self.cached[page].serial for page in cached_pages])
         self._chains[seq.seq_id] = ([self.cached[page].key for page in cached_pages],
                                     [self.cached[page].serial for page in cached_pages])
         return len(cached_pages) * self.page_size
@@ -162,9 +173,14 @@ class PageManager:
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Adds pages so `seq` can hold `num_tokens` tokens; False (and nothing taken) if the pool is short."""
+        if self.window is not None:
+            self.window.release_behind(seq)
         if num_tokens <= len(seq.page_table) * self.page_size:  # most decode steps: the last page has room
             return True
         needed = self.pages_needed(seq, num_tokens)
+        if self.window is not None:
+            if self.window.pages_needed(seq, num_tokens) > self.window.num_free_pages:
+                return False
         if needed > len(self.free_pages):
             return False
         for _ in range(needed):
@@ -172,6 +188,8 @@ class PageManager:
             self._forget(page)
             self._take(page)
             seq.page_table.append(page)
+        if self.window is not None:
+            self.window.allocate(seq, num_tokens)
         return True
 
     def commit_full_pages(self, seq: Sequence) -> None:
@@ -190,6 +208,8 @@ class PageManager:
             if self.tiers is not None and serials[-1] is not None and self.cached.get(page) is not None \
                     and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
                 self.tiers.note_registered(page, key, seq.token_ids, (index + 1) * self.page_size)
+            if self.window is not None:
+                self.window.register(seq, index, serials[-1])
 
     def _register(self, page: int, key: bytes, tokens: tuple[int, ...], index: int,
                   parent_serial: int | None) -> int | None:
@@ -214,6 +234,8 @@ class PageManager:
             self._release(page)
         seq.page_table = []
         self._chains.pop(seq.seq_id, None)
+        if self.window is not None:
+            self.window.free(seq)
 
     def trim(self, seq: Sequence) -> None:
         """Releases the pages past those holding `seq`'s tokens (the room a speculative step made for drafts that
@@ -221,6 +243,8 @@ class PageManager:
         keep = -(-len(seq.token_ids) // self.page_size)
         while len(seq.page_table) > keep:
             self._release(seq.page_table.pop())
+        if self.window is not None:
+            self.window.trim(seq, keep)
 
     def _release(self, page: int) -> None:
         self.ref_counts[page] -= 1
@@ -232,6 +256,8 @@ class PageManager:
     def reset_prefix_cache(self) -> None:
         self.cached.clear()
         self.page_of_key.clear()
+        if self.window is not None:
+            self.window.reset()
 
     def _take(self, page: int) -> None:
         if self.ref_counts[page] == 0:

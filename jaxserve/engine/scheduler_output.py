@@ -31,6 +31,7 @@ class NewSequence(NamedTuple):
     page_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
+    window_page_ids: tuple[int, ...] = ()  # hybrid KV cache: the sliding-window layers' pages (scratch: released)
 
 
 class CachedSequence(NamedTuple):
@@ -41,6 +42,8 @@ class CachedSequence(NamedTuple):
     new_token_ids: tuple[int, ...]
     first_page: int
     page_ids: tuple[int, ...]
+    window_first_page: int = 0  # hybrid KV cache: the window layers' page table from that index on
+    window_page_ids: tuple[int, ...] = ()
 
 
 class ScheduledChunk(NamedTuple):
@@ -85,8 +88,9 @@ def new_sequence(seq: Sequence) -> NewSequence:
     """`seq` as admitted; from now on the runner has its tokens and pages."""
     seq.num_sent_tokens, seq.num_sent_pages = len(seq.token_ids), len(seq.page_table)
     seq.num_kept_pages = seq.num_sent_pages
+    seq.num_sent_window_pages = seq.num_kept_window_pages = len(seq.window_pages)
     return NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
-                       tuple(seq.page_table), seq.params, seq.seed)
+                       tuple(seq.page_table), seq.params, seq.seed, tuple(seq.window_pages))
 
 
 def cached_sequence(seq: Sequence, with_tokens: bool) -> CachedSequence | None:
@@ -95,18 +99,26 @@ def cached_sequence(seq: Sequence, with_tokens: bool) -> CachedSequence | None:
     input token on the device, so its row's tokens may lag until then). The runner's page table is `seq`'s first
     `num_sent_pages` pages as they were when sent, of which the first `num_kept_pages` are still `seq`'s (a trim
     lowers it)."""
-    num_pages, sent_pages, kept_pages = len(seq.page_table), seq.num_sent_pages, seq.num_kept_pages
-    pages_changed = kept_pages < sent_pages or sent_pages != num_pages
+    pages_changed, first_page = _table_diff(len(seq.page_table), seq.num_sent_pages, seq.num_kept_pages)
+    window_changed, window_first = _table_diff(len(seq.window_pages), seq.num_sent_window_pages,
+                                               seq.num_kept_window_pages)
     tokens_changed = with_tokens and seq.num_sent_tokens != len(seq.token_ids)
-    if not (pages_changed or tokens_changed):
+    if not (pages_changed or window_changed or tokens_changed):
         return None
     tokens = ()
     if tokens_changed:
         tokens = tuple(seq.token_ids[seq.num_sent_tokens:])
         seq.num_sent_tokens = len(seq.token_ids)
-    first_page = min(kept_pages, sent_pages) if pages_changed else num_pages
-    seq.num_sent_pages = seq.num_kept_pages = num_pages
-    return CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]))
+    seq.num_sent_pages = seq.num_kept_pages = len(seq.page_table)
+    seq.num_sent_window_pages = seq.num_kept_window_pages = len(seq.window_pages)
+    return CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]), window_first,
+                          tuple(seq.window_pages[window_first:]))
+
+
+def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool, int]:
+    """Whether a page table changed since it was sent (pages added, or trimmed), and the index it changed from."""
+    changed = kept_pages < sent_pages or sent_pages != num_pages
+    return changed, (min(kept_pages, sent_pages) if changed else num_pages)
 
 
 def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> tuple[ScheduledDecode, ...]:

@@ -167,8 +167,9 @@ class Speculator:
     def _verify_examples(self) -> Iterator[VerifyBatch]:
         for rows in self.runner.engine_config.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
-            yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, np.zeros((rows, self.k + 1), np.int32),
-                              np.zeros(rows, bool))
+            pages = functools.partial(np.zeros, (rows, self.k + 1), np.int32)
+            yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, pages(), np.zeros(rows, bool),
+                              pages() if self.runner.hybrid else None)
 
     def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:
         vocab = self.runner.config.vocab_size

@@ -26,6 +26,9 @@ class SchedulerStats:
     request_success: tuple[tuple[str, int], ...] = ()  # (finish reason, finished requests)
     num_steps: int = 0
     kv_cache_capacity_tokens: int = 0  # tokens the KV pool holds for sequences (set at start-up)
+    # the hybrid KV cache's sliding-window layers: tokens their own pool holds (0: none), and its usage
+    kv_cache_window_capacity_tokens: int = 0
+    kv_cache_window_usage: float = 0.0
     kv_cache_dtype: str = "auto"  # the kv_cache_dtype option: "auto", "int8" or "fp8"
     kv_cache_storage_dtype: str = ""  # what the pages hold: "float32", "bfloat16", "int8", "float8_e4m3fn"
     # speculative decoding (vLLM's spec_decode_* counters): verified rows that had drafts, their drafts, the

@@ -73,7 +73,7 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     """One prefill call of `chunks`; `rope_by_sequence`: the tokens rotate by the sequence's length (LongRoPE),
     else by the prompt's (`layers/rotary.py`)."""
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
-    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1])
+    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1], rows_of.window_page_tables is not None)
     inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
     for row, chunk in enumerate(chunks):
         slot = rows_of.slot_of[chunk.seq_id]
@@ -83,6 +83,8 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
         batch.starts[row] = chunk.start
         batch.num_tokens[row] = chunk.num_tokens
         batch.page_tables[row] = rows_of.page_tables[slot]
+        if batch.window_page_tables is not None:
+            batch.window_page_tables[row] = rows_of.window_page_tables[slot]
         inputs.output_index[row] = len(token_ids) - rows_of.num_prompt_tokens[slot]
         batch.is_final[row] = chunk.is_final
         batch.rope_lens[row] = len(token_ids) if rope_by_sequence else rows_of.num_prompt_tokens[slot]
@@ -97,12 +99,14 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     return inputs
 
 
-def empty_prefill(rows: int, tokens: int, pages_per_seq: int) -> PrefillBatch:
-    """A prefill call of empty rows (zero tokens: they write only to the scratch page)."""
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int, hybrid: bool = False) -> PrefillBatch:
+    """A prefill call of empty rows (zero tokens: they write only to the scratch page); `hybrid`: with the window
+    layers' page tables."""
     zeros = functools.partial(np.zeros, rows, np.int32)
+    tables = functools.partial(np.zeros, (rows, pages_per_seq), np.int32)
     return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
-                        page_tables=np.zeros((rows, pages_per_seq), np.int32), slots=zeros(),
-                        is_final=np.zeros(rows, bool), next_tokens=zeros(), rope_lens=zeros())
+                        page_tables=tables(), slots=zeros(), is_final=np.zeros(rows, bool), next_tokens=zeros(),
+                        rope_lens=zeros(), window_page_tables=tables() if hybrid else None)
 
 
 def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:
@@ -115,15 +119,19 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     slots[:count] = [slot_of[seq_id] for seq_id in seq_ids]
     positions[:count] = [decode.position for decode in decodes]
     pages = rows_of.page_tables[slots, positions // config.page_size]
+    window_pages = (None if rows_of.window_page_tables is None
+                    else rows_of.window_page_tables[slots, positions // config.page_size])
     output_index = positions + 1 - rows_of.num_prompt_tokens[slots]
     active = np.zeros(rows, bool)
     active[:count] = True
     pages[count:] = output_index[count:] = 0
+    if window_pages is not None:
+        window_pages[count:] = 0
     live = slots[:count]
     sampled = [RowSequence(row, seq_id, None if k < 0 else k)
                for row, (seq_id, k) in enumerate(zip(seq_ids, rows_of.num_logprobs[live].tolist()))]
     guided = [sampled[row] for row in np.flatnonzero(rows_of.guided[live]).tolist()]
-    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active), output_index)
+    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active, window_pages), output_index)
 
 
 @dataclasses.dataclass
@@ -142,9 +150,11 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     is to propose on the device). Speculative steps are synchronous: the rows hold every token."""
     rows = bucket_for(len(decodes), config.decode_batch_buckets)
     page_size = config.page_size
+    window = rows_of.window_page_tables
     batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                         draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
-                        pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool))
+                        pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool),
+                        window_pages=None if window is None else np.zeros((rows, k + 1), np.int32))
     inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, decode in enumerate(decodes):
         slot = rows_of.slot_of[decode.seq_id]
@@ -157,6 +167,8 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
             index = (position + i) // page_size
             if index < num_pages:
                 batch.pages[row, i] = rows_of.page_tables[slot, index]
+                if window is not None:
+                    batch.window_pages[row, i] = window[slot, index]
         inputs.last_tokens[row] = rows_of.token_ids[slot][-2:]
         inputs.output_index[row] = position + 1 - rows_of.num_prompt_tokens[slot]
         inputs.rows.append(RowSequence(row, decode.seq_id, rows_of.logprobs_of(slot)))

@@ -36,11 +36,13 @@ from jaxserve.spec_decode.verify import draft_positions, verify_greedy, verify_s
 class SlotState:
     tokens: jax.Array  # int32 [slots]: the latest token sampled for the slot's sequence
     page_tables: jax.Array  # int32 [slots, pages_per_seq]
+    window_page_tables: jax.Array | None = None  # hybrid KV cache: the sliding-window layers' (same shape)
 
     @classmethod
-    def empty(cls, slots: int, pages_per_seq: int, sharding) -> "SlotState":
-        return cls(tokens=jnp.zeros((slots,), jnp.int32, device=sharding),
-                   page_tables=jnp.zeros((slots, pages_per_seq), jnp.int32, device=sharding))
+    def empty(cls, slots: int, pages_per_seq: int, sharding, hybrid: bool = False) -> "SlotState":
+        tables = lambda: jnp.zeros((slots, pages_per_seq), jnp.int32, device=sharding)  # noqa: E731
+        return cls(tokens=jnp.zeros((slots,), jnp.int32, device=sharding), page_tables=tables(),
+                   window_page_tables=tables() if hybrid else None)
 
 
 @flax.struct.dataclass
@@ -67,6 +69,7 @@ class PrefillBatch:
     is_final: jax.Array  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
     next_tokens: jax.Array  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
     rope_lens: jax.Array  # int32 [rows]: the rope length each row's tokens have at least (`layers/rotary.py`)
+    window_page_tables: jax.Array | None = None  # hybrid KV cache: int32 [rows, pages_per_seq], the window layers'
 
 
 @flax.struct.dataclass
@@ -77,6 +80,7 @@ class DecodeBatch:
     positions: jax.Array  # int32 [rows]: where each row's input token (its slot's latest, on the device) goes
     pages: jax.Array  # int32 [rows]: the page holding that position (the device keeps the rest of the table)
     active: jax.Array  # bool [rows]
+    window_pages: jax.Array | None = None  # hybrid KV cache: int32 [rows], that position's window-layer page
 
 
 @flax.struct.dataclass
@@ -89,6 +93,7 @@ class VerifyBatch:
     num_draft: jax.Array  # int32 [rows]: drafts each row may have (its lookahead, or its n-gram proposal's length)
     pages: jax.Array  # int32 [rows, K + 1]: the page of each position p..p+K (0 past the sequence's pages)
     active: jax.Array  # bool [rows]
+    window_pages: jax.Array | None = None  # hybrid KV cache: int32 [rows, K + 1], those positions' window pages
 
 
 @flax.struct.dataclass
@@ -158,11 +163,16 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     positions = batch.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     valid = jnp.arange(chunk)[None, :] < num_tokens[:, None]
     page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
-    pages = jnp.take_along_axis(page_tables, page_index, axis=1)
-    slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
-    meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_tables=page_tables,
+
+    def slots_of(tables):
+        pages = jnp.take_along_axis(tables, page_index, axis=1)
+        return jnp.where(valid, pages * page_size + positions % page_size, 0)
+    window_tables = batch.window_page_tables
+    meta = AttentionMetadata(positions=positions, slot_mapping=slots_of(page_tables), page_tables=page_tables,
                              context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0),
-                             query_lens=num_tokens, rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1))
+                             query_lens=num_tokens, rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1),
+                             window_page_tables=window_tables,
+                             window_slot_mapping=None if window_tables is None else slots_of(window_tables))
     (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                          logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
                                          with_hidden=True)
@@ -170,7 +180,9 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     slot_state = SlotState(
         tokens=slot_state.tokens.at[live].set(jnp.where(batch.is_final, greedy, batch.next_tokens), mode="drop"),
-        page_tables=slot_state.page_tables.at[live].set(page_tables, mode="drop"))
+        page_tables=slot_state.page_tables.at[live].set(page_tables, mode="drop"),
+        window_page_tables=None if window_tables is None else slot_state.window_page_tables.at[live].set(
+            window_tables, mode="drop"))
     return Forward(logits, greedy, hidden.astype(dtype) if with_hidden else None), (kv_cache, slot_state)
 
 
@@ -192,17 +204,24 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     rows = slots.shape[0]
     page_index = jnp.minimum(positions // page_size, slot_state.page_tables.shape[1] - 1)
     live = _rows_to_slots(slot_state, slots, active)
-    page_tables = slot_state.page_tables.at[live, page_index].set(pages, mode="drop")
-    row_tables = page_tables[slots]
+
+    def placed(tables, row_pages):  # the slots' tables with each row's page written, and the rows' flat KV slots
+        tables = tables.at[live, page_index].set(row_pages, mode="drop")
+        return tables, jnp.where(active, row_pages * page_size + positions % page_size, 0)[:, None]
+    page_tables, slot_mapping = placed(slot_state.page_tables, pages)
+    window_tables, window_slots = (None, None) if batch.window_pages is None else placed(
+        slot_state.window_page_tables, batch.window_pages)
     token_ids = slot_state.tokens[slots]
-    slot_mapping = jnp.where(active, pages * page_size + positions % page_size, 0)
-    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping[:, None], page_tables=row_tables,
+    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping, page_tables=page_tables[slots],
                              context_lens=jnp.where(active, positions + 1, 0),
-                             query_lens=jnp.ones((rows,), jnp.int32))
+                             query_lens=jnp.ones((rows,), jnp.int32),
+                             window_page_tables=None if window_tables is None else window_tables[slots],
+                             window_slot_mapping=window_slots)
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp)
     greedy = argmax(logits)
-    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables,
+                           window_page_tables=window_tables)
     return Forward(logits, greedy), (kv_cache, slot_state)
 
 
@@ -217,16 +236,23 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     valid = active[:, None] & (jnp.arange(k + 1)[None, :] <= num_draft[:, None])
     positions2d, slot_mapping, page_tables = draft_positions(slot_state.page_tables, page_size, slots, positions,
                                                              batch.pages, valid)
+    window_tables = window_slots = None
+    if batch.window_pages is not None:
+        _, window_slots, window_tables = draft_positions(slot_state.window_page_tables, page_size, slots, positions,
+                                                         batch.window_pages, valid)
     token_ids = jnp.concatenate([slot_state.tokens[slots][:, None], draft_tokens], axis=1)
     meta = AttentionMetadata(positions=positions2d, slot_mapping=slot_mapping, page_tables=page_tables[slots],
                              context_lens=jnp.where(active, positions + 1 + num_draft, 0),
-                             query_lens=jnp.where(active, 1 + num_draft, 0))
+                             query_lens=jnp.where(active, 1 + num_draft, 0),
+                             window_page_tables=None if window_tables is None else window_tables[slots],
+                             window_slot_mapping=window_slots)
     logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp)
     greedy = argmax(logits)
     num_accepted = verify_greedy(greedy, draft_tokens, num_draft)
     last = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]
     live = _rows_to_slots(slot_state, slots, active)
-    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables,
+                           window_page_tables=window_tables)
     return Forward(logits, SampleResult(greedy, None, None, None, num_accepted)), (kv_cache, slot_state)
 
 

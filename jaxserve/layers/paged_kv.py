@@ -61,9 +61,19 @@ class AttentionMetadata:
     # int32 [B, T]: each token's rope length, max(prompt length, position + 1) (`layers/rotary.py`); None: position
     # + 1, which it is for every token after its prompt (decode, verify and draft steps)
     rope_lens: jax.Array | None = None
+    # the hybrid KV cache (`engine/window_pages.py`): the sliding-window layers' own page tables [B, P] and slots
+    # [B, T] in their own pools (None: every layer reads page_tables / slot_mapping)
+    window_page_tables: jax.Array | None = None
+    window_slot_mapping: jax.Array | None = None
 
     def token_rope_lens(self) -> jax.Array:
         return self.positions + 1 if self.rope_lens is None else self.rope_lens
+
+    def for_layer(self, sliding_window: int | None) -> "AttentionMetadata":
+        """The metadata a layer reads: a sliding-window layer's own page tables under the hybrid KV cache."""
+        if sliding_window is None or self.window_page_tables is None:
+            return self
+        return self.replace(page_tables=self.window_page_tables, slot_mapping=self.window_slot_mapping)
 
 
 def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -93,6 +93,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata):
         cfg, tp = self.config, self.tp
+        meta = meta.for_layer(self.layer.sliding_window)
         batch, num_tokens, _ = x.shape
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
         kv_width = tp.kv_heads_per_device(cfg) * cfg.head_dim

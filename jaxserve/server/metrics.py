@@ -67,6 +67,11 @@ class EngineCollector(Collector):
         capacity.add_metric(name + [stats.kv_cache_dtype, stats.kv_cache_storage_dtype],
                             stats.kv_cache_capacity_tokens)
         yield capacity
+        if stats.kv_cache_window_capacity_tokens:
+            yield gauge("kv_cache_window_capacity_tokens", "Tokens the sliding-window layers' own KV pool holds "
+                        "(the hybrid KV cache).", stats.kv_cache_window_capacity_tokens)
+            yield gauge("kv_cache_window_usage_perc", "Fraction of the sliding-window layers' KV pages in use.",
+                        stats.kv_cache_window_usage)
         yield counter("prompt_tokens", "Prompt tokens received (once per request, whatever its n).",
                       stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated (over all completions).", stats.generation_tokens)
