@@ -61,6 +61,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_dirs, family):
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss"])
 def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_and_preemption(tiny_model_dirs,
                                                                                               family):
+    """With windows, under the hybrid KV cache (the window layers' pages released behind the window)."""
     path = tiny_model_dirs[family]
     shared = random_prompts(1, 500, 24, 24, seed=11)[0]
     tails = random_prompts(3, 500, 2, 9, seed=13)
@@ -72,6 +73,7 @@ def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_a
                                                               use_tqdm=False)]
     stats = llm.llm_engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.llm_engine.runner.hybrid == (family not in ("qwen2_moe", "qwen3_moe"))  # windowed: the hybrid cache
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours):
         with torch.no_grad():

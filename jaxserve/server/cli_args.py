@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV pages of shared prompt "
                                                                                 "prefixes")
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="bytes of KV cache per device (default: from --gpu-memory-utilization; on a CPU, "
+                             "enough for every slot)")
+    engine.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="one KV pool for every layer, even where sliding-window layers could keep only their "
+                             "window's pages")
     engine.add_argument("--kv-offloading-size", type=float, default=None,
                         help="GiB of host memory for KV pages under the prefix cache (a host tier; default: none)")
     engine.add_argument("--kv-offloading-dir", default=None,
@@ -144,6 +150,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                         kv_offloading_size=args.kv_offloading_size, kv_offloading_dir=args.kv_offloading_dir,
                         kv_offloading_disk_size=args.kv_offloading_disk_size,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
