@@ -102,10 +102,10 @@ def hybrid_pages(ec: EngineConfig, window: int, budget_bytes: int | None, full_p
                                              CPU_POOL_BYTES // max(full_page_bytes, 1)))
         return full, all_windows
     full_need, window_need = ec.pages_per_seq * full_page_bytes, per_seq * window_page_bytes
-    windows = min(all_windows, 1 + int(budget_bytes * window_need / (full_need + window_need)) // window_page_bytes)
+    windows = max(2, min(all_windows, int(budget_bytes * window_need / (full_need + window_need)) // window_page_bytes))
     if not full_page_bytes:  # every layer has a window: the full pool holds nothing, its pages are only ids
-        return ec.max_num_seqs * ec.pages_per_seq + 1, max(2, windows)
-    return max(2, (budget_bytes - windows * window_page_bytes) // full_page_bytes), max(2, windows)
+        return ec.max_num_seqs * ec.pages_per_seq + 1, windows
+    return max(2, (budget_bytes - windows * window_page_bytes) // full_page_bytes), windows
 
 
 def empty_pool(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, num_pages: int, page_size: int,
