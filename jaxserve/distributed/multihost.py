@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 

@@ -121,6 +121,9 @@ class ModelRunner:
                     self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
                     self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
                     self.backend.name, pool_shape, self.tp.size)
+        if not self.hybrid and any(w is not None for w in config.layer_sliding_windows):
+            logger.info("one KV pool for every layer, sliding-window ones included (the hybrid KV cache is off: "
+                        "disabled, KV tiers, a draft model, or a window near max_model_len)")
         if self.hybrid:
             logger.info("hybrid KV cache: %d sliding-window layers (window %d) hold %d pages of their own (%d "
                         "tokens: every sequence's window and step), the other %d layers the pool above",
