@@ -28,8 +28,8 @@ def kv_budget_bytes(device, config: ModelConfig, engine_config: EngineConfig) ->
     if "bytes_limit" not in stats:
         return None
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
-    return accelerator_kv_pages(stats, engine_config.gpu_memory_utilization, fraction,
-                                activation_bytes(config, engine_config), 1)
+    return accelerator_kv_bytes(stats, engine_config.gpu_memory_utilization, fraction,
+                                activation_bytes(config, engine_config))
 
 
 def kv_pages(budget_bytes: int | None, engine_config: EngineConfig, page_bytes: int, device_page_bytes: int) -> int:
@@ -52,15 +52,21 @@ def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
     return 4 * (ec.max_num_batched_tokens * width + 4 * rows * config.vocab_size)
 
 
-def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fraction: float,
-                         activation_bytes: int, page_bytes: int) -> int:
-    """KV pages for vLLM's `gpu_memory_utilization`: weights (already in use), KV pages and the largest step's
+def accelerator_kv_bytes(memory_stats: dict, utilization: float, allocator_fraction: float,
+                         activation_bytes: int) -> int:
+    """KV bytes for vLLM's `gpu_memory_utilization`: weights (already in use), KV pages and the largest step's
     activations together take at most `utilization` of the device's memory. jax's allocator may use
     `allocator_fraction` of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set; `jaxserve serve`
     sets it to the utilization), so the device's total is the allocator's limit over that fraction."""
     limit = memory_stats["bytes_limit"]
     budget = min(utilization * limit / allocator_fraction, limit) - memory_stats.get("bytes_in_use", 0)
-    return max(2, int(budget - activation_bytes) // page_bytes)
+    return int(budget - activation_bytes)
+
+
+def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fraction: float,
+                         activation_bytes: int, page_bytes: int) -> int:
+    """`accelerator_kv_bytes` in pages of `page_bytes` (at least 2)."""
+    return max(2, accelerator_kv_bytes(memory_stats, utilization, allocator_fraction, activation_bytes) // page_bytes)
 
 
 def page_bytes(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, page_size: int, dtype,

@@ -49,7 +49,7 @@ class StoreInputs:
 @flax.struct.dataclass
 class RestoreInputs:
     pages: jax.Array  # int32 [bucket]: pool pages to write (padding: the scratch page)
-    arrays: tuple  # per leaf group, [2 * layers, heads, bucket, page_size(, head_dim)]
+    arrays: tuple  # per leaf group, [bucket, 2 * layers, heads, page_size(, head_dim)]
 
 
 def transfer_buckets(ec: EngineConfig) -> tuple[int, ...]:
@@ -100,6 +100,7 @@ class KVTransfers:
         self.host_sharding = NamedSharding(mesh, KV_PAGES, memory_kind=self.memory_kind)
         # each page's arrays off the device: (dtype, [2 * layers, heads, page_size(, head_dim)]) per group
         self.page_specs = page_specs(runner.kv_cache)
+        self._zero_pages = [np.zeros(shape, numpy_dtype(dtype)) for dtype, shape in self.page_specs]  # padding
         self.num_stores = self.num_restores = 0  # calls, each one transfer per leaf group
         self.pages_stored = self.pages_restored = 0
         self.bytes_to_host = self.bytes_to_device = 0
@@ -169,9 +170,8 @@ class KVTransfers:
         indices = np.zeros(bucket, np.int32)
         indices[:len(part)] = [page for page, _ in part]
         arrays = []
-        for group, (dtype, shape) in enumerate(self.page_specs):
-            padding = [np.zeros(shape, numpy_dtype(dtype))] * (bucket - len(part))  # written to the scratch page
-            arrays.append(np.stack([page.arrays[group] for _, page in part] + padding))
+        for group, zeros in enumerate(self._zero_pages):  # padding rows are written to the scratch page
+            arrays.append(np.stack([page.arrays[group] for _, page in part] + [zeros] * (bucket - len(part))))
         return RestoreInputs(indices, tuple(jax.device_put(arrays, self.host_sharding)))
 
     def flush(self) -> None:
