@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per token at most (vLLM's default max_logprobs)
 
@@ -56,7 +57,9 @@ class SamplingParams:
     are not checked before min_tokens outputs. logprobs: top-k logprobs per token. prompt_logprobs: the
     prompt's own logprobs (each prompt token's and the top k, `RequestOutput.prompt_logprobs`), computed in the
     prefill. max_tokens=0 generates nothing: the request only scores its prompt. output_kind:
-    whether outputs are cumulative, deltas, or only the final one.
+    whether outputs are cumulative, deltas, or only the final one. ttft_slo_ms / tpot_slo_ms: the request's
+    latency targets (time to first token; mean time per output token after it), in milliseconds, overriding the
+    engine's --ttft-slo-ms / --tpot-slo-ms; counted for goodput under any policy, scheduled by under "slo".
     """
 
     n: int = 1
@@ -79,6 +82,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: GuidedDecodingParams | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +135,11 @@ class SamplingParams:
             fail("output_kind", "must be a RequestOutputKind")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             fail("guided_decoding", "must be a GuidedDecodingParams")
+        for field in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                fail(field, "must be a number of milliseconds > 0")
 
     @property
     def greedy(self) -> bool:

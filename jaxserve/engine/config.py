@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
@@ -23,6 +24,16 @@ PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = (None, "int8", "awq")  # awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # int8: per-token scales; fp8: e4m3 with per-token scales
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+LONG_PREFILL_FRACTION = 0.04  # vLLM's default long_prefill_token_threshold, of max_model_len
+
+
+def _positive_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf)
+
+
+def _int_at_least(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def default_cache_dir(name: str) -> str:
@@ -74,8 +85,22 @@ class EngineConfig:
     attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret" | "pallas-tpu" |
     # "pallas-tpu-interpret"; default pallas on GPU, pallas-tpu on TPU, xla on CPU
     seed: int = 0
-    scheduling_policy: str = "fcfs"  # or "priority" (lower value first, aged so nothing starves)
+    # "fcfs", "priority" (lower value first, aged so nothing starves) or "slo" (by slack to each request's latency
+    # targets, `engine/slo.py`)
+    scheduling_policy: str = "fcfs"
     priority_aging_seconds: float = 10.0  # waiting this long counts as one priority level
+    # latency targets of requests that set none (SamplingParams.ttft_slo_ms / tpot_slo_ms): measured for goodput
+    # under every policy, scheduled by under "slo"
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    slo_max_wait_ms: float = 10_000.0  # "slo": a sequence waiting this long goes before all that waited less
+    # vLLM's chunked-prefill limits (any policy): a chunk has at most long_prefill_token_threshold tokens (0: no
+    # cap; default 4% of max_model_len when max_num_partial_prefills > 1) and a prompt with more left is "long";
+    # with max_num_partial_prefills > 1, that many prefills share a step's budget, at most max_long_partial_prefills
+    # of them long
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     decode_batch_buckets: tuple[int, ...] | None = None  # default: 1, 4, 8, 16, 32, 64, 128, 256 up to max_num_seqs
     async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens (False: one step at a time)
     # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
@@ -97,7 +122,18 @@ class EngineConfig:
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 16, "must be >= 16"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("dtype", self.dtype in (None, "float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
-            ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "must be 'fcfs' or 'priority'"),
+            ("scheduling_policy", self.scheduling_policy in SCHEDULING_POLICIES,
+             f"must be one of {SCHEDULING_POLICIES}"),
+            ("ttft_slo_ms", _positive_or_none(self.ttft_slo_ms), "must be a number > 0 (milliseconds)"),
+            ("tpot_slo_ms", _positive_or_none(self.tpot_slo_ms), "must be a number > 0 (milliseconds)"),
+            ("slo_max_wait_ms", _positive_or_none(self.slo_max_wait_ms) and self.slo_max_wait_ms is not None,
+             "must be a number > 0 (milliseconds)"),
+            ("long_prefill_token_threshold", _int_at_least(self.long_prefill_token_threshold, 0),
+             "must be an integer >= 0"),
+            ("max_num_partial_prefills", _int_at_least(self.max_num_partial_prefills, 1), "must be an integer >= 1"),
+            ("max_long_partial_prefills", _int_at_least(self.max_long_partial_prefills, 1)
+             and self.max_long_partial_prefills <= self.max_num_partial_prefills,
+             f"must be an integer >= 1 and <= max_num_partial_prefills ({self.max_num_partial_prefills})"),
             ("quantization", self.quantization in QUANTIZATIONS, f"must be one of {QUANTIZATIONS}"),
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
             ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
@@ -136,6 +172,12 @@ class EngineConfig:
             logger.info("speculative decoding runs its steps synchronously: async scheduling is off")
             async_scheduling = False
         max_model_len = self.max_model_len or min(model_max_len, 2048)
+        threshold = self.long_prefill_token_threshold
+        if self.max_num_partial_prefills > 1 and threshold == 0:
+            threshold = int(max_model_len * LONG_PREFILL_FRACTION)
+        if threshold > max_model_len:  # vLLM's rule
+            raise ValueError(f"long_prefill_token_threshold ({threshold}) cannot be greater than max_model_len "
+                             f"({max_model_len})")
         # a step costs about its bucket's rows, while each bucket adds one forward to compile at start-up
         # (benchmarks/RESULTS.md has the measurements behind this list)
         buckets = self.decode_batch_buckets or tuple(sorted({min(b, self.max_num_seqs) for b in DECODE_BATCH_BUCKETS}
@@ -143,7 +185,7 @@ class EngineConfig:
         return dataclasses.replace(
             self, dtype=dtype, attention_backend=self.attention_backend or {"gpu": "pallas", "tpu": "pallas-tpu"}.get(
                 platform, "xla"), speculative_config=speculative, async_scheduling=async_scheduling,
-            max_model_len=max_model_len, decode_batch_buckets=buckets,
+            max_model_len=max_model_len, decode_batch_buckets=buckets, long_prefill_token_threshold=threshold,
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
             quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
 

@@ -64,9 +64,13 @@ class InputProcessor:
         arrival_time = arrival_time or time.monotonic()
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         seqs, texts = [], []
+        ttft_ms = params.ttft_slo_ms if params.ttft_slo_ms is not None else self.config.ttft_slo_ms
+        tpot_ms = params.tpot_slo_ms if params.tpot_slo_ms is not None else self.config.tpot_slo_ms
         for index in range(params.n):
             seq = Sequence(request_id, index, token_ids, params, (base_seed + SEED_STRIDE * index) % 2**32,
                            arrival_time, priority)
+            seq.ttft_slo = ttft_ms / 1000 if ttft_ms is not None else None
+            seq.tpot_slo = tpot_ms / 1000 if tpot_ms is not None else None
             if grammar is not None:
                 seq.grammar = grammar.deep_copy()
             seqs.append(seq)

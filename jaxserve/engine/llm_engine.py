@@ -254,6 +254,8 @@ class LLMEngine:
             kv_cache_fragmentation=_fragmentation(self.scheduler.running, self.config.page_size),
             kv_cache_window_capacity_tokens=self.runner.window_capacity_tokens,
             kv_cache_window_usage=manager.window.usage if manager.window is not None else 0.0,
+            request_slo=tuple((kind, checked, self.outputs.slo_met[kind])
+                              for kind, checked in self.outputs.slo_checked.items()),
             **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}))
 
 

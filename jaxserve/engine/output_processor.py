@@ -26,6 +26,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind
 
+SLO_KINDS = ("ttft", "tpot", "both")
 TEXT_WAIT_SECONDS = 1.0  # an idle step's wait for the detokenizer process's answers
 Finish = Callable[[Sequence, str, "int | str | None"], None]
 
@@ -46,6 +47,9 @@ class OutputProcessor:
         self._text_keys = itertools.count()
         self.num_generation_tokens = 0
         self.finished_reasons: dict[str, int] = {}
+        # goodput: per kind ("ttft", "tpot", "both"), finished requests that had such targets, and those that met them
+        self.slo_checked = dict.fromkeys(SLO_KINDS, 0)
+        self.slo_met = dict.fromkeys(SLO_KINDS, 0)
         self.first_token_latencies: list[float] = []  # of the latest step
         self.inter_token_latencies: list[float] = []
 
@@ -187,3 +191,22 @@ class OutputProcessor:
         self._release(request.request_id)
         reason = request.finish_reason
         self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
+        if reason != "abort":
+            self._count_slo(request)
+
+    def _count_slo(self, request: Request) -> None:
+        """Goodput of a finished request against its targets: TTFT from arrival to its first token, TPOT as the mean
+        gap after it over its longest completion; "both" counts requests with both targets that met both."""
+        seq = request.seqs[0]
+        met = {}
+        if seq.ttft_slo is not None and request.first_token_time is not None:
+            met["ttft"] = request.first_token_time - request.arrival_time <= seq.ttft_slo
+        if seq.tpot_slo is not None and request.first_token_time is not None:
+            num_tokens = max(s.num_output_tokens for s in request.seqs)
+            met["tpot"] = num_tokens < 2 or ((request.last_token_time - request.first_token_time) / (num_tokens - 1)
+                                             <= seq.tpot_slo)
+        if len(met) == 2:
+            met["both"] = met["ttft"] and met["tpot"]
+        for kind, ok in met.items():
+            self.slo_checked[kind] += 1
+            self.slo_met[kind] += ok

@@ -7,12 +7,15 @@ computes much more than the budget whatever mix of chunk lengths it packs (charg
 step of many small buckets cost well over one full chunk; see benchmarks/RESULTS.md), and a decode
 waits at most one budget's worth of prefill. In order:
 1. every running sequence that is decoding gets one token (oldest first), and room for its drafts under
-   speculative decoding (K tokens, fewer near its length limits); if the pool has no page for it, the most recently admitted running sequence is preempted by recompute (pages freed,
-   requeued at the front) until it fits;
-2. running sequences still prefilling get the next chunk of their tokens;
-3. waiting sequences are admitted into free slots (FCFS, or by aged priority), reusing their
-   longest cached prefix (none for a sequence that must score its prompt), while budget, slots and pages last;
-   with KV tiers the prefix continues in the host and disk tiers, whose pages the step restores first.
+   speculative decoding (K tokens, fewer near its length limits); if the pool has no page for it, a running
+   sequence is preempted by recompute (pages freed, requeued at the front) until it fits: the most recently
+   admitted (priority: of the lowest priority; slo: the one with the most slack);
+2. prefill work, under the budget and vLLM's long-prefill limits (`prefill_limits.py`): under fcfs and priority,
+   running sequences still prefilling get their next chunk, then waiting sequences are admitted into free slots
+   (FCFS, or by aged priority); under slo both are ordered together by slack to their latency targets, and decode
+   protection may hold prefills back (`slo.py`). An admitted sequence reuses its longest cached prefix (none for
+   one that must score its prompt); with KV tiers the prefix continues in the host and disk tiers, whose pages
+   the step restores first. Admission stops at the first sequence that finds no pages.
 
 With a rope whose rotations change with the length (`rope_length_rule`, `layers/rotary.py`) a sequence past the
 threshold is marked `rope_by_length` at admission (no prefix caching for it); under LongRoPE ("sequence") one that
@@ -32,16 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.page_manager import PageManager
+from jaxserve.engine.prefill_limits import PrefillLimits
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.scheduler_output import (SchedulerOutput, ScheduledChunk, cached_sequence, new_sequence,
                                               scheduled_decodes)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
+from jaxserve.engine.slo import SloPolicy, StepCosts
 from jaxserve.engine.step_output import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -90,8 +96,14 @@ class AppendedToken(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, page_manager: PageManager, eos_token_ids: frozenset[int] = frozenset(),
-                 rope_length_rule: tuple[str, int] | None = None):
+                 rope_length_rule: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock  # the arrival times' clock (a fake one in tests)
+        self.slo = (SloPolicy(config.slo_max_wait_ms / 1000, StepCosts(config.decode_batch_buckets,
+                                                                         config.prefill_buckets))
+                    if config.scheduling_policy == "slo" else None)
+        self._dispatched: deque[tuple[float, int, int]] = deque()  # slo: (time, decodes, padded prefill tokens)
+        self._last_read = -math.inf
         self.rope_length_rule = rope_length_rule  # ModelConfig.rope_length_rule
         self.page_manager = page_manager
         self.eos_token_ids = eos_token_ids
@@ -139,6 +151,9 @@ class Scheduler:
             seq = self.seqs[decode.seq_id]
             seq.num_computed_tokens += 1
             seq.num_pending += 1
+        if self.slo is not None:
+            self._dispatched.append((self.clock(), len(plan.decodes),
+                                     sum(self._bucket(chunk.num_tokens) for chunk in plan.prefills)))
 
     def update_from_output(self, sampled: list[SampledToken]) -> tuple[list[AppendedToken], set[str]]:
         """Applies a step's sampled tokens; a sequence that finished meanwhile drops its token. Returns the tokens
@@ -147,6 +162,11 @@ class Scheduler:
         max_model_len do (a stop string the output processor finds in the same token still wins)."""
         appended, touched = [], set()
         caches_prefixes, max_model_len = self.page_manager.enable_prefix_caching, self.config.max_model_len
+        now = self.clock()
+        if self._dispatched:  # slo: the step these tokens come from is done
+            dispatched, num_decodes, num_prefill_tokens = self._dispatched.popleft()
+            self.slo.costs.observe(num_decodes, num_prefill_tokens, now - max(dispatched, self._last_read))
+            self._last_read = now
         for sample in sampled:
             seq = self.seqs.get(sample.seq_id)
             if seq is None:  # finished meanwhile
@@ -160,6 +180,8 @@ class Scheduler:
                 self.finish(seq, "length")
                 continue
             stopped = self._append(seq, sample.token, max_model_len)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             appended.append(AppendedToken(seq, sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
             if caches_prefixes and seq.page_table:
                 self.page_manager.commit_full_pages(seq)
@@ -221,43 +243,82 @@ class Scheduler:
             if self._make_room(seq, seq.num_tokens + seq.num_lookahead, out):
                 out.decodes.append(seq)
 
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or not seq.is_prefilling:
-                continue
-            num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
-            if num_tokens == 0:
-                break
-            if self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
-                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
-                budget -= padded
-
-        while self.waiting and self.free_slots and budget >= self.config.prefill_buckets[0]:
-            seq = self._next_waiting()
-            if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
-                break
-            seq.rope_by_length = self._rope_by_length(seq)
-            looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
-            manager = self.page_manager
-            cached_pages = manager.match_prefix(seq) if looks_up else []
-            found = manager.match_tiers(seq, cached_pages) if looks_up else []
-            on_device = manager.admit(seq, cached_pages)
-            seq.num_computed_tokens = seq.num_cached_tokens = on_device + len(found) * manager.page_size
-            num_tokens, padded = self._fit_chunk(len(seq) - seq.num_computed_tokens, budget)
-            if not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
-                manager.free(seq)
-                seq.num_computed_tokens = 0
-                break
-            if looks_up:
-                manager.record_lookup(seq, on_device, found)
-                out.restores += manager.restore(seq, found)
-            self.waiting.remove(seq)
-            seq.slot = self.free_slots.pop()
-            seq.mark_admitted()
-            self.running.append(seq)
-            out.admitted.append(seq)
-            out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, num_tokens))
-            budget -= padded
+        self._schedule_prefills(out, budget)
         return out
+
+    def _schedule_prefills(self, out: Plan, budget: int) -> None:
+        """Prefill chunks for running sequences still prefilling and for waiting ones admitted into free slots, in
+        the policy's order, under the budget, the long-prefill limits and (slo) decode protection."""
+        now = self.clock()
+        running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING and seq.is_prefilling]
+        slo = self.slo
+        if slo is not None:
+            order = slo.order(running + list(self.waiting), now)
+            allowance = slo.prefill_allowance(out.decodes, now)
+        else:
+            order = running + self._waiting_order(now)
+            allowance = math.inf
+        limits, prefilling = PrefillLimits(self.config, order), set(running)
+        smallest = self.config.prefill_buckets[0]
+        admitting = bool(self.free_slots)
+        for seq in order:
+            if budget < smallest:
+                break
+            admit = seq.slot is None
+            if admit and seq in prefilling:
+                continue  # preempted this step to make room for an earlier chunk
+            if (admit and not admitting) or not limits.allows(seq, admit):
+                continue
+            due = slo is not None and slo.is_due(seq, now)
+            available = int(limits.share(budget if due else min(budget, allowance)))
+            if available < smallest:
+                continue
+            long = limits.is_long(seq)
+            if admit:
+                chunk = self._admit(seq, available, limits.cap, out)
+                if chunk is None:  # no page: nothing after it is admitted this step (the order holds)
+                    admitting = False
+                    continue
+                admitting = bool(self.free_slots)
+            else:
+                num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, limits.cap), available)
+                if not self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
+                    continue
+                chunk = PrefillChunk(seq, seq.num_computed_tokens, num_tokens)
+                out.prefills.append(chunk)
+            padded = self._bucket(chunk.num_tokens)
+            budget -= padded
+            allowance -= padded
+            limits.took(admit and long)
+
+    def _admit(self, seq: Sequence, available: int, cap: int, out: Plan) -> PrefillChunk | None:
+        """Admits waiting `seq` into a free slot with its first chunk (after its longest cached prefix, continued in
+        the KV tiers); None if it cannot be admitted now."""
+        if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
+            return None
+        seq.rope_by_length = self._rope_by_length(seq)
+        looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
+        manager = self.page_manager
+        cached_pages = manager.match_prefix(seq) if looks_up else []
+        found = manager.match_tiers(seq, cached_pages) if looks_up else []
+        on_device = manager.admit(seq, cached_pages)
+        seq.num_computed_tokens = seq.num_cached_tokens = on_device + len(found) * manager.page_size
+        num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
+        if not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+            manager.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        if looks_up:
+            manager.record_lookup(seq, on_device, found)
+            out.restores += manager.restore(seq, found)
+        self.waiting.remove(seq)
+        seq.slot = self.free_slots.pop()
+        seq.mark_admitted()
+        self.running.append(seq)
+        out.admitted.append(seq)
+        chunk = PrefillChunk(seq, seq.num_computed_tokens, num_tokens)
+        out.prefills.append(chunk)
+        return chunk
 
     def _speculates(self) -> bool:
         """Whether this step's decodes get room for drafts: speculation is on and the batch is below
@@ -278,13 +339,17 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
         return max(0, min(self.config.num_speculative_tokens, room))
 
+    def _bucket(self, num_tokens: int) -> int:
+        """The prefill bucket a chunk of `num_tokens` is padded to."""
+        return next(bucket for bucket in self.config.prefill_buckets if bucket >= num_tokens)
+
     def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
         """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""
         buckets = self.config.prefill_buckets
         num_tokens = min(remaining, budget)
         if num_tokens <= 0 or budget < buckets[0]:
             return 0, 0
-        padded = next(bucket for bucket in buckets if bucket >= num_tokens)
+        padded = self._bucket(num_tokens)
         if padded > budget:  # take the largest bucket that fits, whole
             padded = num_tokens = max(bucket for bucket in buckets if bucket <= budget)
         return num_tokens, padded
@@ -300,8 +365,12 @@ class Scheduler:
         return True
 
     def _preemption_order(self, seq: Sequence):
+        """The largest is preempted first: the newest; with priorities, the lowest priority's newest; under slo,
+        the one with the most slack."""
         if self.config.scheduling_policy == "priority":
             return seq.priority, seq.admission_order
+        if self.slo is not None:
+            return self.slo.slack(seq, self.clock()), seq.admission_order
         return seq.admission_order
 
     def _rope_by_length(self, seq: Sequence) -> bool:
@@ -338,9 +407,9 @@ class Scheduler:
             self._left_slots.append(seq.seq_id)
             seq.slot = None
 
-    def _next_waiting(self) -> Sequence:
+    def _waiting_order(self, now: float) -> list[Sequence]:
+        """The waiting sequences in admission order: FCFS (preempted ones first), or by aged priority."""
         if self.config.scheduling_policy == "fcfs":
-            return self.waiting[0]
-        now = time.monotonic()
+            return list(self.waiting)
         aging = self.config.priority_aging_seconds
-        return min(self.waiting, key=lambda s: (s.priority - (now - s.arrival_time) / aging, s.arrival_time))
+        return sorted(self.waiting, key=lambda s: (s.priority - (now - s.arrival_time) / aging, s.arrival_time))

@@ -39,6 +39,10 @@ class Sequence:
         self.seed = seed
         self.arrival_time = arrival_time
         self.priority = priority
+        # latency targets in seconds (None: none), and when its first output token was read (`engine/slo.py`)
+        self.ttft_slo: float | None = None
+        self.tpot_slo: float | None = None
+        self.first_token_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled on the device that token_ids does not hold yet

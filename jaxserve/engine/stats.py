@@ -45,6 +45,8 @@ class SchedulerStats:
     kv_transfers: tuple[tuple[str, int, int, float], ...] = ()  # (transfer type, transfers, bytes, seconds)
     # slots of the pages running sequences hold that hold no token yet, over all their slots (0 to 1)
     kv_cache_fragmentation: float = 0.0
+    # goodput: per kind ("ttft", "tpot", "both"), finished requests that had such latency targets, and met them
+    request_slo: tuple[tuple[str, int, int], ...] = ()  # (kind, requests with targets, requests that met them)
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from jaxserve.distributed.multihost import MultiHost
-from jaxserve.engine.config import QUANTIZATIONS, EngineConfig
+from jaxserve.engine.config import QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.loading import DEFAULT_MODEL
@@ -72,9 +72,26 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--detokenizer-process", action=argparse.BooleanOptionalAction,
                         default=ENGINE_DEFAULTS["detokenizer_process"],
                         help="detokenize and search stop strings in a second process, off the stepping thread")
-    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+    engine.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
                         default=ENGINE_DEFAULTS["scheduling_policy"],
-                        help="'priority': requests' `priority` field orders them (lower first)")
+                        help="'priority': requests' `priority` field orders them (lower first); 'slo': prefill "
+                             "work by slack to each request's TTFT target, with decode protection for TPOT targets")
+    engine.add_argument("--ttft-slo-ms", type=float, default=None,
+                        help="time-to-first-token target of requests that set no ttft_slo_ms (goodput; 'slo' "
+                             "schedules by it)")
+    engine.add_argument("--tpot-slo-ms", type=float, default=None,
+                        help="time-per-output-token target of requests that set no tpot_slo_ms")
+    engine.add_argument("--slo-max-wait-ms", type=float, default=ENGINE_DEFAULTS["slo_max_wait_ms"],
+                        help="'slo': a request waiting this long goes before every request that waited less")
+    engine.add_argument("--long-prefill-token-threshold", type=int,
+                        default=ENGINE_DEFAULTS["long_prefill_token_threshold"],
+                        help="a prefill chunk has at most this many tokens, and a prompt with more left is long "
+                             "(0: no cap; default 4%% of max-model-len when --max-num-partial-prefills > 1)")
+    engine.add_argument("--max-num-partial-prefills", type=int, default=ENGINE_DEFAULTS["max_num_partial_prefills"],
+                        help="prefills sharing one step's token budget equally (1: the budget stays whole)")
+    engine.add_argument("--max-long-partial-prefills", type=int,
+                        default=ENGINE_DEFAULTS["max_long_partial_prefills"],
+                        help="long prompts prefilling at once, so shorter ones go past them")
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     engine.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
                         help="weights: int8 (W8A16, quantized at load) or awq (AutoAWQ 4-bit checkpoints, "
@@ -148,6 +165,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.block_size,
                         num_kv_pages=args.num_kv_pages, gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+                        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                        slo_max_wait_ms=args.slo_max_wait_ms,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        max_num_partial_prefills=args.max_num_partial_prefills,
+                        max_long_partial_prefills=args.max_long_partial_prefills,
                         kv_offloading_size=args.kv_offloading_size, kv_offloading_dir=args.kv_offloading_dir,
                         kv_offloading_disk_size=args.kv_offloading_disk_size,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

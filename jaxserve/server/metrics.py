@@ -87,6 +87,15 @@ class EngineCollector(Collector):
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         yield from tier_metrics(stats, labels, name)
+        checked = CounterMetricFamily(PREFIX + "request_slo_checked", "Finished requests that had a latency target, "
+                                      "by kind (ttft, tpot, both).", labels=labels + ["kind"])
+        met = CounterMetricFamily(PREFIX + "request_slo_met", "Finished requests that met their latency target "
+                                  "(goodput), by kind (ttft, tpot, both).", labels=labels + ["kind"])
+        for kind, num_checked, num_met in stats.request_slo:
+            checked.add_metric(name + [kind], num_checked)
+            met.add_metric(name + [kind], num_met)
+        yield checked
+        yield met
         yield gauge("kv_cache_fragmentation_perc", "Slots of running sequences' KV pages holding no token yet, over "
                     "all their slots (0 to 1).", stats.kv_cache_fragmentation)
         yield counter("spec_decode_num_drafts", "Speculative decoding: sequence steps verified with drafts.",
@@ -216,6 +225,12 @@ class StatLogger:
                     rates.append(f"{tier} {100 * h / q if q else 0.0:.1f}%")
                 logger.info("External prefix cache hit rate: %s, KV cache fragmentation: %.1f%%", ", ".join(rates),
                             100 * stats.kv_cache_fragmentation)
+            before = {kind: (checked, met) for kind, checked, met in last.request_slo}
+            goodput = [(kind, checked - before.get(kind, (0, 0))[0], met - before.get(kind, (0, 0))[1])
+                       for kind, checked, met in stats.request_slo]
+            if any(checked for _, checked, _ in goodput):
+                logger.info("Goodput: %s", ", ".join(f"{kind} {met}/{checked} met" for kind, checked, met in goodput
+                                                     if checked))
             drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
             if drafted:
                 accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens

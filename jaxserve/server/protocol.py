@@ -1,7 +1,7 @@
 """Request models of the OpenAI-compatible API (pydantic, strict types) and their translation to `SamplingParams`.
 
 Fields follow OpenAI's API, plus vLLM's extras in the body (`top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `return_token_ids`, ...). Sampling fields a request leaves unset
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `return_token_ids`, `ttft_slo_ms`, `tpot_slo_ms`, ...). Sampling fields a request leaves unset
 take the model's generation-config defaults, as in vLLM. Types are strict: `"2"` is
 not an integer and `true` is not a number. Unknown fields are ignored, as in vLLM, but fields that
 ask for something this server cannot do (`logit_bias`, `suffix`, `best_of` > n) are refused rather than
@@ -56,6 +56,8 @@ class SamplingRequest(StrictModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     priority: int = 0  # lower is served earlier under --scheduling-policy priority
+    ttft_slo_ms: float | None = None  # latency targets (default: the server's --ttft-slo-ms / --tpot-slo-ms)
+    tpot_slo_ms: float | None = None
     return_token_ids: bool | None = False  # the prompt's and each choice's token ids in the answer
     # constrained decoding: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
@@ -170,6 +172,8 @@ class SamplingRequest(StrictModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             output_kind=output_kind,
             guided_decoding=self.guided_decoding(),
+            ttft_slo_ms=self.ttft_slo_ms,
+            tpot_slo_ms=self.tpot_slo_ms,
         )
 
 

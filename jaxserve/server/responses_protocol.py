@@ -46,6 +46,8 @@ class ResponsesRequest(StrictModel):
     repetition_penalty: float | None = None
     seed: int | None = None
     priority: int = 0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
@@ -145,7 +147,8 @@ class ResponsesRequest(StrictModel):
                   "top_p": self.top_p, "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
                   "parallel_tool_calls": self.parallel_tool_calls, "response_format": self.response_format(),
                   "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                  "seed": self.seed, "priority": self.priority, "user": self.user}
+                  "seed": self.seed, "priority": self.priority, "user": self.user,
+                  "ttft_slo_ms": self.ttft_slo_ms, "tpot_slo_ms": self.tpot_slo_ms}
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
 
 

@@ -1,0 +1,63 @@
+"""`PrefillLimits`: vLLM's chunked-prefill limits over one step's prefill work, under every scheduling policy.
+
+- `long_prefill_token_threshold` (T > 0): no chunk has more than T tokens (taken as the largest prefill bucket
+  within T, so no chunk is padded past it), and a sequence with more than T tokens left to compute is "long".
+- `max_num_partial_prefills` (N > 1): at most N sequences get a prefill chunk in a step, each at most an equal
+  share of the budget (`max_num_batched_tokens` over the prefills the step can take, as vLLM counts them);
+  `max_long_partial_prefills` (L): a long waiting sequence is admitted only while fewer than L long ones are
+  prefilling, so short prompts go past long ones. N = 1, the default, leaves the budget whole: each prefill takes
+  what it can of what is left, and any number may share a step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as SequenceType
+
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.sequence import Sequence
+
+
+class PrefillLimits:
+    """The limits for one step; `candidates` is its prefill work in order (running prefills have a slot)."""
+
+    def __init__(self, config: EngineConfig, candidates: SequenceType[Sequence]):
+        self.threshold = threshold = config.long_prefill_token_threshold
+        buckets = config.prefill_buckets
+        within = [bucket for bucket in buckets if bucket <= threshold]
+        self.cap = (max(within) if within else threshold) if threshold else config.max_num_batched_tokens
+        self.max_partial = config.max_num_partial_prefills
+        self.max_long = config.max_long_partial_prefills
+        self.num_long = sum(1 for seq in candidates if seq.slot is not None and self.is_long(seq))
+        self.num_taken = 0
+        self._share = None
+        if self.max_partial > 1:
+            count, longs = 0, self.num_long
+            for seq in candidates:
+                if count >= self.max_partial:
+                    break
+                if seq.slot is None and self.is_long(seq):
+                    if longs >= self.max_long:
+                        continue
+                    longs += 1
+                count += 1
+            self._share = max(buckets[0], config.max_num_batched_tokens // max(1, count))
+
+    def is_long(self, seq: Sequence) -> bool:
+        return 0 < self.threshold < len(seq) - seq.num_computed_tokens
+
+    def allows(self, seq: Sequence, admit: bool) -> bool:
+        """Whether `seq` may have a chunk this step (`admit`: it is waiting)."""
+        if self.max_partial == 1:
+            return True
+        if self.num_taken >= self.max_partial:
+            return False
+        return not (admit and self.is_long(seq) and self.num_long >= self.max_long)
+
+    def share(self, available: float) -> float:
+        """What one prefill may take of `available` tokens."""
+        return available if self._share is None else min(available, self._share)
+
+    def took(self, admitted_long: bool) -> None:
+        """A prefill got its chunk (`admitted_long`: a long one newly admitted)."""
+        self.num_taken += 1
+        self.num_long += admitted_long

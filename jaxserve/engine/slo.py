@@ -1,0 +1,134 @@
+"""The "slo" scheduling policy's rules: what steps cost (measured while serving), each sequence's slack to its
+latency targets, the order of prefill work, decode protection and the preemption victim. The scheduler owns the
+sequences and asks; nothing here changes a sequence.
+
+Times are seconds on the scheduler's clock. A sequence's targets are `ttft_slo` (arrival to first output token)
+and `tpot_slo` (mean time per output token after the first), from its request or the engine's defaults.
+
+- Step costs (`StepCosts`): a step of d decodes and p prefill tokens (padded to their buckets) is estimated at
+  decode(d) + p * per_token: moving averages over measured steps, decode(d) by decode bucket. A step's time runs
+  from its dispatch, or from the previous step's end if that is later, to its tokens being read.
+- TTFT slack of a sequence without output: arrival + ttft_slo - now - per_token * (its tokens left to compute).
+- Order of prefill work (running prefills and waiting sequences together), first to last:
+  1. due: waited `slo_max_wait` or more since arrival without output, or recomputing after a preemption that
+     came after its first token; by arrival. This is the bound: while slots, pages and budget exist, no sequence waits longer than slo_max_wait
+     plus the time to admit the due sequences that arrived before it;
+  2. those that can still make their TTFT target (slack >= 0), least slack first;
+  3. the rest (target passed or out of reach, or none set), by arrival: best effort, never dropped.
+- Decode protection: a step may carry prefill work only as long as every decoding sequence with a TPOT target
+  still meets it after the step: its time since its first token plus the step's estimated time stays within
+  tpot_slo x its output tokens after the step (less one). Decode steps faster than the target build that room up,
+  and prefills spend it; due sequences are exempt, so the bound above holds.
+- Preemption victim: the running sequence with the most slack (TTFT slack before its first token, TPOT room
+  after it, less the time to recompute what it loses; none set: unbounded), the newest among equals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Iterable
+
+from jaxserve.engine.sequence import Sequence
+
+DECAY = 0.2  # weight of the newest measurement in the moving averages
+
+
+class StepCosts:
+    """Moving averages of what steps take: seconds per decode step by decode bucket, seconds per prefill token."""
+
+    def __init__(self, decode_buckets: tuple[int, ...], prefill_buckets: tuple[int, ...]):
+        self.decode_buckets = decode_buckets
+        self.prefill_buckets = prefill_buckets
+        self._decode: dict[int, float] = {}
+        self.per_prefill_token = 0.0  # 0 until a step with prefill is measured
+
+    def padded(self, num_tokens: int) -> int:
+        """The prefill bucket a chunk of `num_tokens` runs in."""
+        index = bisect.bisect_left(self.prefill_buckets, num_tokens)
+        return self.prefill_buckets[min(index, len(self.prefill_buckets) - 1)]
+
+    def decode_seconds(self, num_decodes: int) -> float:
+        """A step's time for `num_decodes` decodes: its bucket's average, else the nearest smaller one measured."""
+        if num_decodes == 0:
+            return 0.0
+        bucket = self.decode_buckets[min(bisect.bisect_left(self.decode_buckets, num_decodes),
+                                         len(self.decode_buckets) - 1)]
+        if bucket in self._decode:
+            return self._decode[bucket]
+        smaller = [b for b in self._decode if b < bucket]
+        return self._decode[max(smaller)] if smaller else 0.0
+
+    def estimate(self, num_decodes: int, num_prefill_tokens: int) -> float:
+        return self.decode_seconds(num_decodes) + num_prefill_tokens * self.per_prefill_token
+
+    def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """One measured step: `num_prefill_tokens` padded."""
+        if num_prefill_tokens == 0:
+            if num_decodes:
+                bucket = self.decode_buckets[min(bisect.bisect_left(self.decode_buckets, num_decodes),
+                                                 len(self.decode_buckets) - 1)]
+                self._decode[bucket] = _average(self._decode.get(bucket), seconds)
+            return
+        per_token = max(0.0, seconds - self.decode_seconds(num_decodes)) / num_prefill_tokens
+        self.per_prefill_token = _average(self.per_prefill_token or None, per_token)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - DECAY) * old + DECAY * new
+
+
+class SloPolicy:
+    """The rules above, over the scheduler's sequences, with `costs` measured by the scheduler."""
+
+    def __init__(self, max_wait: float, costs: StepCosts):
+        self.max_wait = max_wait
+        self.costs = costs
+
+    def is_due(self, seq: Sequence, now: float) -> bool:
+        """Waited max_wait without output, or recomputing after a preemption that came after its first token."""
+        return seq.first_token_time is not None or now - seq.arrival_time >= self.max_wait
+
+    def ttft_slack(self, seq: Sequence, now: float) -> float:
+        """Seconds to spare before its TTFT target if its prefill ran now (inf: no target)."""
+        if seq.ttft_slo is None:
+            return math.inf
+        left = len(seq) - seq.num_computed_tokens
+        return seq.arrival_time + seq.ttft_slo - now - left * self.costs.per_prefill_token
+
+    def order(self, seqs: Iterable[Sequence], now: float) -> list[Sequence]:
+        """Prefill work in the policy's order (due, can make it by slack, best effort)."""
+        def key(seq: Sequence) -> tuple[int, float, float]:
+            if self.is_due(seq, now):
+                return 0, seq.arrival_time, 0.0
+            slack = self.ttft_slack(seq, now)
+            if 0 <= slack < math.inf:
+                return 1, slack, seq.arrival_time
+            return 2, seq.arrival_time, 0.0
+        return sorted(seqs, key=key)
+
+    def prefill_allowance(self, decodes: list[Sequence], now: float) -> float:
+        """Padded prefill tokens this step may carry without a decoding sequence missing its TPOT target (inf: no
+        limit, or no measurement yet)."""
+        per_token = self.costs.per_prefill_token
+        if per_token == 0:
+            return math.inf
+        room = min((self._tpot_room(seq, now) for seq in decodes), default=math.inf)
+        if room == math.inf:
+            return math.inf
+        return max(0.0, room - self.costs.decode_seconds(len(decodes))) / per_token
+
+    def _tpot_room(self, seq: Sequence, now: float) -> float:
+        """How long the next step may take with `seq` still within its TPOT target (inf: no target yet)."""
+        if seq.tpot_slo is None or seq.first_token_time is None:
+            return math.inf
+        return seq.tpot_slo * (seq.num_output_tokens + seq.num_pending) - (now - seq.first_token_time)
+
+    def slack(self, seq: Sequence, now: float) -> float:
+        """A running sequence's slack if preempted now (what it must recompute counted against it)."""
+        if seq.first_token_time is None:
+            if seq.ttft_slo is None:
+                return math.inf
+            return seq.arrival_time + seq.ttft_slo - now - len(seq) * self.costs.per_prefill_token
+        room = self._tpot_room(seq, now)
+        return room - len(seq) * self.costs.per_prefill_token if room < math.inf else math.inf
