@@ -6,6 +6,9 @@ Owns the three workloads and their command-line flags:
 * `prompts`: ~200 natural prompts (benchmarks/data/prompts.jsonl) rendered with the model's chat template.
 * `shared-prefix`: many requests over a few long common prefixes, each followed by a random suffix
   (the workload prefix caching should win on).
+* `mixed`: short chats of random tokens (`--short-input-range`, default 40-128 prompt tokens) with a fraction
+  (`--long-fraction`) of long prompts (`--long-input-range`, default 1,500-2,000), outputs in `--mixed-output-range`
+  (16-64); records are categorized "short" and "long" (the workload scheduling for latency targets is measured on).
 
 Every workload is a `grain.MapDataset` pipeline: source -> shuffle(seed) -> map to token ids -> filter by
 length. Randomness inside `map` is seeded per record (seed, record index), so a record's tokens do not
@@ -24,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 logger = logging.getLogger(__name__)
-DATASETS = ("random", "prompts", "shared-prefix")
+DATASETS = ("random", "prompts", "shared-prefix", "mixed")
 DEFAULT_PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 PREFIX_STREAM = 1_000_003  # offsets the seeds of shared prefixes away from the per-request seeds
 
@@ -99,6 +102,32 @@ def random_dataset(num_requests: int, input_len: int, output_len: int, vocab_siz
     dataset = (grain.MapDataset.source(specs).shuffle(seed=seed).map(make)
                .filter(_fits(max_model_len, None)))
     return _collect(dataset, num_requests, "random")
+
+
+def mixed_dataset(num_requests: int, long_fraction: float, short_range: Sequence[int], long_range: Sequence[int],
+                  output_range: Sequence[int], vocab_size: int, seed: int = 0, tokenizer: Any = None,
+                  max_model_len: int | None = None) -> list[RequestRecord]:
+    """Short chats and a `long_fraction` of long prompts, in random order, lengths uniform in their ranges."""
+    import grain
+
+    if not 0 <= long_fraction <= 1:
+        raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
+    rng = np.random.default_rng(seed)
+    is_long = rng.random(num_requests) < long_fraction
+    specs = []
+    for index, long in enumerate(is_long):
+        low, high = long_range if long else short_range
+        specs.append((index, "long" if long else "short", int(rng.integers(low, high + 1)),
+                      int(rng.integers(output_range[0], output_range[1] + 1))))
+    low, high = _token_range(vocab_size, tokenizer)
+
+    def make(spec: tuple[int, str, int, int]) -> RequestRecord:
+        index, category, n_in, n_out = spec
+        tokens = np.random.default_rng([seed, index]).integers(low, high, size=n_in)
+        return RequestRecord(tokens.tolist(), n_out, category=category)
+
+    dataset = grain.MapDataset.source(specs).map(make).filter(_fits(max_model_len, None))
+    return _collect(dataset, num_requests, "mixed")
 
 
 def load_prompt_file(path: str | Path = DEFAULT_PROMPTS_FILE) -> list[dict[str, Any]]:
@@ -193,6 +222,13 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 64, inp
     group.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
     group.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per prefix")
     group.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: mean unique tokens per request")
+    group.add_argument("--long-fraction", type=float, default=0.1, help="mixed: the fraction of long prompts")
+    group.add_argument("--short-input-range", type=int, nargs=2, default=[40, 128], metavar=("LOW", "HIGH"),
+                       help="mixed: prompt tokens of the short requests")
+    group.add_argument("--long-input-range", type=int, nargs=2, default=[1500, 2000], metavar=("LOW", "HIGH"),
+                       help="mixed: prompt tokens of the long requests")
+    group.add_argument("--mixed-output-range", type=int, nargs=2, default=[16, 64], metavar=("LOW", "HIGH"),
+                       help="mixed: output tokens of every request")
 
 
 def build_requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
@@ -208,6 +244,9 @@ def build_requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int,
         return shared_prefix_dataset(args.num_prompts, args.num_prefixes, args.prefix_len, args.suffix_len,
                                      args.output_len, vocab_size, args.range_ratio, args.seed, tokenizer,
                                      max_model_len)
+    if args.dataset == "mixed":
+        return mixed_dataset(args.num_prompts, args.long_fraction, args.short_input_range, args.long_input_range,
+                             args.mixed_output_range, vocab_size, args.seed, tokenizer, max_model_len)
     raise ValueError(f"unknown dataset {args.dataset!r}")
 
 
@@ -215,7 +254,8 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     """The workload flags that matter for `args.dataset`, for result files."""
     keys = {"random": ("num_prompts", "input_len", "output_len", "range_ratio"),
             "prompts": ("num_prompts", "output_len", "prompts_file"),
-            "shared-prefix": ("num_prompts", "num_prefixes", "prefix_len", "suffix_len", "output_len", "range_ratio")}
+            "shared-prefix": ("num_prompts", "num_prefixes", "prefix_len", "suffix_len", "output_len", "range_ratio"),
+            "mixed": ("num_prompts", "long_fraction", "short_input_range", "long_input_range", "mixed_output_range")}
     return {"dataset": args.dataset, "seed": args.seed, **{k: getattr(args, k) for k in keys[args.dataset]}}
 
 

@@ -101,6 +101,16 @@ def server_available() -> bool:
     return True
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """Stops a server as Ctrl-C would (killed if it takes over 30 s)."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def run_step(step: Step, python: str, model: str | None, timeout_s: float) -> dict[str, Any]:
     """Runs one step (starting and stopping a server for serving steps); returns its record."""
     command = step.command(python)
@@ -133,12 +143,7 @@ def run_step(step: Step, python: str, model: str | None, timeout_s: float) -> di
         record["status"] = f"failed: {err}"
     finally:
         if server is not None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_server(server)
     record["duration_s"] = time.perf_counter() - started
     return record
 

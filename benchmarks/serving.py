@@ -78,6 +78,22 @@ def build_payload(record: RequestRecord, endpoint: str, model: str, prompt_forma
     return body
 
 
+def request_slos(specs: Sequence[str]) -> dict[str, dict[str, float]]:
+    """`--request-slo` values, CATEGORY:TTFT_MS[:TPOT_MS] ("*": every category), as the body fields each
+    category's requests send (jaxserve's ttft_slo_ms / tpot_slo_ms; other servers ignore them)."""
+    fields = {}
+    for spec in specs:
+        parts = spec.split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            values = [float(part) for part in parts[1:]]
+        except ValueError:
+            raise ValueError(f"--request-slo takes CATEGORY:TTFT_MS[:TPOT_MS], got {spec!r}") from None
+        fields[parts[0]] = dict(zip(("ttft_slo_ms", "tpot_slo_ms"), values))
+    return fields
+
+
 def chunk_text(data: dict[str, Any], endpoint: str) -> str | None:
     """The output text a streamed chunk carries (None when it has no choices)."""
     choices = data.get("choices")
@@ -224,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests in flight at most (0 = unlimited); several values = a sweep")
     parser.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                         help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:20000")
+    parser.add_argument("--request-slo", nargs="*", default=[], metavar="CATEGORY:TTFT_MS[:TPOT_MS]",
+                        help="latency targets sent with each request of a workload category (e.g. the mixed "
+                             "dataset's short:1000:200 long:20000:200; '*' for all): jaxserve schedules by them "
+                             "under --scheduling-policy slo and counts its goodput")
     parser.add_argument("--percentiles", type=float, nargs="+", default=list(metrics.DEFAULT_PERCENTILES))
     parser.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
                         help="completions: send token ids (auto, ids) or the prompt text")
@@ -246,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     try:
         slo = metrics.parse_goodput(args.goodput)
+        targets = request_slos(args.request_slo)
     except ValueError as err:
         parser.error(str(err))
     common.quiet_logs()
@@ -256,8 +277,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = args.model or served_model(args.base_url, headers)
     tokenizer = common.load_tokenizer(args.tokenizer)
     records = datasets.build_requests(args, tokenizer, len(tokenizer), args.max_model_len)
-    bodies = [build_payload(r, args.endpoint, model, args.prompt_format, args.ignore_eos, tokenizer, args.temperature)
-              for r in records]
+    bodies = [{**build_payload(r, args.endpoint, model, args.prompt_format, args.ignore_eos, tokenizer,
+                               args.temperature), **targets.get(r.category, targets.get("*", {}))} for r in records]
     prompt_lens = [r.prompt_len for r in records]
 
     print(f"Initial test run with one request to {args.base_url}{args.endpoint} ...", flush=True)
@@ -284,10 +305,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print("failures:", *failures[:5], sep="\n  ")
             runs.append({"request_rate": "inf" if math.isinf(rate) else rate, "burstiness": args.burstiness,
                          "max_concurrency": concurrency, "metrics": summary.as_dict(),
-                         "requests": [_request_row(r) for r in results]})
+                         "requests": [_request_row(r, record) for r, record in zip(results, records)]})
 
     payload = {"server": args.label or model, "base_url": args.base_url, "endpoint": args.endpoint,
-               "model": model, "goodput_slo_ms": slo, "ignore_eos": args.ignore_eos,
+               "model": model, "goodput_slo_ms": slo, "request_slo_ms": targets, "ignore_eos": args.ignore_eos,
                "workload": {**datasets.describe(args), **datasets.length_stats(records)},
                "runs": runs, "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, argv, machine=common.machine_info(include_jax=False))
@@ -307,8 +328,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return payload
 
 
-def _request_row(result: RequestResult) -> dict[str, Any]:
-    return {"success": result.success, "prompt_len": result.prompt_len, "output_len": result.output_len,
+def _request_row(result: RequestResult, record: RequestRecord) -> dict[str, Any]:
+    return {"success": result.success, "category": record.category, "prompt_len": result.prompt_len,
+            "output_len": result.output_len,
             "ttft": result.ttft, "tpot": metrics.tpot(result), "latency": result.latency,
             "send_time": result.send_time, "itl": result.itl, "error": result.error}
 

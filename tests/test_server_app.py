@@ -445,6 +445,23 @@ def test_priority_needs_the_priority_policy():
     run_in_process(FakeEngine(), check)
 
 
+def test_latency_targets_reach_the_engine_and_bad_ones_are_400s():
+    engine = FakeEngine()
+
+    async def check(http: httpx.AsyncClient, _) -> None:
+        body = {"prompt": "hi", "max_tokens": 1, "ttft_slo_ms": 250, "tpot_slo_ms": 40.5}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "ttft_slo_ms": 900.0}
+        assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+        targets = [(params.ttft_slo_ms, params.tpot_slo_ms) for _, params, _ in engine.received.values()]
+        assert targets == [(250, 40.5), (900.0, None)]
+        for field, value in (("ttft_slo_ms", -1), ("tpot_slo_ms", 0), ("ttft_slo_ms", "soon")):
+            bad = await http.post("/v1/completions", json={"prompt": "hi", field: value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (field, value)
+
+    run_in_process(engine, check)
+
+
 def test_chat_uses_the_chat_template_setting():
     engine = FakeEngine()
     template = "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
@@ -566,3 +583,16 @@ def test_spec_decode_metrics_and_log_line(caplog):
     caplog.set_level("INFO", logger="jaxserve.server.metrics")
     stat_logger.log()
     assert any("Draft acceptance rate: 75.0%, Mean acceptance length: 4.00" in r.getMessage() for r in caplog.records)
+
+
+def test_goodput_metrics_and_log_line(caplog):
+    from jaxserve.server.metrics import ServerMetrics, StatLogger
+
+    stats = SchedulerStats(generation_tokens=5, request_slo=(("ttft", 8, 6), ("tpot", 8, 7), ("both", 8, 5)))
+    text = ServerMetrics(lambda: stats, "m").exposition().decode()
+    assert 'jaxserve:request_slo_met_total{kind="both",model_name="m"} 5.0' in text
+    assert 'jaxserve:request_slo_checked_total{kind="ttft",model_name="m"} 8.0' in text
+    assert "# TYPE jaxserve:request_queue_time_seconds histogram" in text  # vLLM's queue time histogram
+    caplog.set_level("INFO", logger="jaxserve.server.metrics")
+    StatLogger(lambda: stats).log()
+    assert any("Goodput: ttft 6/8 met, tpot 7/8 met, both 5/8 met" in r.getMessage() for r in caplog.records)

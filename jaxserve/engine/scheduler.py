@@ -33,55 +33,22 @@ the runner's tokens come back by sequence id too.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections import deque
 from typing import Callable, NamedTuple
 
-from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prefill_limits import PrefillLimits
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.scheduler_output import (SchedulerOutput, ScheduledChunk, cached_sequence, new_sequence,
-                                              scheduled_decodes)
+from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, ScheduledChunk, cached_sequence,
+                                              new_sequence, scheduled_decodes)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo import SloPolicy, StepCosts
 from jaxserve.engine.step_output import SampledToken
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class PrefillChunk:
-    seq: Sequence
-    start: int
-    num_tokens: int
-
-    @property
-    def is_final(self) -> bool:
-        """True when the chunk reaches the sequence's last token, so its sample is the next output token."""
-        return self.start + self.num_tokens == len(self.seq)
-
-    @property
-    def scored(self) -> range:
-        """The prompt tokens this chunk scores for prompt_logprobs (empty: none): position p predicts token p + 1,
-        so the chunk's last position predicts the next chunk's first token."""
-        seq = self.seq
-        if not seq.scores_prompt:
-            return range(0)
-        return range(seq.num_scored + 1, min(self.start + self.num_tokens, seq.num_prompt_tokens - 1) + 1)
-
-
-@dataclasses.dataclass
-class Plan:
-    """A step as the scheduler builds it, over its sequences (handed on as a plain `SchedulerOutput`)."""
-
-    prefills: list[PrefillChunk]
-    decodes: list[Sequence]
-    admitted: list[Sequence]
-    restores: list[tuple[int, TierPage]] = dataclasses.field(default_factory=list)  # (device page, tier page)
 
 
 class AppendedToken(NamedTuple):

@@ -6,6 +6,8 @@ sequences that left their slots since the last step (finished or preempted), seq
 token the host has, their page table, their sampling parameters), and for each running sequence scheduled again the
 pages it got or lost since it was last scheduled and, where the step reads them, the tokens the host read. Then
 come the step's work items: pages to restore from the KV tiers, prefill chunks and decodes by sequence id.
+
+`Plan` and `PrefillChunk` are the same step as the scheduler builds it, over its sequences, before it is handed on.
 """
 
 from __future__ import annotations
@@ -139,3 +141,34 @@ def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> t
         return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1) for seq in seqs)
     return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, len(draft), draft)
                  for seq, draft in zip(seqs, drafts))
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def is_final(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so its sample is the next output token."""
+        return self.start + self.num_tokens == len(self.seq)
+
+    @property
+    def scored(self) -> range:
+        """The prompt tokens this chunk scores for prompt_logprobs (empty: none): position p predicts token p + 1,
+        so the chunk's last position predicts the next chunk's first token."""
+        seq = self.seq
+        if not seq.scores_prompt:
+            return range(0)
+        return range(seq.num_scored + 1, min(self.start + self.num_tokens, seq.num_prompt_tokens - 1) + 1)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A step as the scheduler builds it, over its sequences (handed on as a plain `SchedulerOutput`)."""
+
+    prefills: list[PrefillChunk]
+    decodes: list[Sequence]
+    admitted: list[Sequence]
+    restores: list[tuple[int, TierPage]] = dataclasses.field(default_factory=list)  # (device page, tier page)

@@ -1,0 +1,149 @@
+"""Scheduling for latency targets: the same mixed workload against jaxserve servers that differ only in policy.
+
+The workload is `serving.py --dataset mixed`: Poisson arrivals (`--request-rate`) of short chats (40-128 prompt
+tokens, 16-64 output) with `--long-fraction` of long prompts (1,500-2,000 tokens), every request carrying its
+category's latency targets (`--short-slo`, `--long-slo`: TTFT_MS:TPOT_MS). Each arm starts a fresh
+`python -m jaxserve serve` with its flags (`ARMS`) and sends the identical requests on the identical schedule.
+Reported per arm: the short requests' TTFT p50/p90/p99 and TPOT p50/p90, goodput (requests that met both of their
+targets, client-side), output and total throughput, and the long requests' completion times; plus a plot of each
+request's TTFT over its send time for every arm.
+
+    python benchmarks/slo_scheduling.py                          # fcfs vs slo, 120 requests at 1.1 req/s
+    python benchmarks/slo_scheduling.py --arms fcfs fcfs+limits slo --request-rate 0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common, serving
+from benchmarks.metrics import percentile
+from benchmarks.run_default_suite import free_port, stop_server
+
+NAME = "slo_scheduling"
+# each arm's server flags on top of `SERVER`; the limits split a step's budget so a long prompt never takes it all
+LIMITS = ["--long-prefill-token-threshold", "256"]
+ARMS = {"fcfs": ["--scheduling-policy", "fcfs"],
+        "fcfs+limits": ["--scheduling-policy", "fcfs", *LIMITS, "--max-num-partial-prefills", "2"],
+        "slo": ["--scheduling-policy", "slo", *LIMITS]}
+SERVER = ["--max-model-len", "2112", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+          "--log-stats-interval", "0"]
+
+
+def summarize(requests: list[dict[str, Any]], targets: dict[str, dict[str, float]], duration: float
+              ) -> dict[str, Any]:
+    """One arm's figures from its per-request rows (times in ms)."""
+    ok = [r for r in requests if r["success"]]
+    short = [r for r in ok if r["category"] == "short"]
+    long = [r for r in ok if r["category"] == "long"]
+
+    def met(row: dict[str, Any]) -> bool:
+        target = targets[row["category"]]
+        return (1000 * row["ttft"] <= target["ttft_slo_ms"]
+                and (row["tpot"] is None or 1000 * row["tpot"] <= target["tpot_slo_ms"]))
+
+    def ms(values: list[float], p: float) -> float:
+        return round(1000 * percentile(values, p), 1)
+
+    ttft, tpot = [r["ttft"] for r in short], [r["tpot"] for r in short if r["tpot"] is not None]
+    return {"requests": len(requests), "failed": len(requests) - len(ok),
+            "short_ttft_ms": {f"p{p}": ms(ttft, p) for p in (50, 90, 99)},
+            "short_tpot_ms": {f"p{p}": ms(tpot, p) for p in (50, 90)},
+            "goodput": round(sum(met(r) for r in ok) / len(requests), 3),
+            "goodput_short": round(sum(met(r) for r in short) / max(1, len(short)), 3),
+            "output_tok_s": round(sum(r["output_len"] for r in ok) / duration, 1),
+            "total_tok_s": round(sum(r["output_len"] + r["prompt_len"] for r in ok) / duration, 1),
+            "long_ttft_ms": {"p50": ms([r["ttft"] for r in long], 50), "max": ms([r["ttft"] for r in long], 100)},
+            "long_latency_ms": {"p50": ms([r["latency"] for r in long], 50),
+                                "max": ms([r["latency"] for r in long], 100)},
+            "long_completed": f"{len(long)}/{sum(1 for r in requests if r['category'] == 'long')}"}
+
+
+def run_arm(arm: str, client_args: list[str], python: str, timeout_s: float) -> dict[str, Any]:
+    """Starts the arm's server, runs serving.py's client against it, stops it; returns serving.py's payload."""
+    port = free_port()
+    command = [python, "-m", "jaxserve", "serve", "--port", str(port), *SERVER, *ARMS[arm]]
+    print(f"\n$ {' '.join(command)} &", flush=True)
+    with tempfile.NamedTemporaryFile("w", prefix=f"jaxserve-{arm}-", suffix=".log", delete=False) as log:
+        server = subprocess.Popen(command, cwd=common.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        serving.wait_for_server(f"http://127.0.0.1:{port}", timeout_s, server)
+        result_file = Path(tempfile.mkdtemp(prefix="slo-")) / f"{arm}.json"
+        payload = serving.main([*client_args, "--base-url", f"http://127.0.0.1:{port}", "--result-file",
+                                str(result_file), "--no-plot", "--label", arm])
+    finally:
+        stop_server(server)
+    payload["server_command"] = " ".join(command)
+    payload["server_log"] = log.name
+    return payload
+
+
+def draw(arms: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
+    """TTFT over send time, one panel per arm, short and long requests marked apart."""
+    from benchmarks.plots import _pyplot, _save
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(arms), figsize=(5.5 * len(arms), 4), sharey=True, squeeze=False)
+    for ax, (arm, payload) in zip(axes[0], arms.items()):
+        rows = [r for r in payload["runs"][0]["requests"] if r["success"]]
+        for category, marker, color in (("short", ".", "tab:blue"), ("long", "x", "tab:red")):
+            chosen = [r for r in rows if r["category"] == category]
+            ax.scatter([r["send_time"] for r in chosen], [r["ttft"] for r in chosen], marker=marker, s=18,
+                       color=color, label=f"{category} ({len(chosen)})")
+        ax.set_title(arm)
+        ax.set_xlabel("send time (s)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("TTFT (s)")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["fcfs", "slo"])
+    parser.add_argument("--num-prompts", type=int, default=120)
+    parser.add_argument("--request-rate", type=float, default=1.1)
+    parser.add_argument("--long-fraction", type=float, default=0.1)
+    parser.add_argument("--short-slo", default="1000:250", metavar="TTFT_MS:TPOT_MS")
+    parser.add_argument("--long-slo", default="20000:250", metavar="TTFT_MS:TPOT_MS")
+    parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    common.add_common_args(parser)
+    args = parser.parse_args(argv)
+    targets = serving.request_slos([f"short:{args.short_slo}", f"long:{args.long_slo}"])
+    client_args = ["--dataset", "mixed", "--num-prompts", str(args.num_prompts), "--long-fraction",
+                   str(args.long_fraction), "--request-rate", str(args.request_rate), "--ignore-eos",
+                   "--request-slo", f"short:{args.short_slo}", f"long:{args.long_slo}", "--seed", str(args.seed),
+                   "--disable-tqdm"]
+    arms = {arm: run_arm(arm, client_args, sys.executable, args.server_timeout) for arm in args.arms}
+    figures = {arm: summarize(p["runs"][0]["requests"], targets, p["runs"][0]["metrics"]["duration_s"])
+               for arm, p in arms.items()}
+    print(common.format_table(
+        ["arm", "short TTFT p50/p90/p99 ms", "short TPOT p50/p90 ms", "goodput", "out tok/s", "total tok/s",
+         "long latency p50/max ms", "long done"],
+        [[arm, "/".join(str(v) for v in f["short_ttft_ms"].values()),
+          "/".join(str(v) for v in f["short_tpot_ms"].values()), f["goodput"], f["output_tok_s"], f["total_tok_s"],
+          f"{f['long_latency_ms']['p50']}/{f['long_latency_ms']['max']}", f["long_completed"]]
+         for arm, f in figures.items()]))
+    payload = {"arms": {arm: {"figures": figures[arm], "server_command": p["server_command"],
+                              "requests": p["runs"][0]["requests"]} for arm, p in arms.items()},
+               "client_args": client_args, "targets_ms": targets, "load_average_after": common.load_average()}
+    path = common.write_result(NAME, payload, args.result_file, list(argv or sys.argv[1:]),
+                               machine=common.machine_info(include_jax=False))
+    if not args.no_plot:
+        print(f"plot: {draw(arms, path.with_suffix('.png'), 'TTFT over time: ' + ', '.join(arms))}")
+    print(f"result: {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
