@@ -8,8 +8,8 @@ Reported per arm: the short requests' TTFT p50/p90/p99 and TPOT p50/p90, goodput
 targets, client-side), output and total throughput, and the long requests' completion times; plus a plot of each
 request's TTFT over its send time for every arm.
 
-    python benchmarks/slo_scheduling.py                          # fcfs vs slo, 120 requests at 1.1 req/s
-    python benchmarks/slo_scheduling.py --arms fcfs fcfs+limits slo --request-rate 0.8
+    python benchmarks/slo_scheduling.py                          # fcfs vs slo, 120 requests at 0.7 req/s
+    python benchmarks/slo_scheduling.py --arms fcfs fcfs+limits slo --request-rate 0.8   # + the threshold alone
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from benchmarks.metrics import percentile
 from benchmarks.run_default_suite import free_port, stop_server
 
 NAME = "slo_scheduling"
-# each arm's server flags on top of `SERVER`; the limits split a step's budget so a long prompt never takes it all
-LIMITS = ["--long-prefill-token-threshold", "256"]
+# each arm's server flags on top of `SERVER`; the threshold keeps a long prompt's chunks small, so a step that also
+# carries a short prompt stays short
+LIMITS = ["--long-prefill-token-threshold", "128"]
 ARMS = {"fcfs": ["--scheduling-policy", "fcfs"],
-        "fcfs+limits": ["--scheduling-policy", "fcfs", *LIMITS, "--max-num-partial-prefills", "2"],
+        "fcfs+limits": ["--scheduling-policy", "fcfs", *LIMITS],
         "slo": ["--scheduling-policy", "slo", *LIMITS]}
 SERVER = ["--max-model-len", "2112", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
           "--log-stats-interval", "0"]
@@ -112,10 +113,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["fcfs", "slo"])
     parser.add_argument("--num-prompts", type=int, default=120)
-    parser.add_argument("--request-rate", type=float, default=1.1)
+    parser.add_argument("--request-rate", type=float, default=0.7)
     parser.add_argument("--long-fraction", type=float, default=0.1)
-    parser.add_argument("--short-slo", default="1000:250", metavar="TTFT_MS:TPOT_MS")
-    parser.add_argument("--long-slo", default="20000:250", metavar="TTFT_MS:TPOT_MS")
+    parser.add_argument("--short-slo", default="1000:500", metavar="TTFT_MS:TPOT_MS")
+    parser.add_argument("--long-slo", default="20000:500", metavar="TTFT_MS:TPOT_MS")
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to start")
     common.add_common_args(parser)
     args = parser.parse_args(argv)

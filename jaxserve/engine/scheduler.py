@@ -236,8 +236,8 @@ class Scheduler:
                 continue  # preempted this step to make room for an earlier chunk
             if (admit and not admitting) or not limits.allows(seq, admit):
                 continue
-            due = slo is not None and slo.is_due(seq, now)
-            available = int(limits.share(budget if due else min(budget, allowance)))
+            held = admit and not (slo is not None and slo.is_due(seq, now))  # decode protection holds admissions
+            available = int(limits.share(min(budget, allowance) if held else budget))
             if available < smallest:
                 continue
             long = limits.is_long(seq)

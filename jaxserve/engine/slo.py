@@ -15,10 +15,11 @@ and `tpot_slo` (mean time per output token after the first), from its request or
      plus the time to admit the due sequences that arrived before it;
   2. those that can still make their TTFT target (slack >= 0), least slack first;
   3. the rest (target passed or out of reach, or none set), by arrival: best effort, never dropped.
-- Decode protection: a step may carry prefill work only as long as every decoding sequence with a TPOT target
-  still meets it after the step: its time since its first token plus the step's estimated time stays within
-  tpot_slo x its output tokens after the step (less one). Decode steps faster than the target build that room up,
-  and prefills spend it; due sequences are exempt, so the bound above holds.
+- Decode protection: a step admits new prefills only as long as every decoding sequence with a TPOT target still
+  meets it after the step: its time since its first token plus the step's estimated time (with the prefill chunks
+  planned so far) stays within tpot_slo x its output tokens after the step (less one). Decode steps faster than
+  the target build that room up, and prefills spend it. Running prefills are not held (they hold their slot and
+  pages already), and due sequences are admitted whatever the room, so the bound above holds.
 - Preemption victim: the running sequence with the most slack (TTFT slack before its first token, TPOT room
   after it, less the time to recompute what it loses; none set: unbounded), the newest among equals.
 """
