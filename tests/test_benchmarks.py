@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "serving.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
            "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py",
-           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py", "hybrid_capacity.py",
+           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py", "hybrid_capacity.py", "slo_scheduling.py",
            "lm_eval_tasks/make_data.py", "lm_eval_tasks/export_hf.py", "lm_eval_tasks/compare_samples.py"]
 
 
@@ -141,6 +141,38 @@ def test_shared_prefix_dataset_shares_prefixes():
     assert len(groups) == 3 and all(len(prefixes) == 1 for prefixes in groups.values())
     assert len({tuple(r.prompt_token_ids[40:]) for r in records}) == 12  # every suffix differs
     assert [r.category for r in records] != sorted(r.category for r in records)  # shuffled: groups interleave
+
+
+def test_mixed_dataset_has_short_and_long_requests_in_their_ranges():
+    records = datasets.mixed_dataset(200, 0.2, (40, 128), (1500, 2000), (16, 64), vocab_size=1000, seed=5)
+    short = [r for r in records if r.category == "short"]
+    long = [r for r in records if r.category == "long"]
+    assert len(records) == 200 and 25 <= len(long) <= 55 and len(short) + len(long) == 200
+    assert all(40 <= r.prompt_len <= 128 for r in short) and all(1500 <= r.prompt_len <= 2000 for r in long)
+    assert all(16 <= r.expected_output_len <= 64 for r in records)
+    assert records == datasets.mixed_dataset(200, 0.2, (40, 128), (1500, 2000), (16, 64), vocab_size=1000, seed=5)
+
+
+def test_request_slos_and_the_slo_benchmarks_figures_by_hand():
+    from benchmarks import slo_scheduling
+
+    targets = serving.request_slos(["short:1000:200", "long:20000"])
+    assert targets == {"short": {"ttft_slo_ms": 1000.0, "tpot_slo_ms": 200.0}, "long": {"ttft_slo_ms": 20000.0}}
+    with pytest.raises(ValueError, match="CATEGORY:TTFT_MS"):
+        serving.request_slos(["short:fast"])
+    targets["long"]["tpot_slo_ms"] = 500.0
+
+    def row(category, ttft, tpot, latency, output_len=10, success=True):
+        return {"success": success, "category": category, "prompt_len": 100, "output_len": output_len,
+                "ttft": ttft, "tpot": tpot, "latency": latency}
+
+    rows = [row("short", 0.5, 0.1, 1.4), row("short", 1.5, 0.1, 2.4), row("short", 0.2, 0.3, 2.9),
+            row("long", 9.0, 0.4, 12.6), row("long", 0, None, 0, success=False)]
+    figures = slo_scheduling.summarize(rows, targets, duration=10.0)
+    assert figures["short_ttft_ms"]["p50"] == 500.0 and figures["failed"] == 1
+    assert figures["goodput"] == 0.4 and figures["goodput_short"] == pytest.approx(1 / 3, abs=1e-3)  # 1st, 4th
+    assert figures["output_tok_s"] == 4.0 and figures["total_tok_s"] == 44.0
+    assert figures["long_completed"] == "1/2" and figures["long_latency_ms"]["max"] == 12600.0
 
 
 def test_prompt_file_is_diverse():
@@ -448,6 +480,8 @@ def test_suite_dry_run(capsys):
 
 
 def test_serving_smoke_against_jaxserve(tiny_llama_dir, tmp_path):
+    import httpx
+
     import jaxserve.server  # noqa: F401  - fails here at once if the server is broken, before starting it
 
     from benchmarks.run_default_suite import free_port
@@ -465,9 +499,11 @@ def test_serving_smoke_against_jaxserve(tiny_llama_dir, tmp_path):
                                 "3", "--request-rate", "inf", "--goodput", "ttft:60000", "--disable-tqdm",
                                 "--result-file", str(tmp_path / "serving.json")])
         chat = serving.main(["--base-url", base_url, "--tokenizer", tiny_llama_dir, "--endpoint", serving.CHAT,
-                             "--dataset", "random", "--num-prompts", "3", "--input-len", "10", "--output-len", "4",
-                             "--ignore-eos", "--request-rate", "50", "--disable-tqdm", "--no-plot",
-                             "--result-file", str(tmp_path / "chat.json")])
+                             "--dataset", "mixed", "--num-prompts", "3", "--short-input-range", "8", "10",
+                             "--long-input-range", "60", "70", "--long-fraction", "0.5", "--mixed-output-range", "4",
+                             "4", "--request-slo", "*:60000:60000", "--ignore-eos", "--request-rate", "50",
+                             "--disable-tqdm", "--no-plot", "--result-file", str(tmp_path / "chat.json")])
+        goodput = httpx.get(base_url + "/metrics").text  # the targets reached the server, which counted them
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -482,6 +518,9 @@ def test_serving_smoke_against_jaxserve(tiny_llama_dir, tmp_path):
     assert [r["max_concurrency"] for r in payload["runs"]] == [1, 3]
     assert (tmp_path / "serving-cdf.png").exists() and (tmp_path / "serving-concurrency.png").exists()
     assert chat["runs"][0]["metrics"]["completed"] == 3 and chat["runs"][0]["metrics"]["total_output_tokens"] == 12
+    assert 'jaxserve:request_slo_met_total{kind="both",model_name=' in goodput
+    assert [line.split()[-1] for line in goodput.splitlines()
+            if line.startswith('jaxserve:request_slo_checked_total{kind="both"')] == ["3.0"]
 
 
 def test_every_random_model_shape_is_served_with_its_published_size(tmp_path):
