@@ -208,7 +208,7 @@ def test_page_budget_counts_the_quantized_page_and_shows_it(tiny_llama_dir, monk
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:"))
     assert f"({capacity} usable tokens)" in line and f"kv_cache_dtype {kv_cache_dtype}: {storage} pages" in line
     samples = {(family.name, tuple(sorted(sample.labels.items()))): sample.value
-               for family in EngineCollector(llm.llm_engine.stats, "tiny").collect() for sample in family.samples}
+               for family in EngineCollector([llm.llm_engine.stats], "tiny").collect() for sample in family.samples}
     labels = (("kv_cache_dtype", kv_cache_dtype), ("model_name", "tiny"), ("storage_dtype", storage))
     assert samples[("jaxserve:kv_cache_capacity_tokens", labels)] == capacity
 

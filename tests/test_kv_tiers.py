@@ -256,14 +256,14 @@ def test_tier_metrics_are_exposed(caplog):
                            kv_tier_usage=(("host", 10, 20), ("disk", 5, 50)),
                            kv_transfers=(("device_to_host", 3, 300, 0.5), ("host_to_device", 2, 200, 0.25)),
                            kv_cache_fragmentation=0.125)
-    text = ServerMetrics(lambda: stats, "m").exposition().decode()
+    text = ServerMetrics([lambda: stats], "m").exposition().decode()
     for line in ('jaxserve:external_prefix_cache_queries_total{model_name="m",tier="host"} 100.0',
                  'jaxserve:external_prefix_cache_hits_total{model_name="m",tier="disk"} 16.0',
                  'jaxserve:kv_offload_total_bytes_total{model_name="m",transfer_type="device_to_host"} 300.0',
                  'jaxserve:kv_tier_usage_bytes{model_name="m",tier="host"} 10.0',
                  'jaxserve:kv_cache_fragmentation_perc{model_name="m"} 0.125'):
         assert line in text
-    assert "external_prefix_cache" not in ServerMetrics(lambda: SchedulerStats(), "m").exposition().decode()
+    assert "external_prefix_cache" not in ServerMetrics([lambda: SchedulerStats()], "m").exposition().decode()
     from jaxserve.server.metrics import StatLogger
 
     logger = StatLogger(lambda: stats)

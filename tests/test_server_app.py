@@ -574,7 +574,7 @@ def test_spec_decode_metrics_and_log_line(caplog):
 
     stats = SchedulerStats(generation_tokens=50, spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
                            spec_decode_num_accepted_tokens=30, spec_decode_accepted_per_pos=(10, 9, 7, 4))
-    text = ServerMetrics(lambda: stats, "m").exposition().decode()
+    text = ServerMetrics([lambda: stats], "m").exposition().decode()
     assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 10.0' in text
     assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
     assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in text
@@ -589,7 +589,7 @@ def test_goodput_metrics_and_log_line(caplog):
     from jaxserve.server.metrics import ServerMetrics, StatLogger
 
     stats = SchedulerStats(generation_tokens=5, request_slo=(("ttft", 8, 6), ("tpot", 8, 7), ("both", 8, 5)))
-    text = ServerMetrics(lambda: stats, "m").exposition().decode()
+    text = ServerMetrics([lambda: stats], "m").exposition().decode()
     assert 'jaxserve:request_slo_met_total{kind="both",model_name="m"} 5.0' in text
     assert 'jaxserve:request_slo_checked_total{kind="ttft",model_name="m"} 8.0' in text
     assert "# TYPE jaxserve:request_queue_time_seconds histogram" in text  # vLLM's queue time histogram

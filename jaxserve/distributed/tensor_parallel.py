@@ -92,3 +92,15 @@ def make_mesh(size: int, devices: list | None = None) -> Mesh:
         raise ValueError(f"tensor_parallel_size {size} needs {size} devices, but only {len(devices)} are visible "
                          f"({', '.join(sorted({d.platform for d in devices}))})")
     return Mesh(np.array(devices[:size]), (MODEL_AXIS,))
+
+
+def replica_devices(rank: int, size: int) -> list | None:
+    """The devices of data-parallel replica `rank` whose engines each span `size` devices: the `rank`-th group of
+    `size` in jax's order (None for replica 0: all devices, as a server of one replica uses)."""
+    if rank == 0:
+        return None
+    devices = jax.devices()
+    if (rank + 1) * size > len(devices):
+        raise ValueError(f"data-parallel replica {rank} with tensor_parallel_size {size} needs devices "
+                         f"{rank * size}-{(rank + 1) * size - 1}, but only {len(devices)} are visible")
+    return devices[rank * size:(rank + 1) * size]

@@ -59,6 +59,8 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json, "vllm": ignore it, or a folder
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights drawn on the devices
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over (Megatron-style)
+    # which replica of a data-parallel server this engine is: it runs on devices [rank * tp, (rank + 1) * tp)
+    data_parallel_rank: int = 0
     # a mixture of experts: its experts split over those devices by expert (vLLM's name), else inside each expert
     enable_expert_parallel: bool = False
     max_num_seqs: int = 64  # decode slots
@@ -116,6 +118,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
+            ("data_parallel_rank", _int_at_least(self.data_parallel_rank, 0), "must be an integer >= 0"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("page_size", self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
              "must be a power of two"),

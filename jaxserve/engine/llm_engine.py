@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from jaxserve.distributed.tensor_parallel import make_mesh
+from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
 from jaxserve.engine.kv_budget import window_pages_per_seq
@@ -57,7 +57,8 @@ class LLMEngine:
         spec = config.speculative_config  # a draft model is checked against the target before either is loaded
         draft_config = (draft_model_config(spec, target, config.max_model_len)
                         if spec is not None and spec.method == "draft_model" else None)
-        self.mesh = make_mesh(config.tensor_parallel_size)
+        self.mesh = make_mesh(config.tensor_parallel_size,
+                              replica_devices(config.data_parallel_rank, config.tensor_parallel_size))
         self.model = loaded or load_model(config.model, dtype=config.jax_dtype, tokenizer=config.tokenizer,
                                           generation_config=config.generation_config, mesh=self.mesh,
                                           load_format=config.load_format,

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import itertools
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -50,6 +50,17 @@ def page_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
     digest = hashlib.sha256(parent_key)
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return digest.digest()
+
+
+def key_chain(token_ids: list[int], page_size: int, hash_fn: PageHash = page_key,
+              max_pages: int | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+    """The (key, token ids) of each full page of `token_ids` in order (the first `max_pages`), computed lazily."""
+    parent_key = b""
+    num_pages = len(token_ids) // page_size if max_pages is None else min(max_pages, len(token_ids) // page_size)
+    for start in range(0, num_pages * page_size, page_size):
+        tokens = tuple(token_ids[start:start + page_size])
+        parent_key = hash_fn(parent_key, tokens)
+        yield parent_key, tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,20 +119,28 @@ class PageManager:
         """The cached pages holding the longest prefix of `seq` (exactly), leaving >= 1 token to compute."""
         if not self.caches(seq):
             return []
+        max_pages = (len(seq.token_ids) - 1) // self.page_size
+        pages = self._matching_pages(key_chain(seq.token_ids, self.page_size, self.hash_fn, max_pages))
+        if self.window is not None:  # as far as the window layers still hold the pages the next token reads
+            pages = pages[:self.window.usable_hit([self.cached[page].serial for page in pages])]
+        return pages
+
+    def num_cached_tokens(self, chain: Iterable[tuple[bytes, tuple[int, ...]]]) -> int:
+        """Leading tokens of a prompt with the page-key `chain` (`key_chain`) that this device cache holds. Only
+        reads the cache, so another thread may ask (a data-parallel server routing a request); a step may change
+        the answer right after."""
+        return len(self._matching_pages(chain)) * self.page_size if self.enable_prefix_caching else 0
+
+    def _matching_pages(self, chain: Iterable[tuple[bytes, tuple[int, ...]]]) -> list[int]:
         pages: list[int] = []
-        parent_key, parent_serial = b"", None
-        max_cached_tokens = len(seq.token_ids) - 1
-        for start in range(0, max_cached_tokens - self.page_size + 1, self.page_size):
-            tokens = tuple(seq.token_ids[start:start + self.page_size])
-            key = self.hash_fn(parent_key, tokens)
+        parent_serial = None
+        for key, tokens in chain:
             page = self.page_of_key.get(key)
             entry = self.cached.get(page) if page is not None else None
             if entry is None or entry.token_ids != tokens or entry.parent_serial != parent_serial:
                 break
             pages.append(page)
-            parent_key, parent_serial = key, entry.serial
-        if self.window is not None:  # as far as the window layers still hold the pages the next token reads
-            pages = pages[:self.window.usable_hit([self.cached[page].serial for page in pages])]
+            parent_serial = entry.serial
         return pages
 
     def match_tiers(self, seq: Sequence, cached_pages: list[int]) -> list[tuple[TierPage, str]]:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def serve_main(argv: list[str]) -> None:
     """Parses `jaxserve serve` options, starts the HTTP server at once and loads the engine in the background."""
-    from jaxserve.server.api_server import create_app, run_server
+    from jaxserve.server.api_server import create_app
     from jaxserve.server.async_engine import AsyncEngine
     from jaxserve.server.cli_args import build_parser, engine_config, multihost, server_settings
 
@@ -27,6 +27,11 @@ def serve_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.max_waiting < 0:
         parser.error("--max-waiting must be >= 0")
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.nnodes > 1:
+        parser.error("--data-parallel-size > 1 is not supported with --nnodes > 1 yet (run one server per host "
+                     "behind `jaxserve router`)")
     try:
         hosts = multihost(args)
     except ValueError as err:
@@ -45,6 +50,13 @@ def serve_main(argv: list[str]) -> None:
         parser.error(str(err))
     if hosts.enabled and not hosts.is_leader:
         _follow(config, hosts)  # never returns
+    if args.data_parallel_size > 1:
+        try:
+            async_engine = _replicas(config, args.data_parallel_size, args.max_waiting, args.load_balance_method)
+        except ValueError as err:
+            parser.error(str(err))
+        _run(create_app(async_engine, settings), async_engine, args)
+        return
     leader = None
 
     def build_engine():
@@ -61,7 +73,12 @@ def serve_main(argv: list[str]) -> None:
         from jaxserve.distributed.multihost import PlanLeader
 
         leader = PlanLeader(hosts, on_lost=async_engine.peer_lost)
-    app = create_app(async_engine, settings)
+    _run(create_app(async_engine, settings), async_engine, args, leader)
+
+
+def _run(app, async_engine, args, leader=None) -> None:
+    from jaxserve.server.api_server import run_server
+
     status = run_server(app, async_engine, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
     if leader is not None:  # the followers exit when told; jax.distributed's shutdown would wait for them
         leader.close(status)
@@ -74,6 +91,37 @@ def serve_main(argv: list[str]) -> None:
     logging.shutdown()
     if status:
         sys.exit(status)
+
+
+def _replicas(config, size: int, max_waiting: int, load_balance_method: str):
+    """A `DataParallelEngine` of `size` replicas of `config`, replica i on the i-th group of tensor_parallel_size
+    devices (each with its own KV-tier folder); ValueError if the devices are too few."""
+    import dataclasses
+    import functools
+    import threading
+
+    import jax
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.server.data_parallel import DataParallelEngine
+
+    needed, visible = size * config.tensor_parallel_size, len(jax.devices())
+    if needed > visible:
+        raise ValueError(f"--data-parallel-size {size} x --tensor-parallel-size {config.tensor_parallel_size} needs "
+                         f"{needed} devices, but only {visible} are visible ({jax.default_backend()})")
+    one_at_a_time = threading.Lock()  # the first to load writes the converted-weights cache the others read
+
+    def build(replica_config):
+        with one_at_a_time:
+            return LLMEngine(replica_config)
+
+    replicas = []
+    for rank in range(size):
+        kv_dir = config.kv_offloading_dir and os.path.join(config.kv_offloading_dir, f"replica-{rank}")
+        replica_config = dataclasses.replace(config, data_parallel_rank=rank, kv_offloading_dir=kv_dir)
+        replicas.append(AsyncEngine(functools.partial(build, replica_config), max_waiting=max_waiting, replica=rank))
+    return DataParallelEngine(replicas, load_balance_method)
 
 
 def _follow(config, hosts) -> None:

@@ -53,14 +53,17 @@ class ServerSettings:
 def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     ctx = ServingContext(async_engine, settings.served_model_names, settings.chat_template, settings.tool_call_parser)
-    metrics = ServerMetrics(async_engine.stats, ctx.model_name)
-    async_engine.metrics = metrics
-    stat_logger = StatLogger(async_engine.stats)
+    replicas = async_engine.replicas
+    metrics = ServerMetrics([replica.stats for replica in replicas], ctx.model_name)
+    stat_loggers = [StatLogger(replica.stats, f"Replica {replica.replica}: " if len(replicas) > 1 else "")
+                    for replica in replicas]
+    for replica in replicas:
+        replica.metrics = metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start(asyncio.get_running_loop())
-        stats_task = asyncio.create_task(_log_stats(stat_logger, settings.log_stats_interval))
+        stats_task = asyncio.create_task(_log_stats(stat_loggers, settings.log_stats_interval))
         try:
             yield
         finally:
@@ -173,13 +176,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal server error: {type(err).__name__}: {err}").response()
 
 
-async def _log_stats(stat_logger: StatLogger, interval: float) -> None:
+async def _log_stats(stat_loggers: list[StatLogger], interval: float) -> None:
     if interval <= 0:
         return
     while True:
         await asyncio.sleep(interval)
         try:
-            stat_logger.log()
+            for stat_logger in stat_loggers:
+                stat_logger.log()
         except Exception:  # noqa: BLE001 - a stats line must never take the server down
             logger.exception("stats logging failed")
 

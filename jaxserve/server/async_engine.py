@@ -135,9 +135,10 @@ class InFlight:
 
 
 class AsyncEngine:
-    def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 256):
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 256, replica: int = 0):
         self._engine_factory = engine_factory
         self.max_waiting = max_waiting
+        self.replica = replica  # its index among a data-parallel server's replicas (`server/data_parallel.py`)
         self.llm_engine: LLMEngine | None = None
         self.state = EngineState.LOADING
         self.error: BaseException | None = None
@@ -210,6 +211,11 @@ class AsyncEngine:
         """The engine's latest stats snapshot; None until it is loaded."""
         return self.llm_engine.stats() if self.llm_engine is not None else None
 
+    @property
+    def replicas(self) -> list[AsyncEngine]:
+        """The engines behind this front (one; a `DataParallelEngine` has several)."""
+        return [self]
+
     # -- requests (event loop) --------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -269,7 +275,7 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
         """Runs on the event loop: records one step's token latencies and routes its outputs to their submissions."""
         if self.metrics is not None:
-            self.metrics.observe_iteration(iteration)
+            self.metrics.observe_iteration(iteration, self.replica)
         for output in outputs:
             request_id = output.request_id
             record = self._requests.get(request_id)
@@ -279,7 +285,7 @@ class AsyncEngine:
             if output.finished:
                 self._forget(request_id)
                 if self.metrics is not None and not any(c.finish_reason == "abort" for c in output.outputs):
-                    self.metrics.observe_finished(output, max(record.num_tokens.values(), default=0))
+                    self.metrics.observe_finished(output, max(record.num_tokens.values(), default=0), self.replica)
             record.submission.collector.put(request_id, output)
 
     def _fail_all(self, error: RequestFailed) -> None:

@@ -17,6 +17,7 @@ from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.server.api_server import ServerSettings
+from jaxserve.server.data_parallel import LOAD_BALANCE_METHODS
 
 JINJA_CHARS = "{}\n"  # a --chat-template value with any of these is a template, not a file name (as vLLM)
 ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "model needs only its config.json), for timing a model whose weights are absent")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"],
                         help="devices (over all hosts) the weights, heads and KV pages are split over")
+    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine replicas in this server, each over its own tensor_parallel_size devices (so "
+                             "data_parallel_size x tensor_parallel_size devices in all), with its own KV cache")
+    engine.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="cache_aware",
+                        help="which replica takes a request: the longest prefix-cache hit (ties by load), in turn, "
+                             "or the least loaded")
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="a mixture-of-experts model's experts split over those devices by expert (each holds "
                              "num_experts / N of them); default: every expert split like the dense MLP")
@@ -120,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's tool-call format, for tool_choice \"auto\" (hermes: Qwen2.5/Qwen3/Hermes)")
     server.add_argument("--max-waiting", type=int, default=256,
-                        help="sequences allowed to wait beyond the running ones; more get 503 + Retry-After")
+                        help="sequences allowed to wait beyond the running ones (per replica); more get 503 + Retry-After")
     server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSERVE_API_KEY)")
     server.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")

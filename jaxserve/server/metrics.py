@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,15 +37,26 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class EngineCollector(Collector):
-    """Reads the engine's `SchedulerStats` snapshot when Prometheus scrapes (zeros while the engine is loading)."""
+    """Reads the engines' `SchedulerStats` snapshots when Prometheus scrapes (zeros while an engine is loading):
+    one engine's, or each data-parallel replica's under a `replica` label."""
 
-    def __init__(self, get_stats: Callable[[], SchedulerStats | None], model_name: str):
-        self._get_stats = get_stats
+    def __init__(self, replica_stats: Sequence[Callable[[], SchedulerStats | None]], model_name: str):
+        self._replica_stats = list(replica_stats)
         self._model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        stats = self._get_stats() or SchedulerStats()
-        labels, name = ["model_name"], [self._model_name]
+        families: dict[str, Metric] = {}
+        for replica, get_stats in enumerate(self._replica_stats):
+            labels, name = replica_labels(self._model_name, replica, len(self._replica_stats))
+            for family in self._families(get_stats() or SchedulerStats(), labels, name):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+    @staticmethod
+    def _families(stats: SchedulerStats, labels: list[str], name: list[str]) -> Iterable[Metric]:
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(PREFIX + metric, doc, labels=labels)
@@ -76,7 +87,7 @@ class EngineCollector(Collector):
                       stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated (over all completions).", stats.generation_tokens)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
-                                      labels=["model_name", "finished_reason"])
+                                      labels=labels + ["finished_reason"])
         finished = dict(stats.request_success)
         for reason in sorted(set(FINISH_REASONS) | set(finished)):
             success.add_metric(name + [reason], finished.get(reason, 0))
@@ -112,6 +123,13 @@ class EngineCollector(Collector):
         yield per_position
 
 
+def replica_labels(model_name: str, replica: int, num_replicas: int) -> tuple[list[str], list[str]]:
+    """The label names and values of one engine's samples: `model_name`, and `replica` when there are several."""
+    if num_replicas == 1:
+        return ["model_name"], [model_name]
+    return ["model_name", "replica"], [model_name, str(replica)]
+
+
 def tier_metrics(stats: SchedulerStats, labels: list[str], name: list[str]) -> Iterable[Metric]:
     """The KV tiers' lookups (vLLM's external prefix cache counters, by tier), usage and transfers (none without
     tiers)."""
@@ -145,14 +163,15 @@ def tier_metrics(stats: SchedulerStats, labels: list[str], name: list[str]) -> I
 class ServerMetrics:
     """The registry of one server: gauges/counters from the engine's stats plus request-latency histograms."""
 
-    def __init__(self, get_stats: Callable[[], SchedulerStats | None], model_name: str):
+    def __init__(self, replica_stats: Sequence[Callable[[], SchedulerStats | None]], model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineCollector(get_stats, model_name))
-        self._model_name = model_name
+        self.registry.register(EngineCollector(replica_stats, model_name))
+        self._label_values = [replica_labels(model_name, replica, len(replica_stats))[1]
+                              for replica in range(len(replica_stats))]
+        label_names = replica_labels(model_name, 0, len(replica_stats))[0]
 
         def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + metric, doc, labelnames=["model_name"], buckets=buckets,
-                             registry=self.registry)
+            return Histogram(PREFIX + metric, doc, labelnames=label_names, buckets=buckets, registry=self.registry)
 
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token.",
                                              TTFT_BUCKETS)
@@ -167,26 +186,26 @@ class ServerMetrics:
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                             REQUEST_LATENCY_BUCKETS)
 
-    def observe_iteration(self, iteration: IterationStats) -> None:
+    def observe_iteration(self, iteration: IterationStats, replica: int = 0) -> None:
         """One engine step's token latencies (measured in the engine, for every request whatever its output kind)."""
-        label = self._model_name
+        labels = self._label_values[replica]
         for latency in iteration.time_to_first_tokens:
-            self.time_to_first_token.labels(label).observe(latency)
+            self.time_to_first_token.labels(*labels).observe(latency)
         for latency in iteration.inter_token_latencies:
-            self.inter_token_latency.labels(label).observe(latency)
+            self.inter_token_latency.labels(*labels).observe(latency)
 
-    def observe_finished(self, output: RequestOutput, num_tokens: int) -> None:
+    def observe_finished(self, output: RequestOutput, num_tokens: int, replica: int = 0) -> None:
         """Called once per finished (not aborted) request; `num_tokens`: its longest completion's output tokens."""
         metrics = output.metrics
         if metrics is None:
             return
-        label = self._model_name
+        labels = self._label_values[replica]
         finished = metrics.finished_time or time.monotonic()
-        self.e2e_request_latency.labels(label).observe(finished - metrics.arrival_time)
+        self.e2e_request_latency.labels(*labels).observe(finished - metrics.arrival_time)
         if metrics.first_scheduled_time is not None:
-            self.request_queue_time.labels(label).observe(metrics.first_scheduled_time - metrics.arrival_time)
+            self.request_queue_time.labels(*labels).observe(metrics.first_scheduled_time - metrics.arrival_time)
         if num_tokens > 1 and metrics.first_token_time is not None and metrics.last_token_time is not None:
-            self.time_per_output_token.labels(label).observe(
+            self.time_per_output_token.labels(*labels).observe(
                 (metrics.last_token_time - metrics.first_token_time) / (num_tokens - 1))
 
     def exposition(self) -> bytes:
@@ -196,8 +215,9 @@ class ServerMetrics:
 class StatLogger:
     """Logs throughput and occupancy, like vLLM's periodic line, whenever there was traffic since the last one."""
 
-    def __init__(self, get_stats: Callable[[], SchedulerStats | None]):
+    def __init__(self, get_stats: Callable[[], SchedulerStats | None], prefix: str = ""):
         self._get_stats = get_stats
+        self._prefix = prefix  # "Replica 1: " for one replica of several
         self._last_time = time.monotonic()
         self._last = SchedulerStats()
 
@@ -213,29 +233,29 @@ class StatLogger:
         hits = stats.prefix_cache_hits - last.prefix_cache_hits
         seconds = max(now - self._last_time, 1e-9)
         if prompt or generation or stats.num_running_seqs or stats.num_waiting_seqs:
-            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            logger.info("%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                        prompt / seconds, generation / seconds, stats.num_running_seqs, stats.num_waiting_seqs,
-                        100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+                        self._prefix, prompt / seconds, generation / seconds, stats.num_running_seqs,
+                        stats.num_waiting_seqs, 100 * stats.kv_cache_usage, 100 * hits / queries if queries else 0.0)
             if stats.external_prefix_cache:
                 before = {tier: (q, h) for tier, q, h in last.external_prefix_cache}
                 rates = []
                 for tier, tier_queries, tier_hits in stats.external_prefix_cache:
                     q, h = tier_queries - before.get(tier, (0, 0))[0], tier_hits - before.get(tier, (0, 0))[1]
                     rates.append(f"{tier} {100 * h / q if q else 0.0:.1f}%")
-                logger.info("External prefix cache hit rate: %s, KV cache fragmentation: %.1f%%", ", ".join(rates),
-                            100 * stats.kv_cache_fragmentation)
+                logger.info("%sExternal prefix cache hit rate: %s, KV cache fragmentation: %.1f%%", self._prefix,
+                            ", ".join(rates), 100 * stats.kv_cache_fragmentation)
             before = {kind: (checked, met) for kind, checked, met in last.request_slo}
             goodput = [(kind, checked - before.get(kind, (0, 0))[0], met - before.get(kind, (0, 0))[1])
                        for kind, checked, met in stats.request_slo]
             if any(checked for _, checked, _ in goodput):
-                logger.info("Goodput: %s", ", ".join(f"{kind} {met}/{checked} met" for kind, checked, met in goodput
-                                                     if checked))
+                logger.info("%sGoodput: %s", self._prefix, ", ".join(
+                    f"{kind} {met}/{checked} met" for kind, checked, met in goodput if checked))
             drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
             if drafted:
                 accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
                 drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
-                logger.info("SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
-                            "Accepted: %d tokens, Drafted: %d tokens", 100 * accepted / drafted,
+                logger.info("%sSpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
+                            "Accepted: %d tokens, Drafted: %d tokens", self._prefix, 100 * accepted / drafted,
                             1 + accepted / max(drafts, 1), accepted, drafted)
         self._last_time, self._last = now, stats

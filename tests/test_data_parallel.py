@@ -1,0 +1,157 @@
+"""Data-parallel replicas in one server (`--data-parallel-size`): outputs, load balancing, metrics, bad sizes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import jax
+import pytest
+
+from conftest import random_prompts
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.config import EngineConfig
+
+ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, page_size=8)
+MODEL = "tiny"
+
+
+def replicas(model_dir: str, method: str, **options):
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.server.async_engine import AsyncEngine
+    from jaxserve.server.data_parallel import DataParallelEngine
+
+    configs = [EngineConfig(model=model_dir, data_parallel_rank=rank, **ENGINE, **options) for rank in range(2)]
+    return DataParallelEngine([AsyncEngine(lambda c=c: LLMEngine(c), max_waiting=8, replica=rank)
+                               for rank, c in enumerate(configs)], method)
+
+
+def serve(engine, check) -> None:
+    """Runs the app's lifespan around `check(http_client)`, once every replica is ready."""
+    from jaxserve.server.api_server import ServerSettings, create_app
+
+    app = create_app(engine, ServerSettings(served_model_names=[MODEL], log_stats_interval=0))
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         timeout=60) as http:
+                while (await http.get("/health")).status_code != 200:
+                    await asyncio.sleep(0.05)
+                await check(http)
+
+    asyncio.run(main())
+
+
+def served_by(metrics: str) -> dict[str, float]:
+    """Finished requests per replica, from /metrics."""
+    counts = {}
+    for line in metrics.splitlines():
+        if line.startswith("jaxserve:request_success_total{") and 'finished_reason="length"' in line:
+            replica = line.split('replica="')[1].split('"')[0]
+            counts[replica] = float(line.split()[-1])
+    return counts
+
+
+def test_two_replicas_answer_as_one_engine_greedy_and_seeded(tiny_llama_dir):
+    prompts = random_prompts(6, 500, 5, 40, seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, **ENGINE)
+    expected = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)] for params in (greedy, seeded)]
+    del llm
+
+    async def check(http: httpx.AsyncClient) -> None:
+        got = []
+        for params in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
+            answers = await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True,
+                **params}) for prompt in prompts))
+            assert all(answer.status_code == 200 for answer in answers), answers[0].text
+            got.append([answer.json()["choices"][0]["token_ids"] for answer in answers])
+        assert got == expected
+        metrics = (await http.get("/metrics")).text
+        assert served_by(metrics) == {"0": 6.0, "1": 6.0}  # round robin: every other request
+        assert 'jaxserve:num_requests_running{model_name="tiny",replica="1"}' in metrics
+        assert 'jaxserve:time_to_first_token_seconds_count{model_name="tiny",replica="0"}' in metrics
+
+    engine = replicas(tiny_llama_dir, "round_robin")
+    serve(engine, check)
+    for rank, replica in enumerate(engine.replicas):  # each replica's weights and KV pool on its own device
+        runner = replica.llm_engine.runner
+        assert {d.id for leaf in jax.tree.leaves((runner.params, runner.kv_cache)) for d in leaf.devices()} == {rank}
+
+
+def test_cache_aware_follows_the_prefix_and_breaks_ties_and_crowds_by_load(tiny_llama_dir):
+    engine = replicas(tiny_llama_dir, "cache_aware")
+    conversation = random_prompts(1, 500, 40, 40, seed=12)[0]
+    other = random_prompts(1, 500, 40, 40, seed=13)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def check(http: httpx.AsyncClient) -> None:
+        first, second = engine.replicas
+        assert engine.ranking(conversation) == [first, second]  # nothing cached anywhere: by load, then index
+        await second.submit("turn-1", [conversation], params).final_outputs()  # the conversation lives on 1
+        follow_up = conversation + [7, 8, 9]
+        assert engine.ranking(follow_up) == [second, first]
+        assert engine.ranking(other) == [first, second]  # a miss goes by load
+        answer = await http.post("/v1/completions", json={"model": MODEL, "prompt": follow_up, "max_tokens": 4})
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        assert served_by((await http.get("/metrics")).text) == {"0": 0.0, "1": 2.0}
+        # four long requests make replica 1 a full batch busier than replica 0: the hit no longer outweighs that
+        held = [second.submit(f"busy-{i}", [other], SamplingParams(max_tokens=80, ignore_eos=True))
+                for i in range(4)]
+        assert engine.ranking(follow_up) == [first, second]
+        for submission in held:
+            submission.abort()
+
+    serve(engine, check)
+
+
+def test_a_full_replica_is_skipped_and_all_full_is_a_503(tiny_llama_dir):
+    from jaxserve.server.async_engine import ServerOverloaded
+
+    engine = replicas(tiny_llama_dir, "round_robin")
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def check(http: httpx.AsyncClient) -> None:
+        first, second = engine.replicas
+        held = [first.submit(f"fill-{i}", [[5, 6, 7]], long) for i in range(12)]  # 4 slots + 8 waiting
+        submission = engine.submit("next", [[5, 6, 7]], long)
+        assert submission.request_ids[0] in second._requests  # replica 0 was next in turn, but full
+        held += [submission] + [second.submit(f"more-{i}", [[5, 6, 7]], long) for i in range(11)]
+        with pytest.raises(ServerOverloaded, match="every replica is at capacity"):
+            engine.submit("refused", [[5, 6, 7]], long)
+        refused = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        for each in held:
+            each.abort()
+
+    serve(engine, check)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data-parallel-size", "3", "--tensor-parallel-size", "2"], "needs 6 devices, but only 4 are visible"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+    (["--data-parallel-size", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:1"],
+     "not supported with --nnodes > 1"),
+    (["--data-parallel-size", "2", "--load-balance-method", "random"], "invalid choice: 'random'"),
+])
+def test_sizes_that_do_not_fit_are_clear_errors(argv, message, capsys):
+    from jaxserve.server import serve_main
+
+    with pytest.raises(SystemExit) as exit:
+        serve_main(["--model", "unused", *argv])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_replica_settings_are_value_errors():
+    from jaxserve.server.data_parallel import DataParallelEngine
+
+    with pytest.raises(ValueError, match="data_parallel_rank must be an integer >= 0"):
+        EngineConfig(data_parallel_rank=-1)
+    with pytest.raises(ValueError, match="load_balance_method must be one of"):
+        DataParallelEngine([], "fastest")
+    with pytest.raises(ValueError, match="needs >= 2 replicas"):
+        DataParallelEngine([], "round_robin")
