@@ -38,6 +38,9 @@ class RequestResult:
     itl: list[float] = dataclasses.field(default_factory=list)  # gaps between successive output chunks
     send_time: float = 0.0  # when the request was sent, relative to the run's start
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (usage.prompt_tokens_details)
+    generated_text: str = ""
+    served_by: str = ""  # a router's x-jaxserve-worker answer header: the worker that served it
 
 
 def tpot(result: RequestResult) -> float | None:

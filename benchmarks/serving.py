@@ -118,6 +118,7 @@ async def send_request(client: Any, url: str, endpoint: str, body: dict[str, Any
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return result
+            result.served_by = response.headers.get("x-jaxserve-worker", "")
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -133,6 +134,7 @@ async def send_request(client: Any, url: str, endpoint: str, body: dict[str, Any
                 text = chunk_text(data, endpoint)
                 if not text:
                     continue
+                result.generated_text += text
                 now = clock()
                 if chunks_with_text == 0:
                     result.ttft = now - sent
@@ -144,6 +146,8 @@ async def send_request(client: Any, url: str, endpoint: str, body: dict[str, Any
         result.output_len = int(usage["completion_tokens"]) if usage else chunks_with_text
         if usage and usage.get("prompt_tokens"):
             result.prompt_len = int(usage["prompt_tokens"])
+        if usage and usage.get("prompt_tokens_details"):
+            result.cached_tokens = int(usage["prompt_tokens_details"].get("cached_tokens") or 0)
         result.success = chunks_with_text > 0
         if not result.success:
             result.error = "the stream carried no output text"
@@ -330,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _request_row(result: RequestResult, record: RequestRecord) -> dict[str, Any]:
     return {"success": result.success, "category": record.category, "prompt_len": result.prompt_len,
-            "output_len": result.output_len,
+            "output_len": result.output_len, "cached_tokens": result.cached_tokens,
             "ttft": result.ttft, "tpot": metrics.tpot(result), "latency": result.latency,
             "send_time": result.send_time, "itl": result.itl, "error": result.error}
 

@@ -1,4 +1,5 @@
-"""The `jaxserve` command: `jaxserve demo` (one chat answer with the default model) and `jaxserve serve`."""
+"""The `jaxserve` command: `jaxserve demo` (one chat answer with the default model), `jaxserve serve` (the
+OpenAI-compatible server) and `jaxserve router` (one front for several servers)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"demo": demo}
     try:
+        from jaxserve.router import router_main
         from jaxserve.server import serve_main
 
         commands["serve"] = serve_main
+        commands["router"] = router_main
     except ImportError:
         pass
     if not argv or argv[0] not in commands:

@@ -1,0 +1,242 @@
+"""Routing across servers: `jaxserve router` with `cache_aware` vs `round_robin`, and what the router adds.
+
+Policies (`--policies`): for each policy, two fresh `python -m jaxserve serve` workers and a router in front of
+them. `--num-conversations` chats, each with its own system document (about `--doc-tokens` tokens of the prompt
+file's texts) and `--turns` user turns (the prompt file's questions); a turn is the whole conversation so far
+(document, earlier questions and the answers the server gave) plus the next question, streamed, greedy,
+`--output-len` tokens (EOS ignored). `--concurrency` conversations run at a time, each one turn after another.
+Reported per policy: the prefix-cache hit rate of the later turns (turn 2 and on) from the answers'
+`usage.prompt_tokens_details.cached_tokens` and from the workers' own counters, their TTFT p50/p90, how often a
+later turn landed on the worker of its previous turn, and the requests each worker served.
+
+Overhead (`--overhead-requests`): one worker and a router in front of it; short distinct chats, one at a time,
+alternately straight to the worker and through the router. Reported: TTFT p50 and the time per streamed chunk
+(p50 of the gaps) both ways, and their differences.
+
+    python benchmarks/routing.py                                   # 16 conversations x 4 turns, both parts
+    python benchmarks/routing.py --policies cache_aware round_robin shortest_queue --overhead-requests 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common, datasets, serving
+from benchmarks.metrics import percentile
+from benchmarks.run_default_suite import free_port, stop_server
+
+NAME = "routing"
+POLICIES = ("cache_aware", "round_robin", "shortest_queue")
+WORKER = ["--max-model-len", "2048", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+          "--log-stats-interval", "0"]
+
+
+def conversations(args: argparse.Namespace, tokenizer: Any) -> list[tuple[str, list[str]]]:
+    """Each conversation's document and its questions, from the prompt file (the same for every policy)."""
+    import numpy as np
+
+    entries = datasets.load_prompt_file()
+    rng = np.random.default_rng(args.seed)
+    chats = []
+    for _ in range(args.num_conversations):
+        order = rng.permutation(len(entries))
+        doc, used = "Reference notes for this conversation:\n", 0
+        while len(tokenizer.encode(doc)) < args.doc_tokens and used < len(order):
+            doc += entries[order[used]]["prompt"] + "\n"
+            used += 1
+        questions = [entries[order[(used + turn) % len(order)]]["prompt"] for turn in range(args.turns)]
+        chats.append((doc, questions))
+    return chats
+
+
+def start(command: list[str], name: str) -> tuple[subprocess.Popen, str]:
+    print(f"$ {' '.join(command)} &", flush=True)
+    with tempfile.NamedTemporaryFile("w", prefix=f"jaxserve-{name}-", suffix=".log", delete=False) as log:
+        return subprocess.Popen(command, cwd=common.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), log.name
+
+
+class Servers:
+    """`num_workers` fresh workers and a router over them with `policy`; stopped on exit."""
+
+    def __init__(self, num_workers: int, policy: str, timeout_s: float):
+        self.processes: list[subprocess.Popen] = []
+        self.logs: list[str] = []
+        self.workers = [f"http://127.0.0.1:{free_port()}" for _ in range(num_workers)]
+        self.router = f"http://127.0.0.1:{free_port()}"
+        self.commands = []
+        try:
+            for index, url in enumerate(self.workers):
+                self._start([sys.executable, "-m", "jaxserve", "serve", "--port", url.rsplit(":", 1)[1], *WORKER],
+                            f"worker{index}")
+                serving.wait_for_server(url, timeout_s, self.processes[-1])
+            self._start([sys.executable, "-m", "jaxserve", "router", "--worker-urls", *self.workers, "--policy", policy,
+                         "--port", self.router.rsplit(":", 1)[1]], "router")
+            serving.wait_for_server(self.router, 60, self.processes[-1])
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, command: list[str], name: str) -> None:
+        process, log = start(command, name)
+        self.processes.append(process)
+        self.logs.append(log)
+        self.commands.append(" ".join(command))
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            stop_server(process)
+
+
+def worker_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    wanted = ("jaxserve:prefix_cache_queries_total", "jaxserve:prefix_cache_hits_total",
+              "jaxserve:request_success_total")
+    counters = dict.fromkeys(wanted, 0.0)
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{")[0]
+        if name in counters:
+            counters[name] += float(line.split()[-1])
+    return counters
+
+
+async def run_conversations(base_url: str, model: str, chats: list[tuple[str, list[str]]],
+                            args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every turn of every conversation through `base_url`; one row per turn."""
+    import httpx
+
+    gate = asyncio.Semaphore(args.concurrency)
+    rows: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        async def converse(index: int, doc: str, questions: list[str]) -> None:
+            messages = [{"role": "system", "content": doc}]
+            async with gate:
+                for turn, question in enumerate(questions, 1):
+                    messages.append({"role": "user", "content": question})
+                    body = {"model": model, "messages": messages, "max_tokens": args.output_len, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    result = await serving.send_request(client, base_url + serving.CHAT, serving.CHAT, body, 0, 0.0)
+                    rows.append({"conversation": index, "turn": turn, "success": result.success,
+                                 "error": result.error, "ttft": result.ttft, "prompt_len": result.prompt_len,
+                                 "cached_tokens": result.cached_tokens, "worker": result.served_by,
+                                 "itl": result.itl})
+                    messages.append({"role": "assistant", "content": result.generated_text})
+
+        await asyncio.gather(*(converse(i, doc, questions) for i, (doc, questions) in enumerate(chats)))
+    return rows
+
+
+def policy_figures(rows: list[dict[str, Any]], before: list[dict], after: list[dict]) -> dict[str, Any]:
+    later = [r for r in rows if r["turn"] > 1 and r["success"]]
+    previous = {(r["conversation"], r["turn"]): r["worker"] for r in rows}
+    same = [r["worker"] == previous.get((r["conversation"], r["turn"] - 1)) for r in later]
+    queries = sum(a["jaxserve:prefix_cache_queries_total"] - b["jaxserve:prefix_cache_queries_total"]
+                  for a, b in zip(after, before))
+    hits = sum(a["jaxserve:prefix_cache_hits_total"] - b["jaxserve:prefix_cache_hits_total"]
+               for a, b in zip(after, before))
+    ttft = [r["ttft"] for r in later]
+    return {"requests": len(rows), "failed": sum(not r["success"] for r in rows),
+            "later_turn_hit_rate": round(sum(r["cached_tokens"] for r in later)
+                                         / max(1, sum(r["prompt_len"] for r in later)), 3),
+            "worker_hit_rate": round(hits / max(1.0, queries), 3),
+            "later_ttft_ms": {f"p{p}": round(1000 * percentile(ttft, p), 1) for p in (50, 90)},
+            "same_worker_as_previous_turn": round(sum(same) / max(1, len(same)), 3),
+            "served_per_worker": [int(a["jaxserve:request_success_total"] - b["jaxserve:request_success_total"])
+                                  for a, b in zip(after, before)]}
+
+
+def run_policy(policy: str, chats: list[tuple[str, list[str]]], args: argparse.Namespace) -> dict[str, Any]:
+    servers = Servers(2, policy, args.server_timeout)
+    try:
+        model = serving.served_model(servers.router)
+        before = [worker_counters(url) for url in servers.workers]
+        rows = asyncio.run(run_conversations(servers.router, model, chats, args))
+        after = [worker_counters(url) for url in servers.workers]
+    finally:
+        servers.stop()
+    return {"figures": policy_figures(rows, before, after), "rows": rows, "commands": servers.commands}
+
+
+def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Short chats one at a time, alternately direct and through the router, over one worker."""
+    entries = datasets.load_prompt_file()
+    servers = Servers(1, "round_robin", args.server_timeout)
+    try:
+        model = serving.served_model(servers.router)
+        results: dict[str, list] = {"direct": [], "router": []}
+
+        async def go() -> None:
+            import httpx
+
+            async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+                for index in range(args.overhead_requests):
+                    way = "direct" if index % 2 == 0 else "router"
+                    base = servers.workers[0] if way == "direct" else servers.router
+                    body = {"model": model, "messages": datasets.chat_messages(entries[index % len(entries)]),
+                            "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+                    results[way].append(await serving.send_request(client, base + serving.CHAT, serving.CHAT, body,
+                                                                   0, 0.0))
+
+        asyncio.run(go())
+    finally:
+        servers.stop()
+    figures = {}
+    for way, done in results.items():
+        ok = [r for r in done if r.success]
+        figures[way] = {"requests": len(done), "failed": len(done) - len(ok),
+                        "ttft_ms_p50": round(1000 * percentile([r.ttft for r in ok], 50), 2),
+                        "chunk_gap_ms_p50": round(1000 * percentile([g for r in ok for g in r.itl], 50), 3)}
+    figures["added"] = {"ttft_ms_p50": round(figures["router"]["ttft_ms_p50"] - figures["direct"]["ttft_ms_p50"], 2),
+                        "chunk_gap_ms_p50": round(figures["router"]["chunk_gap_ms_p50"]
+                                                  - figures["direct"]["chunk_gap_ms_p50"], 3)}
+    return {"figures": figures, "commands": servers.commands}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", nargs="*", choices=POLICIES, default=["cache_aware", "round_robin"])
+    parser.add_argument("--num-conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--doc-tokens", type=int, default=768)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
+    parser.add_argument("--overhead-requests", type=int, default=40, help="0: skip the router-overhead part")
+    parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds a worker may take to start")
+    common.add_common_args(parser)
+    argv, args = common.start(parser, argv)
+    chats = conversations(args, common.load_tokenizer(None))
+    policies = {policy: run_policy(policy, chats, args) for policy in args.policies}
+    if policies:
+        print(common.format_table(
+            ["policy", "later-turn hit rate (usage)", "worker hit rate", "later TTFT p50/p90 ms",
+             "same worker as previous turn", "served per worker", "failed"],
+            [[policy, f["later_turn_hit_rate"], f["worker_hit_rate"],
+              f"{f['later_ttft_ms']['p50']}/{f['later_ttft_ms']['p90']}", f["same_worker_as_previous_turn"],
+              f["served_per_worker"], f["failed"]] for policy, f in ((p, r["figures"]) for p, r in policies.items())]))
+    overhead = run_overhead(args) if args.overhead_requests else None
+    if overhead is not None:
+        f = overhead["figures"]
+        print(common.format_table(["path", "TTFT p50 ms", "chunk gap p50 ms", "failed"],
+                                  [[way, f[way]["ttft_ms_p50"], f[way]["chunk_gap_ms_p50"], f[way]["failed"]]
+                                   for way in ("direct", "router")]
+                                  + [["router - direct", f["added"]["ttft_ms_p50"], f["added"]["chunk_gap_ms_p50"],
+                                      ""]]))
+    payload = {"policies": policies, "overhead": overhead, "worker_flags": WORKER,
+               "load_average_after": common.load_average()}
+    path = common.write_result(NAME, payload, args.result_file, argv, machine=common.machine_info(include_jax=False))
+    print(f"result: {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

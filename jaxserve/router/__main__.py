@@ -1,0 +1,3 @@
+from jaxserve.router import router_main
+
+router_main()
