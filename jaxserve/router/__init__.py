@@ -64,6 +64,7 @@ def router_main(argv: list[str] | None = None) -> None:
     from jaxserve.router.policies import make_policy
     from jaxserve.router.prefix_tree import PrefixTree
     from jaxserve.router.workers import WorkerPool
+    from jaxserve.server.api_server import run_uvicorn
 
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -85,7 +86,12 @@ def router_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_router_app(pool, policy, client, args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=30, log_level="info")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=30,
+                                           log_level="info"))
+    status = run_uvicorn(server) or (0 if server.started else 1)
+    logging.shutdown()
+    if status:
+        sys.exit(status)
 
 
 __all__ = ["router_main"]

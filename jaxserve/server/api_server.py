@@ -210,6 +210,18 @@ def run_server(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, sh
         server.should_exit = True
 
     async_engine.on_fatal_error = fatal_error
+    status = run_uvicorn(server)
+    if status:
+        return status
+    if async_engine.state in (EngineState.LOAD_FAILED, EngineState.DEAD):
+        return 1
+    if not server.started:
+        return 1
+    return 0
+
+
+def run_uvicorn(server) -> int:
+    """Runs a `uvicorn.Server` until SIGTERM/SIGINT; 0, or uvicorn's exit status if it could not start."""
     # uvicorn re-raises the signal that stopped it once it is done; make that a no-op so a graceful stop exits 0
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -219,11 +231,7 @@ def run_server(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, sh
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if async_engine.state in (EngineState.LOAD_FAILED, EngineState.DEAD):
-        return 1
-    if not server.started:
-        return 1
     return 0
 
 
-__all__ = ["ServerSettings", "create_app", "run_server"]
+__all__ = ["ServerSettings", "create_app", "run_server", "run_uvicorn"]
