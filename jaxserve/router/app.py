@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.policies import Policy
 from jaxserve.router.workers import WorkerPool
+from jaxserve.server.api_server import add_api_error_handlers
 from jaxserve.server.errors import APIError, bad_request, error_body
 from jaxserve.server.http_utils import sse
-from jaxserve.server.middleware import BodyLimitMiddleware, BodyTooLarge
+from jaxserve.server.middleware import BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 5
@@ -71,13 +72,7 @@ def create_router_app(pool: WorkerPool, policy: Policy, client: httpx.AsyncClien
     app.state.pool = pool
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
-        return APIError(413, str(err)).response()
+    add_api_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:

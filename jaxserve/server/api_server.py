@@ -150,7 +150,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_api_error_handlers(app: FastAPI) -> None:
+    """OpenAI's error JSON for an `APIError` raised by a route and for a body over the size limit (413)."""
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
         return err.response()
@@ -158,6 +159,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLarge)
     async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
         return APIError(413, str(err)).response()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    add_api_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
