@@ -1,13 +1,19 @@
 """Runs the test suite as `make test` does: one pytest over two worker processes (pytest-xdist, `--dist loadfile`:
 each test file runs whole on one worker, handed to whichever is free, so the two stay busy until the end; the CI
-machine has two cores, and most tests are bound by one core's compiling), the largest files first, sharing one
-fresh folder for jax's persistent compilation cache (nothing of an earlier run is read), after the default model's
-store is converted (both would otherwise write it at once). Extra arguments go to pytest. Exits as pytest does.
+machine has two cores, and most tests are bound by one core's compiling), the largest files first, with a fresh
+cache root, after the default model's store is converted (both would otherwise write it at once). Extra arguments
+go to pytest. Exits as pytest does.
 
-Why two processes rather than one: one process running every test died at the same test on CI and on a developer's
-machine, in XLA's loading of a cached executable during an engine's warm-up (a segfault in jax's
-`compilation_cache.get_executable_and_time`) after some 420 tests had built their engines in it; that file's tests
-pass in a fresh process, and each half passes whole. The cause inside XLA is not found yet: see the note of issue 27.
+A worker that dies is not replaced (`--max-worker-restart 0`): pytest-xdist's replacement of a crashed worker under
+`--dist loadfile` can wait forever (pytest-xdist issue 784), and did, on CI, until its 90 minutes ran out. The run
+fails at once instead, naming the test the worker was running. A test that runs over ten minutes has every thread's
+stack dumped (`faulthandler_timeout`), to show where it waits.
+
+Why no test reads jax's persistent compilation cache (conftest sets JAXSERVE_DISABLE_COMPILE_CACHE=1): XLA:CPU's
+loading of a cached executable (`compilation_cache.get_executable_and_time` -> `deserialize_executable`, from
+warm-up's compile pool) segfaulted after some hundreds of engines had been built in one process, first in a one-
+process run (issue 27's note: that file's tests pass in a fresh process), then in one of these two workers on CI
+(issue 30's submission). The cause inside XLA is not found.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ def main() -> int:
         subprocess.check_call([sys.executable, "-c", "from jaxserve.loading import load_model; load_model()"],
                               env=env, cwd=tests.parent)
         return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                                "--dist", "loadfile", *(f"tests/{path.name}" for path in files), *sys.argv[1:]],
-                               env=env, cwd=tests.parent)
+                                "--dist", "loadfile", "--max-worker-restart", "0", "-o", "faulthandler_timeout=600",
+                                *(f"tests/{path.name}" for path in files), *sys.argv[1:]], env=env, cwd=tests.parent)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

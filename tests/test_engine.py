@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.config import EngineConfig
 from jaxserve.sampling_params import GuidedDecodingParams
 from tests.conftest import random_prompts
 
@@ -271,3 +272,12 @@ def test_priority_scheduling_with_aging(tiny_llama_dir, aging_seconds, expected)
         finished += [out.request_id for out in llm.llm_engine.step() if out.finished]
     # with slow aging the priority decides; with instant aging the wait dominates (no starvation)
     assert finished == expected
+
+
+def test_compilation_cache_is_under_the_cache_root_unless_disabled(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("JAXSERVE_DISABLE_COMPILE_CACHE", raising=False)
+    assert EngineConfig().compilation_cache_dir == str(tmp_path / "xla")
+    monkeypatch.setenv("JAXSERVE_DISABLE_COMPILE_CACHE", "1")
+    assert EngineConfig().compilation_cache_dir is None
+    assert EngineConfig(compilation_cache_dir=str(tmp_path)).compilation_cache_dir == str(tmp_path)

@@ -42,6 +42,12 @@ def default_cache_dir(name: str) -> str:
     return os.path.join(os.environ.get("JAXSERVE_CACHE_ROOT") or "~/.cache/jaxserve", name)
 
 
+def default_compilation_cache_dir() -> str | None:
+    """jax's persistent compilation cache under the cache root, or None (off) where $JAXSERVE_DISABLE_COMPILE_CACHE
+    is 1 (as vLLM's VLLM_DISABLE_COMPILE_CACHE)."""
+    return None if os.environ.get("JAXSERVE_DISABLE_COMPILE_CACHE") == "1" else default_cache_dir("xla")
+
+
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     """smallest, 2*smallest, ... up to and including `largest` (which need not be a power of two)."""
     buckets, size = [], smallest
@@ -113,7 +119,7 @@ class EngineConfig:
     detokenizer_process: bool = False
     warmup: bool = True  # compile every shape at start-up
     # jax's persistent compilation cache (None disables it); default: $JAXSERVE_CACHE_ROOT/xla, ~/.cache/jaxserve/xla
-    compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: default_cache_dir("xla"))
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
 
     def __post_init__(self) -> None:
         checks = [
