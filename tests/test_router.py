@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from typing import AsyncIterator
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from jaxserve.router.app import create_router_app, routing_text
 from jaxserve.router.policies import CacheAware, RoundRobin, ShortestQueue, WorkerLoad, make_policy
 from jaxserve.router.prefix_tree import PrefixTree
 from jaxserve.router.workers import WorkerPool
+from jaxserve.server.http_utils import EventStreamResponse, wait_for_disconnect
 
 # -- policies and the tree (no HTTP) -----------------------------------------------------------------------------
 
@@ -141,6 +143,12 @@ def fake_worker(name: str, state: dict) -> FastAPI:
         if body.get("max_tokens") == -1:
             return JSONResponse({"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error",
                                            "param": "max_tokens", "code": None}}, status_code=400)
+        if state.get("hang"):  # answers nothing until the caller hangs up, as a long generation
+            if body.get("stream"):
+                return EventStreamResponse(hang(state))
+            await wait_for_disconnect(request.receive)
+            state["gone"] = True
+            return Response()
         if not body.get("stream"):
             return JSONResponse({"choices": [{"index": 0, "text": name}]})
 
@@ -159,13 +167,22 @@ def fake_worker(name: str, state: dict) -> FastAPI:
     return app
 
 
+async def hang(state: dict) -> AsyncIterator[str]:
+    """One event, then nothing until the stream is closed."""
+    try:
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'first'}]})}\n\n"
+        await asyncio.Event().wait()
+    finally:
+        state["gone"] = True
+
+
 class ThreadServer:
     """A uvicorn server in a thread, on `port`."""
 
-    def __init__(self, app: FastAPI, port: int):
+    def __init__(self, app: FastAPI, port: int, lifespan: str = "off"):
         self.port = port
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                                                    lifespan="off"))
+                                                    lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -310,3 +327,35 @@ def test_cache_aware_keeps_a_conversation_on_one_worker(workers):
         assert served[:4] == [served[0]] * 4 and served[4:] == [served[4]] * 4
 
     through_router(urls, "cache_aware", check)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_ends_its_request_on_the_worker(workers, stream):
+    urls, states, _ = workers
+    states[0]["hang"] = True
+    client = httpx.AsyncClient(timeout=600)  # longer than the wait below: only the hang-up may end the request
+    pool = WorkerPool(urls[:1], client, interval=3600)
+    router = ThreadServer(create_router_app(pool, make_policy("round_robin"), client), free_port(), "on")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{router.port}", timeout=30) as http:
+            deadline = time.monotonic() + 30
+            while http.get("/health").status_code != 200:  # the first health check
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        body = json.dumps({"prompt": "hi", "stream": stream}).encode()
+        with socket.create_connection(("127.0.0.1", router.port), timeout=30) as sock:  # a client that will hang up
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while b"data: " not in received if stream else not states[0].get("seen"):  # the worker has it
+                received += sock.recv(4096) if stream else b""
+                time.sleep(0 if stream else 0.02)
+        deadline = time.monotonic() + 30
+        while not states[0].get("gone"):
+            assert time.monotonic() < deadline, "the worker's request stayed open after the client left"
+            time.sleep(0.02)
+        while pool.workers[urls[0]].in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        router.stop()

@@ -5,8 +5,8 @@ object) and the `Authorization` header pass through unchanged, and so does the w
 content type; a worker's 400 stays a 400), with an `x-jaxserve-worker` header naming the worker. A request that
 cannot connect is retried once on another worker (the worker is ejected). A worker that fails after taking a
 request is not retried: a whole answer becomes a 502, a stream in flight ends with an error event and `[DONE]`
-(the form jaxserve's own streams end with on a failure), never silently. A client that hangs up closes the
-upstream stream, so the worker aborts the request. `GET /v1/models` comes from a healthy worker; `/health`
+(the form jaxserve's own streams end with on a failure), never silently. A client that hangs up, streamed or
+whole, closes the upstream request, so the worker aborts it. `GET /v1/models` comes from a healthy worker; `/health`
 (200 while any worker is healthy) and `/metrics` are the router's own. Routing text: a completion's prompt (a
 string, or token ids written out), a chat's messages as role and content lines.
 """
@@ -28,7 +28,7 @@ from jaxserve.router.policies import Policy
 from jaxserve.router.workers import WorkerPool
 from jaxserve.server.api_server import add_api_error_handlers
 from jaxserve.server.errors import APIError, bad_request, error_body
-from jaxserve.server.http_utils import sse
+from jaxserve.server.http_utils import sse, unless_disconnected
 from jaxserve.server.middleware import BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,8 @@ def create_router_app(pool: WorkerPool, policy: Policy, client: httpx.AsyncClien
             upstream = client.build_request("POST", url + path, content=raw, headers=_headers(request))
             worker = pool.workers[url]
             worker.in_flight += 1
-            try:
-                answer = await client.send(upstream, stream=True)
+            try:  # headers come when a whole answer is done: a client that leaves meanwhile closes the request
+                sent, answer = await unless_disconnected(request, client.send(upstream, stream=True))
             except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                 worker.in_flight -= 1
                 logger.warning("could not connect to %s (%s)%s", url, type(err).__name__,
@@ -128,19 +128,22 @@ def create_router_app(pool: WorkerPool, policy: Policy, client: httpx.AsyncClien
                 worker.in_flight -= 1
                 raise
             metrics.requests.labels(url).inc()
+            if not sent:
+                worker.in_flight -= 1
+                return Response(status_code=499)  # nobody reads it: the client has gone
             if body.get("stream") is True and answer.status_code == 200:
                 return StreamingResponse(_relay(answer, worker), status_code=200,
                                          media_type=answer.headers.get("content-type", "text/event-stream"),
                                          headers={"x-jaxserve-worker": url})
             try:
-                await answer.aread()
+                answered, _ = await unless_disconnected(request, answer.aread())
             except httpx.HTTPError as err:
                 raise APIError(502, f"the worker at {url} failed before answering: {type(err).__name__}",
                                code="worker_failed") from None
             finally:
                 await answer.aclose()
                 worker.in_flight -= 1
-            return _whole(answer, url)
+            return _whole(answer, url) if answered else Response(status_code=499)
         raise APIError(503, "no worker could be reached; retry later", code="no_worker",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
