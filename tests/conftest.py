@@ -9,9 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the test processes read no jax persistent compilation cache: XLA:CPU's loading of cached executables segfaulted
-# (`compilation_cache.get_executable_and_time`) after hundreds of engines in one process, on CI and here (see
-# tests/run_suite.py); the servers and hosts tests start, one or two engines each, use it (default_server.server_env)
+# no process of the suite reads jax's persistent compilation cache: XLA:CPU's loading of cached executables
+# segfaulted (`compilation_cache.get_executable_and_time`), at random, after hundreds of engines in one process, on
+# CI and here (see tests/run_suite.py); the suite checks jaxserve, not jax's cache
 os.environ.setdefault("JAXSERVE_DISABLE_COMPILE_CACHE", "1")
 # jaxserve's cache root: a fresh folder per test run (inherited by the servers and hosts tests start), so nothing
 # of an earlier or killed run is read

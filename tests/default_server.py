@@ -24,14 +24,6 @@ PAGE_SIZE = 16  # the engine's default, which ENGINE_OPTIONS keep
 STARTUP_TIMEOUT = 400  # seconds
 
 
-def server_env(**extra: str) -> dict[str, str]:
-    """The environment of a process a test starts (a server or a host): this one's, with jax's compilation cache on
-    again (conftest turns it off for the test processes, where XLA's loading of cached executables crashed after
-    hundreds of engines; a server builds one or two), plus `extra`."""
-    env = {key: value for key, value in os.environ.items() if key != "JAXSERVE_DISABLE_COMPILE_CACHE"}
-    return {**env, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", **extra}
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -67,7 +59,7 @@ def running_server(log_dir: Path) -> Iterator[ServerProcess]:
     """The server, healthy; stopped with SIGTERM afterwards (AssertionError unless it exits 0)."""
     port = free_port()
     log_path = log_dir / "server.log"
-    env = server_env()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *ENGINE_OPTIONS,
                "--log-stats-interval", "2", "--shutdown-timeout", "10", "--enable-auto-tool-choice",
                "--tool-call-parser", "hermes"]

@@ -9,8 +9,7 @@ A worker that dies is not replaced (`--max-worker-restart 0`): pytest-xdist's re
 fails at once instead, naming the test the worker was running. A test that runs over ten minutes has every thread's
 stack dumped (`faulthandler_timeout`), to show where it waits.
 
-Why the test processes read no jax persistent compilation cache (conftest sets JAXSERVE_DISABLE_COMPILE_CACHE=1;
-the servers and hosts tests start, one or two engines each, do read it: `default_server.server_env`): XLA:CPU's
+Why no test reads jax's persistent compilation cache (conftest sets JAXSERVE_DISABLE_COMPILE_CACHE=1): XLA:CPU's
 loading of a cached executable (`compilation_cache.get_executable_and_time` -> `deserialize_executable`, from
 warm-up's compile pool) segfaulted after some hundreds of engines had been built in one process, first in a one-
 process run (issue 27's note: that file's tests pass in a fresh process), then in one of these two workers on CI

@@ -20,7 +20,6 @@ import pytest
 
 from benchmarks import common, datasets, metrics, serving
 from benchmarks.metrics import RequestResult
-from tests.default_server import server_env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
@@ -490,7 +489,7 @@ def test_serving_smoke_against_jaxserve(tiny_llama_dir, tmp_path):
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--model", tiny_llama_dir, "--port",
-                               str(port), *TINY_ENGINE, "--log-stats-interval", "0"], cwd=REPO, env=server_env(), stdout=log,
+                               str(port), *TINY_ENGINE, "--log-stats-interval", "0"], cwd=REPO, stdout=log,
                               stderr=subprocess.STDOUT)
     try:
         base_url = f"http://127.0.0.1:{port}"

@@ -8,6 +8,7 @@ the leader fail the request in flight with 503 and exit non-zero, and the other 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,7 +19,6 @@ import httpx
 import pytest
 
 from tests.conftest import save_tiny_model
-from tests.default_server import server_env
 from tests.test_server_process import EXIT_TIMEOUT, REPO, free_port, wait_healthy
 
 RANKS = 3
@@ -80,7 +80,7 @@ class Cluster:
         self.model = model
         self.logs = [log_dir / f"rank{rank}.log" for rank in range(RANKS)]
         address = f"127.0.0.1:{free_port()}"
-        env = {key: value for key, value in server_env().items() if key != "XLA_FLAGS"}
+        env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
         env |= {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         self.processes = []
         for rank in range(RANKS):

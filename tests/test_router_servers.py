@@ -14,7 +14,6 @@ import httpx
 
 from benchmarks import serving
 from benchmarks.run_default_suite import free_port
-from tests.default_server import server_env
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = ["--max-num-seqs", "4", "--max-model-len", "512", "--max-num-batched-tokens", "128", "--block-size", "8",
@@ -23,7 +22,7 @@ WORKER = ["--max-num-seqs", "4", "--max-model-len", "512", "--max-num-batched-to
 
 def start(command: list[str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "jaxserve", *command], cwd=REPO, env=server_env(), stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "jaxserve", *command], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT)
 
 

@@ -8,6 +8,7 @@ stream finish and exits 0.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -19,8 +20,6 @@ from typing import Callable
 
 import httpx
 import pytest
-
-from tests.default_server import server_env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_OPTIONS = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "32",
@@ -107,7 +106,7 @@ class Server:
         script = f"{prelude}\nfrom jaxserve.cli import main\nmain()\n"
         command = [sys.executable, "-c", script, "serve", "--model", model_dir, "--port", str(self.port),
                    *TINY_OPTIONS, *extra_args]
-        env = server_env()
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         with open(log_path, "wb") as log_file:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
