@@ -9,12 +9,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# no process of the suite reads jax's persistent compilation cache: XLA:CPU's loading of cached executables
-# segfaulted (`compilation_cache.get_executable_and_time`), at random, after hundreds of engines in one process, on
-# CI and here (see tests/run_suite.py); the suite checks jaxserve, not jax's cache
-os.environ.setdefault("JAXSERVE_DISABLE_COMPILE_CACHE", "1")
-# jaxserve's cache root: a fresh folder per test run (inherited by the servers and hosts tests start), so nothing
-# of an earlier or killed run is read
+# jax's persistent compilation cache: a fresh folder per test run (inherited by the servers and hosts tests start),
+# so no entry of an earlier or killed run is read
 if "JAXSERVE_CACHE_ROOT" not in os.environ:
     import atexit
     import shutil
@@ -131,6 +127,20 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_executables():
+    """After each test file, once its engines are gone, jax's caches let go of their compiled executables. They keep
+    them otherwise, and each holds memory maps of its code: a process that built a few hundred engines reached the
+    kernel's limit (vm.max_map_count, 65,530) and XLA:CPU segfaulted mapping the next one (tests/run_suite.py)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

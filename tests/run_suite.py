@@ -1,19 +1,21 @@
 """Runs the test suite as `make test` does: one pytest over two worker processes (pytest-xdist, `--dist loadfile`:
 each test file runs whole on one worker, handed to whichever is free, so the two stay busy until the end; the CI
-machine has two cores, and most tests are bound by one core's compiling), the largest files first, with a fresh
-cache root, after the default model's store is converted (both would otherwise write it at once). Extra arguments
-go to pytest. Exits as pytest does.
+machine has two cores, and most tests are bound by one core's compiling), the largest files first, sharing one
+fresh folder for jax's persistent compilation cache, after the default model's store is converted (both would
+otherwise write it at once). Extra arguments go to pytest. Exits as pytest does.
 
 A worker that dies is not replaced (`--max-worker-restart 0`): pytest-xdist's replacement of a crashed worker under
 `--dist loadfile` can wait forever (pytest-xdist issue 784), and did, on CI, until its 90 minutes ran out. The run
 fails at once instead, naming the test the worker was running. A test that runs over ten minutes has every thread's
 stack dumped (`faulthandler_timeout`), to show where it waits.
 
-Why no test reads jax's persistent compilation cache (conftest sets JAXSERVE_DISABLE_COMPILE_CACHE=1): XLA:CPU's
-loading of a cached executable (`compilation_cache.get_executable_and_time` -> `deserialize_executable`, from
-warm-up's compile pool) segfaulted after some hundreds of engines had been built in one process, first in a one-
-process run (issue 27's note: that file's tests pass in a fresh process), then in one of these two workers on CI
-(issue 30's submission). The cause inside XLA is not found.
+What crashed before: a process that built a few hundred engines died in XLA:CPU (a segfault
+under `compilation_cache.get_executable_and_time` or `put_executable_and_time`): first a one-process run (issue
+27), then one of these two workers on CI (issue 30's submission). The cause: jax's caches keep every compiled
+executable, each holding memory maps of its code, so the process reached the kernel's limit (vm.max_map_count,
+65,530; about 5,000 maps more after each large test file), and LLVM's next mapping failed ("LLVM compilation
+error: Cannot allocate memory", then the segfault; reproduced here with the limit lowered to 8,000 over two files).
+conftest's `release_executables` now clears jax's caches after each test file: the maps go back to about 1,150.
 """
 
 from __future__ import annotations
