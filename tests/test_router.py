@@ -343,13 +343,18 @@ def test_a_client_that_hangs_up_ends_its_request_on_the_worker(workers, stream):
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
         body = json.dumps({"prompt": "hi", "stream": stream}).encode()
+        deadline = time.monotonic() + 30
         with socket.create_connection(("127.0.0.1", router.port), timeout=30) as sock:  # a client that will hang up
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            received = b""
-            while b"data: " not in received if stream else not states[0].get("seen"):  # the worker has it
-                received += sock.recv(4096) if stream else b""
-                time.sleep(0 if stream else 0.02)
+            if stream:
+                received = b""
+                while b"data: " not in received:  # the first event came through
+                    received += sock.recv(4096)
+            else:
+                while not states[0].get("seen"):  # the worker has it; no answer will come
+                    assert time.monotonic() < deadline, "the request did not reach the worker"
+                    time.sleep(0.02)
         deadline = time.monotonic() + 30
         while not states[0].get("gone"):
             assert time.monotonic() < deadline, "the worker's request stayed open after the client left"
