@@ -14,13 +14,16 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxserve.bench import machine, report
+
+# the package's, under the names the scripts use
+load_tokenizer, print_block, load_average = report.load_tokenizer, report.print_block, machine.load_average
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 DEFAULT_SEED = 0
@@ -35,32 +38,6 @@ def ensure_repo_on_path() -> None:
 # -- machine -------------------------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (the affinity mask), falling back to os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def git_commit() -> str | None:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
@@ -70,17 +47,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{commit}{'+dirty' if dirty else ''}" if commit else None
-
-
-def memory_gib() -> float | None:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
 
 
 _COMMIT_AT_START: list[str | None] = []
@@ -94,28 +60,12 @@ def commit_at_start() -> str | None:
 
 
 def machine_info(include_jax: bool = True) -> dict[str, Any]:
-    """What the numbers were measured on. `include_jax=False` avoids importing jax (e.g. in the HF baseline)."""
-    info: dict[str, Any] = {
-        "cpu": cpu_model(),
-        "cores": usable_cores(),
-        "memory_gib": memory_gib(),
-        "load_average_1_5_15": load_average(),
-        "python": platform.python_version(),
-        "git_commit": commit_at_start(),
-    }
+    """What the numbers were measured on (jaxserve.bench.machine's) plus the checkout's commit.
+    `include_jax=False` avoids importing jax (e.g. in the HF baseline)."""
+    info = {**machine.machine_info(include_jax), "git_commit": commit_at_start()}
     now = git_commit()
     if now != info["git_commit"]:
         info["git_commit_at_end"] = now
-    if include_jax:
-        import jax
-        import jaxlib
-
-        devices = jax.devices()
-        info.update(backend=jax.default_backend(), device=devices[0].device_kind, device_count=len(devices),
-                    jax=jax.__version__, jaxlib=jaxlib.__version__)
-    for module in ("torch", "transformers"):
-        if module in sys.modules:
-            info[module] = sys.modules[module].__version__
     return info
 
 
@@ -197,18 +147,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
-def print_block(title: str, rows: Sequence[tuple[str, str]], width: int = 50) -> None:
-    """`vllm bench`-style block: a '=' title bar, label/value rows, '-' section bars for rows with no value."""
-    print("{s:{c}^{n}}".format(s=f" {title} ", n=width, c="="))
-    for label, value in rows:
-        if value == "":
-            print("{s:{c}^{n}}".format(s=label, n=width, c="-"))
-        else:
-            pad = max(width - len(value), len(label) + 1)
-            print(f"{label:<{pad}}{value}")
-    print("=" * width, flush=True)
-
-
 # -- runs ----------------------------------------------------------------------------------------------------
 
 
@@ -260,6 +198,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """jaxserve bench's dataset flags, at the offline scripts' small defaults (64 requests, 128 in, 64 out)."""
+    from jaxserve.bench import datasets
+
+    datasets.add_dataset_args(parser, num_prompts=64)
+    parser.set_defaults(random_input_len=128, random_output_len=64, custom_output_len=64,
+                        prefix_repetition_output_len=64)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64, max_model_len: int = 512) -> None:
     """The jaxserve engine options an offline benchmark sets (vLLM's flag names)."""
     group = parser.add_argument_group("engine")
@@ -298,32 +245,17 @@ def model_label(model: str | None) -> str:
     return DEFAULT_MODEL if model in (None, DEFAULT_MODEL) else str(model)
 
 
-def load_tokenizer(model: str | None):
-    """The HF tokenizer of `model` (a HF dir or store dir) or of the default model, without loading weights."""
-    from transformers import AutoTokenizer
-
-    from jaxserve.loading import DEFAULT_MODEL, checkpoint_root
-
-    if model not in (None, DEFAULT_MODEL):
-        path = Path(model)
-        if path.is_dir() and ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
-            return AutoTokenizer.from_pretrained(str(path))
-        from jaxserve.loading import load_model
-
-        return load_model(model).tokenizer
-    store = checkpoint_root() / DEFAULT_MODEL
-    if (store / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(store))
-    from jaxserve.loading import load_model  # converts the GGUF once, then the store has the tokenizer
-
-    return load_model(None).tokenizer
-
-
 def start(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[list[str], argparse.Namespace]:
     """A benchmark's start: `(argv, parsed args)` from `argv` (default: the command line), logs quieted and
     every random source seeded with `--seed`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if hasattr(args, "dataset_name"):
+        from jaxserve.bench import datasets
+
+        problem = datasets.check_dataset_args(args)
+        if problem:
+            parser.error(problem)
     quiet_logs()
     seed_everything(args.seed)
     return argv, args

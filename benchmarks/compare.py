@@ -22,7 +22,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common, datasets, roofline, throughput
+from benchmarks import common, roofline, throughput
+from jaxserve.bench import datasets
 from benchmarks.baselines import hf_transformers
 
 NAME = "compare"
@@ -55,7 +56,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    datasets.add_dataset_args(parser, num_prompts=64, input_len=128, output_len=64)
+    common.add_workload_args(parser)
     common.add_engine_args(parser)
     common.add_common_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch (default: --max-num-seqs)")

@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, random_model, roofline, throughput
-from benchmarks.datasets import RequestRecord
+from jaxserve.bench.datasets import RequestRecord
 
 NAME = "gpu_8b"
 PUBLISHED = {  # vLLM's published figures for the real models, for comparison only: never measured here

@@ -30,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, random_model, roofline, throughput
-from benchmarks.datasets import random_dataset
+from jaxserve.bench.datasets import random_dataset
 
 NAME = "moe"
 DENSE_TYPES = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}

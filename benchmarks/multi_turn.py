@@ -32,7 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common
-from benchmarks.metrics import percentile
+from jaxserve.bench.metrics import percentile
 
 NAME = "multi_turn"
 MODES = ("off", "host", "host+disk", "restart")

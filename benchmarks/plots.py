@@ -1,9 +1,10 @@
-"""The benchmark plots (matplotlib, Agg backend, PNG): throughput vs concurrency, TTFT/TPOT CDFs, % of roofline.
+"""The research benchmarks' plots (matplotlib, Agg backend, PNG): throughput vs concurrency and %
+of roofline (`jaxserve bench serve --plot` draws its own: jaxserve/bench/plots.py).
 
 Owns only drawing; the scripts that measure call these functions with numbers they already have. Run as a
 script to redraw every plot from result JSON files:
 
-    python benchmarks/plots.py benchmarks/results/serving.json benchmarks/results/roofline.json
+    python benchmarks/plots.py benchmarks/results/roofline.json benchmarks/results/throughput-prompts.json
 """
 
 from __future__ import annotations
@@ -48,26 +49,6 @@ def throughput_vs_concurrency(series: Mapping[str, Sequence[tuple[float, float]]
     return _save(fig, path)
 
 
-def latency_cdfs(runs: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path, title: str) -> Path:
-    """Two panels (TTFT, TPOT), one empirical CDF per run; values in milliseconds."""
-    import numpy as np
-
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    for ax, metric in zip(axes, ("ttft_ms", "tpot_ms")):
-        for label, values in runs.items():
-            data = np.sort(np.asarray(values.get(metric, []), dtype=float))
-            if data.size:
-                ax.step(data, np.arange(1, data.size + 1) / data.size, where="post", label=label)
-        ax.set_xlabel(metric.replace("_ms", "").upper() + " (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_ylim(0, 1.02)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    return _save(fig, path)
-
-
 def roofline_percentage(points: Sequence[tuple[int, float]], path: str | Path, title: str) -> Path:
     """Bars of % of the roofline floor reached per decode batch size."""
     plt = _pyplot()
@@ -103,8 +84,6 @@ def redraw(result_file: str | Path) -> list[Path]:
     base = Path(result_file).with_suffix("")
     label = common.machine_label(data["machine"])
     drawn = []
-    if data.get("benchmark") == "serving" and data.get("runs"):
-        drawn += draw_serving(data, base, label)
     if data.get("benchmark") == "roofline" and data.get("points"):
         drawn.append(roofline_percentage([(p["batch"], p["percent_of_roofline"]) for p in data["points"]],
                                          f"{base}.png", f"{data['model']}, ctx {data['context']}, {label}"))
@@ -113,26 +92,6 @@ def redraw(result_file: str | Path) -> list[Path]:
         drawn.append(throughput_vs_concurrency(
             {"offline closed loop": [(p["concurrency"], p["output_throughput"]) for p in sweep]},
             f"{base}.png", f"jaxserve offline, {data['model']}, {label}"))
-    return drawn
-
-
-def draw_serving(data: dict, base: Path | str, label: str) -> list[Path]:
-    """The serving plots: CDFs of every run, and throughput vs concurrency when the sweep has several levels."""
-    runs = data["runs"]
-
-    def run_name(run: dict) -> str:
-        rate = run["request_rate"]
-        return (f"max concurrency {run['max_concurrency'] or 'unlimited'}, "
-                f"{'all at once' if rate == 'inf' else f'{rate} req/s'}")
-
-    drawn = [latency_cdfs({run_name(r): {"ttft_ms": [1000 * q["ttft"] for q in r["requests"] if q["success"]],
-                                         "tpot_ms": [1000 * q["tpot"] for q in r["requests"]
-                                                     if q["success"] and q["tpot"] is not None]} for r in runs},
-                          f"{base}-cdf.png", f"{data.get('server', '')} {label}")]
-    levels = [(r["max_concurrency"], r["metrics"]["output_throughput"]) for r in runs if r["max_concurrency"]]
-    if len(levels) > 1:
-        drawn.append(throughput_vs_concurrency({"online (streaming)": levels}, f"{base}-concurrency.png",
-                                               f"{data.get('server', '')} {label}"))
     return drawn
 
 

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
 from benchmarks import common
-from benchmarks.datasets import DEFAULT_PROMPTS_FILE, chat_messages, load_prompt_file, render_chat
+from jaxserve.bench.datasets import DEFAULT_PROMPTS_FILE, chat_messages, load_prompt_file, render_chat
 
 NAME = "quality"
 BUILT_IN = {"float": {}, "int8": {"quantization": "int8"},

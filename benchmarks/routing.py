@@ -30,8 +30,9 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common, datasets, serving
-from benchmarks.metrics import percentile
+from benchmarks import common
+from jaxserve.bench import client, datasets
+from jaxserve.bench.metrics import percentile
 from benchmarks.run_default_suite import free_port, stop_server
 
 NAME = "routing"
@@ -77,10 +78,10 @@ class Servers:
             for index, url in enumerate(self.workers):
                 self._start([sys.executable, "-m", "jaxserve", "serve", "--port", url.rsplit(":", 1)[1], *WORKER],
                             f"worker{index}")
-                serving.wait_for_server(url, timeout_s, self.processes[-1])
+                client.wait_for_server(url, timeout_s, self.processes[-1])
             self._start([sys.executable, "-m", "jaxserve", "router", "--worker-urls", *self.workers, "--policy", policy,
                          "--port", self.router.rsplit(":", 1)[1]], "router")
-            serving.wait_for_server(self.router, 60, self.processes[-1])
+            client.wait_for_server(self.router, 60, self.processes[-1])
         except BaseException:
             self.stop()
             raise
@@ -112,12 +113,9 @@ def worker_counters(url: str) -> dict[str, float]:
 async def run_conversations(base_url: str, model: str, chats: list[tuple[str, list[str]]],
                             args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every turn of every conversation through `base_url`; one row per turn."""
-    import httpx
-
     gate = asyncio.Semaphore(args.concurrency)
     rows: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with client.open_session(3600.0) as session:
         async def converse(index: int, doc: str, questions: list[str]) -> None:
             messages = [{"role": "system", "content": doc}]
             async with gate:
@@ -125,7 +123,7 @@ async def run_conversations(base_url: str, model: str, chats: list[tuple[str, li
                     messages.append({"role": "user", "content": question})
                     body = {"model": model, "messages": messages, "max_tokens": args.output_len, "temperature": 0,
                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                    result = await serving.send_request(client, base_url + serving.CHAT, serving.CHAT, body, 0, 0.0)
+                    result = await client.send_request(session, base_url + client.CHAT, client.CHAT, body, 0, 0.0)
                     rows.append({"conversation": index, "turn": turn, "success": result.success,
                                  "error": result.error, "ttft": result.ttft, "prompt_len": result.prompt_len,
                                  "cached_tokens": result.cached_tokens, "worker": result.served_by,
@@ -158,7 +156,7 @@ def policy_figures(rows: list[dict[str, Any]], before: list[dict], after: list[d
 def run_policy(policy: str, chats: list[tuple[str, list[str]]], args: argparse.Namespace) -> dict[str, Any]:
     servers = Servers(2, policy, args.server_timeout)
     try:
-        model = serving.served_model(servers.router)
+        model = client.served_model(servers.router)
         before = [worker_counters(url) for url in servers.workers]
         rows = asyncio.run(run_conversations(servers.router, model, chats, args))
         after = [worker_counters(url) for url in servers.workers]
@@ -172,19 +170,17 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     entries = datasets.load_prompt_file()
     servers = Servers(1, "round_robin", args.server_timeout)
     try:
-        model = serving.served_model(servers.router)
+        model = client.served_model(servers.router)
         results: dict[str, list] = {"direct": [], "router": []}
 
         async def go() -> None:
-            import httpx
-
-            async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            async with client.open_session(600.0) as session:
                 for index in range(args.overhead_requests):
                     way = "direct" if index % 2 == 0 else "router"
                     base = servers.workers[0] if way == "direct" else servers.router
                     body = {"model": model, "messages": datasets.chat_messages(entries[index % len(entries)]),
                             "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
-                    results[way].append(await serving.send_request(client, base + serving.CHAT, serving.CHAT, body,
+                    results[way].append(await client.send_request(session, base + client.CHAT, client.CHAT, body,
                                                                    0, 0.0))
 
         asyncio.run(go())

@@ -45,6 +45,9 @@ class Step:
         return common.RESULTS_DIR / f"{self.name}.json"
 
     def command(self, python: str) -> list[str]:
+        if self.script.startswith("jaxserve "):  # a packaged command: vLLM's result flags
+            return [python, "-m", *self.script.split(), *self.args, "--save-result", "--result-dir",
+                    str(common.RESULTS_DIR), "--result-filename", f"{self.name}.json"]
         return [python, str(Path("benchmarks") / self.script), *self.args, "--result-file",
                 str(self.result_file.relative_to(common.REPO_ROOT))]
 
@@ -56,20 +59,21 @@ def default_steps(model: str | None) -> list[Step]:
     """The suite: small versions of every benchmark. Estimates are from runs on a shared 2-core EPYC."""
     model_args = ["--model", model] if model else []
     return [
-        Step("compare", "compare.py", [*model_args, *ENGINE, "--dataset", "random", "--num-prompts", "64",
+        Step("compare", "compare.py", [*model_args, *ENGINE, "--dataset-name", "random", "--num-prompts", "64",
                                        "--input-len", "128", "--output-len", "64", "--hf-batch-size", "64",
                                        "--single-stream-tokens", "32"], estimate_s=150),
         Step("roofline", "roofline.py", [*model_args, *ENGINE, "--batch-sizes", "1", "4", "16", "64",
                                          "--context", "256"], estimate_s=40),
         Step("throughput-shared-prefix", "throughput.py",
-             [*model_args, *ENGINE, "--dataset", "shared-prefix", "--num-prompts", "64", "--num-prefixes", "4",
-              "--prefix-len", "256", "--suffix-len", "32", "--output-len", "16"], estimate_s=50),
-        Step("serving", "serving.py", ["--dataset", "prompts", "--num-prompts", "16", "--output-len", "32",
-                                       "--max-model-len", "512", "--ignore-eos", "--max-concurrency", "1", "4", "16",
-                                       "--goodput", "ttft:2000", "tpot:250"],
-             estimate_s=80, needs_server=True),
+             [*model_args, *ENGINE, "--dataset-name", "prefix_repetition", "--num-prompts", "64",
+              "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-prefix-len", "256",
+              "--prefix-repetition-suffix-len", "32", "--output-len", "16"], estimate_s=50),
+        Step("serving", "jaxserve bench serve",
+             ["--dataset-name", "prompts", "--num-prompts", "16", "--output-len", "32", "--max-model-len", "512",
+              "--ignore-eos", "--max-concurrency", "1", "4", "16", "--goodput", "ttft:2000", "tpot:250",
+              "--metric-percentiles", "50,90,99"], estimate_s=80, needs_server=True),
         Step("throughput-prompts", "throughput.py",
-             [*model_args, *ENGINE, "--dataset", "prompts", "--num-prompts", "64", "--output-len", "64",
+             [*model_args, *ENGINE, "--dataset-name", "prompts", "--num-prompts", "64", "--output-len", "64",
               "--concurrency", "1", "4", "16", "64", "--sweep-waves", "2"], estimate_s=150),
     ]
 
@@ -119,7 +123,7 @@ def run_step(step: Step, python: str, model: str | None, timeout_s: float) -> di
     record: dict[str, Any] = {"name": step.name, "command": " ".join(command), "result_file": str(step.result_file)}
     try:
         if step.needs_server:
-            from benchmarks.serving import wait_for_server
+            from jaxserve.bench.client import wait_for_server
 
             port = free_port()
             record["server_command"] = " ".join(server_command(python, model, port))
@@ -152,6 +156,12 @@ def headline(records: list[dict[str, Any]]) -> list[list[Any]]:
     """[step, metric, value] rows from the result files of the steps that succeeded."""
     rows: list[list[Any]] = []
     for record in records:
+        if record.get("status") == "ok" and record["name"] == "serving":
+            for run in serving_runs():
+                level = f"c={run['max_concurrency']}"
+                rows += [["serving", f"{level} output tok/s", run["output_throughput"]],
+                         ["serving", f"{level} TTFT median ms", run["median_ttft_ms"]],
+                         ["serving", f"{level} TPOT median ms", run["median_tpot_ms"]]]
         if record.get("status") != "ok" or not Path(record["result_file"]).exists():
             continue
         data = common.read_result(record["result_file"])
@@ -176,13 +186,13 @@ def headline(records: list[dict[str, Any]]) -> list[list[Any]]:
                 rows.append([name, "prefix hit rate %", 100 * result["prefix_hit_rate"]])
             rows += [[name, f"closed loop c={p['concurrency']} output tok/s", p["output_throughput"]]
                      for p in data.get("closed_loop_sweep", [])]
-        elif name == "serving":
-            for run in data["runs"]:
-                m = run["metrics"]
-                rows += [[name, f"c={run['max_concurrency']} output tok/s", m["output_throughput"]],
-                         [name, f"c={run['max_concurrency']} TTFT median ms", m["ttft_ms"]["median"]],
-                         [name, f"c={run['max_concurrency']} TPOT median ms", m["tpot_ms"]["median"]]]
     return rows
+
+
+def serving_runs() -> list[dict[str, Any]]:
+    """The serving step's result files (one per concurrency level: jaxserve bench serve's sweep), by level."""
+    runs = [common.read_result(path) for path in common.RESULTS_DIR.glob("serving-*qps*.json")]
+    return sorted(runs, key=lambda run: run["max_concurrency"] or 0)
 
 
 def combined_concurrency_plot(records: list[dict[str, Any]]) -> Path | None:
@@ -196,11 +206,12 @@ def combined_concurrency_plot(records: list[dict[str, Any]]) -> Path | None:
         data = common.read_result(record["result_file"])
         label = common.machine_label(data["machine"])
         if data.get("closed_loop_sweep"):
-            series[f"offline, LLM engine closed loop ({data['workload']['dataset']})"] = [
+            series[f"offline, LLM engine closed loop ({data['workload']['dataset_name']})"] = [
                 (p["concurrency"], p["output_throughput"]) for p in data["closed_loop_sweep"]]
-        if data.get("benchmark") == "serving":
-            series[f"online, HTTP streaming ({data['workload']['dataset']})"] = [
-                (r["max_concurrency"], r["metrics"]["output_throughput"]) for r in data["runs"] if r["max_concurrency"]]
+    runs = [run for run in serving_runs() if run["max_concurrency"]]
+    if runs:
+        series[f"online, HTTP streaming ({runs[0]['dataset']['dataset_name']})"] = [
+            (run["max_concurrency"], run["output_throughput"]) for run in runs]
     if not series:
         return None
     return plots.throughput_vs_concurrency(series, common.RESULTS_DIR / "throughput-vs-concurrency.png",

@@ -1,6 +1,6 @@
 """Scheduling for latency targets: the same mixed workload against jaxserve servers that differ only in policy.
 
-The workload is `serving.py --dataset mixed`: Poisson arrivals (`--request-rate`) of short chats (40-128 prompt
+The workload is `jaxserve bench serve --dataset-name mixed`: Poisson arrivals (`--request-rate`) of short chats (40-128 prompt
 tokens, 16-64 output) with `--long-fraction` of long prompts (1,500-2,000 tokens), every request carrying its
 category's latency targets (`--short-slo`, `--long-slo`: TTFT_MS:TPOT_MS). Each arm starts a fresh
 `python -m jaxserve serve` with its flags (`ARMS`) and sends the identical requests on the identical schedule.
@@ -24,8 +24,9 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common, serving
-from benchmarks.metrics import percentile
+from benchmarks import common
+from jaxserve.bench import client, serve
+from jaxserve.bench.metrics import percentile
 from benchmarks.run_default_suite import free_port, stop_server
 
 NAME = "slo_scheduling"
@@ -68,18 +69,30 @@ def summarize(requests: list[dict[str, Any]], targets: dict[str, dict[str, float
             "long_completed": f"{len(long)}/{sum(1 for r in requests if r['category'] == 'long')}"}
 
 
+def request_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per request from `jaxserve bench serve --save-detailed`'s per-request lists."""
+    rows = []
+    for values in zip(payload["categories"], payload["errors"], payload["input_lens"], payload["output_lens"],
+                      payload["ttfts"], payload["latencies"], payload["start_times"]):
+        category, error, prompt_len, output_len, ttft, latency, send_time = values
+        tpot = (latency - ttft) / (output_len - 1) if output_len > 1 else None
+        rows.append({"category": category, "success": not error, "error": error, "prompt_len": prompt_len,
+                     "output_len": output_len, "ttft": ttft, "latency": latency, "tpot": tpot,
+                     "send_time": send_time})
+    return rows
+
+
 def run_arm(arm: str, client_args: list[str], python: str, timeout_s: float) -> dict[str, Any]:
-    """Starts the arm's server, runs serving.py's client against it, stops it; returns serving.py's payload."""
+    """Starts the arm's server, runs `jaxserve bench serve` against it, stops it; returns its detailed result."""
     port = free_port()
     command = [python, "-m", "jaxserve", "serve", "--port", str(port), *SERVER, *ARMS[arm]]
     print(f"\n$ {' '.join(command)} &", flush=True)
     with tempfile.NamedTemporaryFile("w", prefix=f"jaxserve-{arm}-", suffix=".log", delete=False) as log:
         server = subprocess.Popen(command, cwd=common.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        serving.wait_for_server(f"http://127.0.0.1:{port}", timeout_s, server)
-        result_file = Path(tempfile.mkdtemp(prefix="slo-")) / f"{arm}.json"
-        payload = serving.main([*client_args, "--base-url", f"http://127.0.0.1:{port}", "--result-file",
-                                str(result_file), "--no-plot", "--label", arm])
+        client.wait_for_server(f"http://127.0.0.1:{port}", timeout_s, server)
+        payload = serve.main([*client_args, "--base-url", f"http://127.0.0.1:{port}", "--save-result",
+                              "--save-detailed", "--result-dir", tempfile.mkdtemp(prefix="slo-"), "--label", arm])[0]
     finally:
         stop_server(server)
     payload["server_command"] = " ".join(command)
@@ -94,7 +107,7 @@ def draw(arms: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(arms), figsize=(5.5 * len(arms), 4), sharey=True, squeeze=False)
     for ax, (arm, payload) in zip(axes[0], arms.items()):
-        rows = [r for r in payload["runs"][0]["requests"] if r["success"]]
+        rows = [r for r in request_rows(payload) if r["success"]]
         for category, marker, color in (("short", ".", "tab:blue"), ("long", "x", "tab:red")):
             chosen = [r for r in rows if r["category"] == category]
             ax.scatter([r["send_time"] for r in chosen], [r["ttft"] for r in chosen], marker=marker, s=18,
@@ -120,13 +133,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to start")
     common.add_common_args(parser)
     args = parser.parse_args(argv)
-    targets = serving.request_slos([f"short:{args.short_slo}", f"long:{args.long_slo}"])
-    client_args = ["--dataset", "mixed", "--num-prompts", str(args.num_prompts), "--long-fraction",
+    targets = serve.request_slos([f"short:{args.short_slo}", f"long:{args.long_slo}"])
+    client_args = ["--dataset-name", "mixed", "--num-prompts", str(args.num_prompts), "--mixed-long-fraction",
                    str(args.long_fraction), "--request-rate", str(args.request_rate), "--ignore-eos",
                    "--request-slo", f"short:{args.short_slo}", f"long:{args.long_slo}", "--seed", str(args.seed),
                    "--disable-tqdm"]
     arms = {arm: run_arm(arm, client_args, sys.executable, args.server_timeout) for arm in args.arms}
-    figures = {arm: summarize(p["runs"][0]["requests"], targets, p["runs"][0]["metrics"]["duration_s"])
+    figures = {arm: summarize(request_rows(p), targets, p["duration"])
                for arm, p in arms.items()}
     print(common.format_table(
         ["arm", "short TTFT p50/p90/p99 ms", "short TPOT p50/p90 ms", "goodput", "out tok/s", "total tok/s",
@@ -136,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{f['long_latency_ms']['p50']}/{f['long_latency_ms']['max']}", f["long_completed"]]
          for arm, f in figures.items()]))
     payload = {"arms": {arm: {"figures": figures[arm], "server_command": p["server_command"],
-                              "requests": p["runs"][0]["requests"]} for arm, p in arms.items()},
+                              "requests": request_rows(p)} for arm, p in arms.items()},
                "client_args": client_args, "targets_ms": targets, "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, list(argv or sys.argv[1:]),
                                machine=common.machine_info(include_jax=False))

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common, datasets
+from benchmarks import common
+from jaxserve.bench import datasets
 
 NAME = "spec_decode"
 COPY_PROMPTS = Path(__file__).resolve().parent / "data" / "copy_prompts.jsonl"

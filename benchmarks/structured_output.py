@@ -22,7 +22,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common, datasets
+from benchmarks import common
+from jaxserve.bench import datasets
 
 NAME = "structured_output"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],

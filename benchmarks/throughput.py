@@ -28,7 +28,8 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common, datasets
+from benchmarks import common
+from jaxserve.bench import datasets
 from benchmarks.datasets import RequestRecord
 
 NAME = "throughput"
@@ -245,7 +246,7 @@ def start_engine(options: dict[str, Any]) -> tuple[Any, float]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    datasets.add_dataset_args(parser)
+    common.add_workload_args(parser)
     common.add_engine_args(parser)
     common.add_common_args(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "load_average_before": load_before,
         "load_average_after": common.load_average(),
     }
-    path = common.write_result(f"{NAME}-{args.dataset}", payload, args.result_file, argv)
+    path = common.write_result(f"{NAME}-{args.dataset_name}", payload, args.result_file, argv)
     if sweep and not args.no_plot:
         from benchmarks import plots
 

@@ -1,5 +1,5 @@
 """The `jaxserve` command: `jaxserve demo` (one chat answer with the default model), `jaxserve serve` (the
-OpenAI-compatible server) and `jaxserve router` (one front for several servers)."""
+OpenAI-compatible server) and `jaxserve router` (one front for several servers) and `jaxserve bench` (serve | throughput | latency)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"demo": demo}
+    from jaxserve.bench import bench_main
+
+    commands = {"demo": demo, "bench": bench_main}
     try:
         from jaxserve.router import router_main
         from jaxserve.server import serve_main

@@ -25,6 +25,13 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any):
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM over an engine built from `config` (what `jaxserve.server.cli_args.engine_config` makes)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -25,10 +25,47 @@ ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Eng
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve serve", description="Serve a model over an OpenAI-compatible API.")
-    parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted store (default: "
-                                                      f"the embedded {DEFAULT_MODEL})")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    add_engine_args(parser)
+    engine = parser.add_argument_group("replicas")
+    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine replicas in this server, each over its own tensor_parallel_size devices (so "
+                             "data_parallel_size x tensor_parallel_size devices in all), with its own KV cache")
+    engine.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="cache_aware",
+                        help="which replica takes a request: the longest prefix-cache hit (ties by load), in turn, "
+                             "or the least loaded")
+    hosts = parser.add_argument_group("multi-host (sglang-jax's flags; every host runs the same command)")
+    hosts.add_argument("--nnodes", type=int, default=1, help="hosts serving the model together")
+    hosts.add_argument("--node-rank", type=int, default=0, help="this host's rank; rank 0 serves HTTP")
+    hosts.add_argument("--dist-init-addr", default=None,
+                       help="HOST:PORT of rank 0 for jax.distributed (the plan channel uses PORT+1)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the names clients may use; the first is reported in responses (default: --model as "
+                             f"given, else {DEFAULT_MODEL})")
+    server.add_argument("--chat-template", type=chat_template, default=None,
+                        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (needs --tool-call-parser)')
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help="the model's tool-call format, for tool_choice \"auto\" (hermes: Qwen2.5/Qwen3/Hermes)")
+    server.add_argument("--max-waiting", type=int, default=256,
+                        help="sequences allowed to wait beyond the running ones (per replica); more get 503 + Retry-After")
+    server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSERVE_API_KEY)")
+    server.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM before being aborted")
+    server.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between throughput log lines (0: off)")
+    return parser
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--model and every engine flag (what `engine_config` reads): `jaxserve serve`'s and the offline benchmarks'."""
+    parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted store (default: "
+                                                      f"the embedded {DEFAULT_MODEL})")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     engine.add_argument("--generation-config", default=ENGINE_DEFAULTS["generation_config"],
@@ -39,12 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "model needs only its config.json), for timing a model whose weights are absent")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"],
                         help="devices (over all hosts) the weights, heads and KV pages are split over")
-    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="engine replicas in this server, each over its own tensor_parallel_size devices (so "
-                             "data_parallel_size x tensor_parallel_size devices in all), with its own KV cache")
-    engine.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="cache_aware",
-                        help="which replica takes a request: the longest prefix-cache hit (ties by load), in turn, "
-                             "or the least loaded")
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="a mixture-of-experts model's experts split over those devices by expert (each holds "
                              "num_experts / N of them); default: every expert split like the dense MLP")
@@ -111,31 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                              '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                         help="default: pallas on GPU, pallas-tpu on TPU, xla on CPU")
-    hosts = parser.add_argument_group("multi-host (sglang-jax's flags; every host runs the same command)")
-    hosts.add_argument("--nnodes", type=int, default=1, help="hosts serving the model together")
-    hosts.add_argument("--node-rank", type=int, default=0, help="this host's rank; rank 0 serves HTTP")
-    hosts.add_argument("--dist-init-addr", default=None,
-                       help="HOST:PORT of rank 0 for jax.distributed (the plan channel uses PORT+1)")
-    server = parser.add_argument_group("server")
-    server.add_argument("--served-model-name", nargs="+", default=None,
-                        help="the names clients may use; the first is reported in responses (default: --model as "
-                             f"given, else {DEFAULT_MODEL})")
-    server.add_argument("--chat-template", type=chat_template, default=None,
-                        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='allow tool_choice "auto" (needs --tool-call-parser)')
-    server.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
-                        help="the model's tool-call format, for tool_choice \"auto\" (hermes: Qwen2.5/Qwen3/Hermes)")
-    server.add_argument("--max-waiting", type=int, default=256,
-                        help="sequences allowed to wait beyond the running ones (per replica); more get 503 + Retry-After")
-    server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY") or None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSERVE_API_KEY)")
-    server.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may take to finish after SIGTERM before being aborted")
-    server.add_argument("--log-stats-interval", type=float, default=10.0,
-                        help="seconds between throughput log lines (0: off)")
-    return parser
 
 
 def chat_template(value: str) -> str:

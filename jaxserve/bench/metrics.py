@@ -1,8 +1,9 @@
 """Serving metric math, pure and unit-tested: what one streamed request measured, and the `vllm bench serve` block.
 
 Owns: `RequestResult` (one request as the client saw it), TPOT, percentiles, goodput SLO parsing and checking,
-and `compute_serving_metrics`, which turns a list of results plus the run's duration into the summary that
-`benchmarks/serving.py` prints and saves. No I/O, no clocks: everything here is a function of its arguments.
+`compute_serving_metrics` (a list of results plus the run's duration into the summary `jaxserve bench serve`
+prints), `vllm_result` (that summary under vLLM's flat result-JSON keys) and `output_timeline` (output chunks per
+second). No I/O, no clocks: everything here is a function of its arguments.
 
 Definitions (the same as vLLM's `vllm bench serve`):
 * TTFT: from sending the request to the first streamed chunk that carries output text.
@@ -23,6 +24,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
 
@@ -188,3 +190,62 @@ def serving_report_rows(metrics: ServingMetrics, max_concurrency: int | None,
             if key.startswith("p") and key != "p50":  # the median row already shows it
                 rows.append((f"P{key[1:]} {short} (ms):", number(value)))
     return rows
+
+
+def output_timeline(results: Sequence[RequestResult], bucket_s: float = 1.0) -> tuple[list[int], list[int]]:
+    """Per `bucket_s` of the run: output chunks that arrived, and requests in flight (sent, not yet finished).
+
+    A chunk is one token when the server streams token by token (vLLM's `max_output_tokens_per_s` counts the same).
+    """
+    done = [r for r in results if r.success]
+    if not done:
+        return [], []
+    end = max(r.send_time + r.latency for r in done)
+    buckets = int(end // bucket_s) + 1
+    chunks = np.zeros(buckets, dtype=np.int64)
+    active = np.zeros(buckets, dtype=np.int64)
+    for r in done:
+        times = r.send_time + r.ttft + np.concatenate([[0.0], np.cumsum(r.itl)])
+        np.add.at(chunks, np.minimum((times // bucket_s).astype(np.int64), buckets - 1), 1)
+        first, last = int(r.send_time // bucket_s), int((r.send_time + r.latency) // bucket_s)
+        active[first:min(last, buckets - 1) + 1] += 1
+    return chunks.tolist(), active.tolist()
+
+
+def vllm_result(summary: ServingMetrics, results: Sequence[RequestResult],
+                percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
+                percentiles: Iterable[float] = DEFAULT_PERCENTILES, detailed: bool = False) -> dict:
+    """The run under `vllm bench serve`'s result keys: duration, completed, failed, token totals, throughputs,
+    `mean/median/std/pNN_<metric>_ms` for each of `percentile_metrics`, and the output peak; `detailed` adds the
+    per-request lists (input_lens, output_lens, ttfts, itls, latencies, start_times, generated_texts, errors)."""
+    chunks, active = output_timeline(results)
+    peak = int(np.argmax(chunks)) if chunks else 0
+    result = {
+        "duration": summary.duration_s,
+        "completed": summary.completed,
+        "failed": summary.failed,
+        "total_input_tokens": summary.total_input_tokens,
+        "total_output_tokens": summary.total_output_tokens,
+        "request_throughput": summary.request_throughput,
+        "request_goodput": summary.goodput,
+        "output_throughput": summary.output_throughput,
+        "total_token_throughput": summary.total_token_throughput,
+        "max_output_tokens_per_s": float(chunks[peak]) if chunks else 0.0,
+        "max_concurrent_requests": int(active[peak]) if active else 0,
+    }
+    stats_of = {"ttft": summary.ttft_ms, "tpot": summary.tpot_ms, "itl": summary.itl_ms, "e2el": summary.e2el_ms}
+    for metric in percentile_metrics:
+        stats = stats_of[metric]
+        result[f"mean_{metric}_ms"] = stats["mean"]
+        result[f"median_{metric}_ms"] = stats["median"]
+        result[f"std_{metric}_ms"] = stats["std"]
+        for p in percentiles:
+            key = f"p{_format_percentile(p)}"
+            result[f"{key}_{metric}_ms"] = stats[key] if key in stats else percentile([], p)
+    if detailed:
+        result.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_len for r in results],
+                      ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                      latencies=[r.latency for r in results],
+                      start_times=[r.send_time for r in results],
+                      generated_texts=[r.generated_text for r in results], errors=[r.error for r in results])
+    return result

@@ -1,0 +1,310 @@
+"""`jaxserve bench serve | throughput | latency` (jaxserve/bench/): vLLM's flags and result keys, on the tiny model,
+against a real jaxserve server and against a fake OpenAI server that fails in every way a server can (errors,
+dropped streams, no answer); the workloads' vLLM datasets; bad flags as argparse errors; and the Grafana dashboard
+against a live server's /metrics, which must follow Prometheus' text-format rules.
+
+No test asserts a duration: what is checked is counts, keys and the arithmetic between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxserve.bench import client, datasets, serve
+from jaxserve.bench.offline import latency_main, throughput_main
+from jaxserve.bench.report import load_tokenizer
+from tests.default_server import free_port
+from tests.test_router import ThreadServer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
+DASHBOARD = REPO / "deploy" / "grafana" / "jaxserve-dashboard.json"
+PERCENTILE_KEYS = [f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+                   for stat in ("mean", "median", "std", "p99")]
+VLLM_KEYS = ["date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
+             "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+             "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+             "max_output_tokens_per_s", "max_concurrent_requests", *PERCENTILE_KEYS]
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama_dir, tmp_path_factory):
+    """`jaxserve serve` on the tiny model with a host KV tier (so the tier metrics exist), for the module's tests."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    port = free_port()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--model", tiny_llama_dir, "--port",
+                                    str(port), *TINY_ENGINE, "--log-stats-interval", "0", "--kv-offloading-size", "0.01"],
+                                   cwd=REPO, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client.wait_for_server(url, 300, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_serve_against_jaxserve_writes_vllms_result_keys(live_server, tiny_llama_dir, tmp_path):
+    outcomes = serve.main(["--base-url", live_server, "--tokenizer", tiny_llama_dir, "--dataset-name", "prompts",
+                           "--num-prompts", "6", "--output-len", "5", "--ignore-eos", "--max-concurrency", "1", "3",
+                           "--goodput", "ttft:60000", "--metric-percentiles", "50,99", "--disable-tqdm",
+                           "--save-result", "--save-detailed", "--plot", "--result-dir", str(tmp_path),
+                           "--result-filename", "run.json", "--metadata", "gpu=none"])
+    files = sorted(tmp_path.glob("run-*.json"))
+    assert [f.name for f in files] == ["run-infqps-concurrency1.json", "run-infqps-concurrency3.json"]
+    for outcome, path in zip(outcomes, files):
+        saved = json.loads(path.read_text())
+        assert saved == json.loads(json.dumps(outcome, default=str))
+        assert set(VLLM_KEYS) <= set(saved) and "p50_itl_ms" in saved and saved["gpu"] == "none"
+        assert saved["completed"] == 6 and saved["failed"] == 0, saved["errors"]
+        assert saved["total_output_tokens"] == 30 and saved["output_lens"] == [5] * 6
+        assert saved["total_input_tokens"] == sum(saved["input_lens"])
+        assert saved["output_throughput"] == pytest.approx(30 / saved["duration"])
+        assert saved["request_throughput"] == pytest.approx(6 / saved["duration"])
+        assert saved["total_token_throughput"] == pytest.approx((30 + saved["total_input_tokens"]) / saved["duration"])
+        meeting = sum(ttft * 1000 <= 60000 for ttft in saved["ttfts"])
+        assert saved["request_goodput"] == pytest.approx(meeting / saved["duration"])
+        assert saved["median_ttft_ms"] > 0 and saved["mean_e2el_ms"] >= saved["mean_ttft_ms"]
+        assert 1 <= saved["max_concurrent_requests"] <= 6 and saved["max_output_tokens_per_s"] >= 1
+        assert path.with_suffix(".png").stat().st_size > 1000
+    assert [o["max_concurrency"] for o in outcomes] == [1, 3]
+
+
+def test_serve_chat_and_latency_targets_reach_the_server(live_server, tiny_llama_dir, tmp_path):
+    # random token ids come back longer once decoded and re-encoded for a chat, so the chat run stays short
+    chat = serve.main(["--base-url", live_server, "--tokenizer", tiny_llama_dir, "--backend", "openai-chat",
+                       "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--ignore-eos",
+                       "--request-rate", "50", "--disable-tqdm"])[0]
+    assert chat["endpoint"] == client.CHAT and chat["completed"] == 3 and chat["total_output_tokens"] == 12
+    mixed = serve.main(["--base-url", live_server, "--tokenizer", tiny_llama_dir, "--dataset-name", "mixed",
+                        "--num-prompts", "4", "--mixed-short-input-range", "8", "10", "--mixed-long-input-range", "60",
+                        "70", "--mixed-long-fraction", "0.5", "--output-len", "4", "--request-slo", "*:60000:60000",
+                        "--ignore-eos", "--request-rate", "50", "--disable-tqdm"])[0]
+    assert mixed["completed"] == 4 and mixed["dataset"]["max_prompt_len"] >= 60
+    assert not list(tmp_path.iterdir())  # no --save-result, no file
+    counted = httpx.get(live_server + "/metrics").text
+    assert re.search(r'jaxserve:request_slo_checked_total\{kind="both",model_name="[^"]+"\} [4-9]', counted)
+
+
+# -- a fake OpenAI server that fails in every way ----------------------------------------------------------------
+
+
+def failing_server() -> FastAPI:
+    """Answers its first request (the client's probe) and then, in turn: a whole stream, HTTP 500, an error event,
+    a stream cut before [DONE], and no answer at all."""
+    app = FastAPI()
+    modes = itertools.cycle(["ok", "http", "event", "drop", "hang"])
+
+    def event(data) -> bytes:
+        return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n".encode()
+
+    def chunk(text: str) -> bytes:
+        return event({"choices": [{"index": 0, "text": text}]})
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "fake"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        await request.json()
+        mode = next(modes)
+        if mode == "http":
+            return JSONResponse({"error": {"message": "the engine is on fire"}}, status_code=500)
+
+        async def stream():
+            if mode == "hang":
+                await asyncio.sleep(3600)
+            yield chunk("a")
+            if mode == "event":
+                yield event({"error": {"message": "decode failed"}})
+                return
+            if mode == "drop":
+                raise RuntimeError("connection lost")  # uvicorn closes the connection mid-stream
+            yield chunk("b")
+            yield event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+            yield event("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+def test_serve_counts_every_failure_names_it_and_never_hangs(tiny_llama_dir, tmp_path):
+    fake = ThreadServer(failing_server(), free_port())
+    try:
+        outcome = serve.main(["--port", str(fake.port), "--tokenizer", tiny_llama_dir, "--random-input-len", "4",
+                              "--random-output-len", "2", "--num-prompts", "10", "--max-concurrency", "1",
+                              "--request-timeout", "2", "--disable-tqdm", "--save-result", "--save-detailed",
+                              "--result-dir", str(tmp_path), "--result-filename", "failing.json"])[0]
+    finally:
+        fake.server.force_exit = True
+        fake.stop()
+    # the probe took "ok"; the run's 10 requests, one at a time, took http, event, drop, hang, ok, twice
+    assert outcome["model_id"] == "fake" and outcome["completed"] == 2 and outcome["failed"] == 8
+    assert outcome["total_output_tokens"] == 4 and outcome["total_input_tokens"] == 6
+    errors = json.loads((tmp_path / "failing.json").read_text())["errors"]
+    for first in (0, 5):
+        http, event, drop, hang, ok = errors[first:first + 5]
+        assert http.startswith("HTTP 500") and "on fire" in http
+        assert "decode failed" in event
+        assert "ClientPayloadError" in drop or "before [DONE]" in drop
+        assert hang.startswith("TimeoutError") and ok == ""
+
+
+# -- flags -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    (["--request-rate", "0"], "must be > 0"),
+    (["--num-prompts", "0"], "must be >= 1"),
+    (["--percentile-metrics", "ttft,latency"], "unknown latency"),
+    (["--metric-percentiles", "100"], "--metric-percentiles"),
+    (["--goodput", "ttft"], "goodput spec"),
+    (["--metadata", "novalue"], "KEY=VALUE"),
+    (["--plot"], "go with --save-result"),
+    (["--dataset-name", "lmsys"], "invalid choice"),
+    (["--mixed-output-range", "9", "3"], "LOW <= HIGH"),
+])
+def test_bad_serve_flags_are_argparse_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        serve.parse_args(flags)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_line_has_bench():
+    listed = subprocess.run([sys.executable, "-m", "jaxserve", "bench"], capture_output=True, text=True, cwd=REPO)
+    assert listed.returncode == 2 and "serve,throughput,latency" in listed.stdout
+    for command in ("serve", "throughput", "latency"):
+        shown = subprocess.run([sys.executable, "-m", "jaxserve", "bench", command, "--help"], capture_output=True,
+                               text=True, cwd=REPO, timeout=120)
+        assert shown.returncode == 0 and f"jaxserve bench {command}" in shown.stdout, shown.stderr
+    bad = subprocess.run([sys.executable, "-m", "jaxserve", "bench", "latency", "--batch-size", "0"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "--batch-size" in bad.stderr
+
+
+# -- offline ------------------------------------------------------------------------------------------------------
+
+
+def test_throughput_and_latency_write_vllms_keys(tiny_llama_dir, tmp_path):
+    result = throughput_main(["--model", tiny_llama_dir, *TINY_ENGINE, "--input-len", "12", "--output-len", "5",
+                              "--num-prompts", "6", "--disable-tqdm", "--output-json", str(tmp_path / "t.json")])
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["num_requests"] == 6 and saved["total_num_tokens"] == 6 * (12 + 5)
+    assert saved["tokens_per_second"] == pytest.approx(saved["total_num_tokens"] / saved["elapsed_time"])
+    assert saved["requests_per_second"] == pytest.approx(6 / saved["elapsed_time"]) and result == saved
+    latency = latency_main(["--model", tiny_llama_dir, *TINY_ENGINE, "--input-len", "8", "--output-len", "4",
+                            "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "3",
+                            "--output-json", str(tmp_path / "l.json")])
+    saved = json.loads((tmp_path / "l.json").read_text())
+    assert len(saved["latencies"]) == 3 and saved["avg_latency"] == pytest.approx(sum(saved["latencies"]) / 3)
+    assert list(saved["percentiles"]) == ["10", "25", "50", "75", "90", "99"] and latency == saved
+    assert min(saved["latencies"]) <= saved["percentiles"]["50"] <= max(saved["latencies"])
+
+
+# -- datasets ------------------------------------------------------------------------------------------------------
+
+
+def test_random_lengths_stay_in_the_range_ratio_and_share_the_prefix():
+    records = datasets.random_dataset(200, 100, 40, vocab_size=500, range_ratio=0.25, seed=2, prefix_len=7)
+    assert all(7 + 75 <= r.prompt_len <= 7 + 125 and 30 <= r.expected_output_len <= 50 for r in records)
+    assert len({tuple(r.prompt_token_ids[:7]) for r in records}) == 1
+    assert len({r.prompt_len for r in records}) > 20  # the lengths spread over the range
+
+
+def test_sharegpt_parsing_and_vllms_filter(tiny_llama_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    long_answer = "word " * 40
+    data = [{"conversations": [{"from": "human", "value": "Tell me about the sea and its tides."},
+                               {"from": "gpt", "value": long_answer}]},
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": long_answer}]},  # < 4
+            {"conversations": [{"from": "human", "value": "Only one turn here, so it is skipped."}]},
+            {"id": "no conversations"},
+            {"conversation": [{"from": "human", "value": "What is a prime number, in short?"},
+                              {"from": "gpt", "value": "A number with exactly two divisors, one and itself."}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    records = datasets.sharegpt_dataset(5, path, tokenizer, seed=0)
+    assert sorted(r.prompt_text for r in records) == ["Tell me about the sea and its tides.",
+                                                      "What is a prime number, in short?"]
+    for record in records:
+        assert record.prompt_token_ids == tokenizer(record.prompt_text)["input_ids"]
+        answer = long_answer if "sea" in record.prompt_text else data[4]["conversation"][1]["value"]
+        assert record.expected_output_len == len(tokenizer(answer)["input_ids"])
+    fixed = datasets.sharegpt_dataset(2, path, tokenizer, output_len=3)
+    assert {r.expected_output_len for r in fixed} == {3}
+    path.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="JSON list"):
+        datasets.sharegpt_dataset(1, path, tokenizer)
+
+
+def test_custom_prompt_file(tiny_llama_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Why is the sky blue?"}\n\n{"prompt": "Name a prime.", "system": "Be brief."}\n')
+    records = datasets.prompt_file_dataset(4, 9, tokenizer, path=path)
+    assert len(records) == 4 and {r.expected_output_len for r in records} == {9}
+    assert any(r.messages[0] == {"role": "system", "content": "Be brief."} for r in records)
+    raw = datasets.prompt_file_dataset(2, 9, tokenizer, path=path, skip_chat_template=True)
+    assert {r.prompt_text for r in raw} <= {"Why is the sky blue?", "Name a prime."}
+    path.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: every line needs a non-empty 'prompt'"):
+        datasets.prompt_file_dataset(1, 9, tokenizer, path=path)
+
+
+# -- the dashboard and /metrics ----------------------------------------------------------------------------------
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric name the dashboard's PromQL expressions read (histogram series by their family's name)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(expressions) >= 12
+    return {name for expr in expressions for name in re.findall(r"\b(jaxserve:[a-zA-Z0-9_:]+)", expr)}
+
+
+def test_every_dashboard_metric_exists_on_a_live_server(live_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live_server + "/metrics").text
+    samples = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    missing = sorted(dashboard_metric_names() - samples)
+    assert not missing, f"the dashboard reads metrics the server does not export: {missing}"
+
+
+def test_metrics_follow_the_prometheus_text_format(live_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live_server + "/metrics").text
+    families = list(text_string_to_metric_families(text))
+    assert len(families) > 15
+    typed = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M))
+    helped = set(re.findall(r"^# HELP (\S+) ", text, flags=re.M))
+    for family in families:
+        assert re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", family.name), family.name
+        written = family.name + "_total" if family.type == "counter" else family.name  # the parser drops _total
+        assert typed.get(written) == family.type and written in helped, family.name
+        for sample in family.samples:
+            assert all(re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", label) for label in sample.labels), sample
+            if family.type == "counter":
+                assert sample.name.endswith(("_total", "_created")), sample.name
+            if family.type == "histogram":
+                assert sample.name.endswith(("_bucket", "_sum", "_count", "_created")), sample.name
+    counters = [name for name, kind in typed.items() if kind == "counter"]
+    assert counters and all(name.endswith("_total") for name in counters)
