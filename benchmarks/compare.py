@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def report(payload: dict[str, Any]) -> None:
     js, hs = payload["jaxserve"], payload.get("hf_transformers")
     work = payload["workload"]
-    print(f"\n{payload['model']} ({payload['dtype']}), {work['dataset']}: {work['requests']} requests, "
+    print(f"\n{payload['model']} ({payload['dtype']}), {work['dataset_name']}: {work['requests']} requests, "
           f"{work['prompt_tokens']} prompt tokens, {work['expected_output_tokens']} output tokens, EOS ignored")
 
     def row(label: str, key: str, sub: str | None = None) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Accuracy of quantization modes against the float model on the shipped prompts (benchmarks/data/prompts.jsonl,
+"""Accuracy of quantization modes against the float model on the shipped prompts (jaxserve/bench/data/prompts.jsonl,
 rendered with the chat template), greedy decoding.
 
 For every mode, against the first mode (the float reference):

@@ -2,7 +2,7 @@
 
 Two prompt sets, rendered with the model's chat template: `copy` (benchmarks/data/copy_prompts.jsonl: repeat,
 edit or rename a given text, where the answer copies the prompt and prompt lookup has much to find) and `chat`
-(the shipped benchmarks/data/prompts.jsonl, where it has little). For each method (`plain`: no speculation;
+(the shipped jaxserve/bench/data/prompts.jsonl, where it has little). For each method (`plain`: no speculation;
 `ngram`: prompt lookup; `draft`: a draft model, `--draft`, default the target itself, which checks the verify step
 rather than gaining speed) one engine with `max_num_seqs=1` answers every prompt of each set in turn (or, with
 `--concurrency B`, all of a set's prompts in one batch of B slots: where speculation stops paying), greedy,

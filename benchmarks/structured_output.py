@@ -1,7 +1,7 @@
 """Structured output: what constrained decoding costs, and whether its answers parse.
 
 One engine (default model unless `--model`) answers the same `--num-prompts` chat prompts (the shipped
-benchmarks/data/prompts.jsonl, each asking for its answer as JSON) offline, in one batch, three times: free
+jaxserve/bench/data/prompts.jsonl, each asking for its answer as JSON) offline, in one batch, three times: free
 text, `json_object`, and a JSON schema (`{"answer": string, "confidence": 0-100}`). Reported per mode: output
 tokens per second, host milliseconds per step in each phase (the token masks are computed in "postprocess",
 while the device runs the step's forward), and the fraction of finished answers that are valid JSON (that fit

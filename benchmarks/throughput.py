@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 from jaxserve.bench import datasets
-from benchmarks.datasets import RequestRecord
+from jaxserve.bench.datasets import RequestRecord
 
 NAME = "throughput"
 
@@ -309,7 +309,7 @@ def report(payload: dict[str, Any]) -> None:
     hit = res["prefix_hit_rate"]
     rows = [
         ("Model:", payload["model"]),
-        ("Workload:", f"{work['dataset']} x{work['requests']}"),
+        ("Workload:", f"{work['dataset_name']} x{work['requests']}"),
         ("Engine start-up (s):", common.fmt(payload["startup_s"], 1)),
         ("Generation time (s):", common.fmt(res["elapsed_s"])),
         ("Prompt tokens:", str(res["prompt_tokens"])),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import serving
+from jaxserve.bench import client
 from benchmarks.run_default_suite import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,10 +36,10 @@ def test_router_over_a_data_parallel_server_and_a_plain_one(tiny_llama_dir, tmp_
     front = None
     try:
         for url, process in zip(urls, workers):
-            serving.wait_for_server(url, 180, process)
+            client.wait_for_server(url, 180, process)
         front = start(["router", "--worker-urls", *urls, "--policy", "cache_aware", "--port",
                        router.rsplit(":", 1)[1], "--health-check-interval", "0.2"], tmp_path / "router.log")
-        serving.wait_for_server(router, 60, front)
+        client.wait_for_server(router, 60, front)
         with httpx.Client(timeout=60) as http:
             body = {"model": tiny_llama_dir, "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 6, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True}

@@ -25,8 +25,9 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import common, datasets
-from benchmarks.datasets import RequestRecord
+from benchmarks import common
+from jaxserve.bench import datasets, machine
+from jaxserve.bench.datasets import RequestRecord
 
 NAME = "hf-transformers"
 
@@ -34,7 +35,7 @@ NAME = "hf-transformers"
 def set_torch_threads(threads: int | None = None) -> int:
     import torch
 
-    threads = threads or common.usable_cores()
+    threads = threads or machine.usable_cores()
     torch.set_num_threads(threads)
     return threads
 

@@ -96,10 +96,9 @@ def latency_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from jaxserve import SamplingParams
 
     llm = _llm(args, parser)
-    low = max([i for i in llm.get_tokenizer().all_special_ids if i is not None] + [-1]) + 1
-    rng = np.random.default_rng(args.seed)
-    prompts = [{"prompt_token_ids": rng.integers(low, llm.llm_engine.vocab_size, size=args.input_len).tolist()}
-               for _ in range(args.batch_size)]
+    records = datasets.random_dataset(args.batch_size, args.input_len, args.output_len, llm.llm_engine.vocab_size,
+                                      seed=args.seed, tokenizer=llm.get_tokenizer())
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
     params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
 
     def run_once() -> float:
