@@ -227,10 +227,9 @@ def served_model(base_url: str, headers: dict[str, str] | None = None) -> str:
     url = base_url.rstrip("/") + "/v1/models"
     try:
         status, data = asyncio.run(_get_json(url, headers, 30.0))
-        return data["data"][0]["id"] if status == 200 else _raise(f"HTTP {status}")
+        problem = f"HTTP {status}" if status != 200 else None
+        if problem is None:
+            return data["data"][0]["id"]
     except Exception as err:  # noqa: BLE001 - reported with the URL
-        raise RuntimeError(f"cannot read the served model from {url} ({err}); pass --model") from None
-
-
-def _raise(message: str):
-    raise RuntimeError(message)
+        problem = f"{type(err).__name__}: {err}"
+    raise RuntimeError(f"cannot read the served model from {url} ({problem}); pass --model")
