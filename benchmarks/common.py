@@ -200,9 +200,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """jaxserve bench's dataset flags, at the offline scripts' small defaults (64 requests, 128 in, 64 out)."""
-    from jaxserve.bench import datasets
+    from jaxserve.bench import dataset_args
 
-    datasets.add_dataset_args(parser, num_prompts=64)
+    dataset_args.add_dataset_args(parser, num_prompts=64)
     parser.set_defaults(random_input_len=128, random_output_len=64, custom_output_len=64,
                         prefix_repetition_output_len=64)
 
@@ -251,9 +251,9 @@ def start(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if hasattr(args, "dataset_name"):
-        from jaxserve.bench import datasets
+        from jaxserve.bench import dataset_args
 
-        problem = datasets.check_dataset_args(args)
+        problem = dataset_args.check_dataset_args(args)
         if problem:
             parser.error(problem)
     quiet_logs()

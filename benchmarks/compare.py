@@ -23,7 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, roofline, throughput
-from jaxserve.bench import datasets
+from jaxserve.bench import dataset_args, datasets
 from benchmarks.baselines import hf_transformers
 
 NAME = "compare"
@@ -72,7 +72,7 @@ def run_jaxserve(args: argparse.Namespace) -> tuple[dict[str, Any], list, Any]:
     load_before = common.load_average()
     llm, startup_s = throughput.start_engine(common.engine_options(args))
     config = llm.llm_engine.config
-    records = datasets.build_requests(args, llm.get_tokenizer(), llm.llm_engine.vocab_size, config.max_model_len)
+    records = dataset_args.build_requests(args, llm.get_tokenizer(), llm.llm_engine.vocab_size, config.max_model_len)
     throughput.warm_up(llm, llm.llm_engine.vocab_size)
     offline = throughput.run_offline(llm, records, use_tqdm=not args.disable_tqdm)
     single = (throughput.single_stream_decode(llm, records[0].prompt_token_ids, args.single_stream_tokens)
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv, args = common.start(build_parser(), argv)
     jax_summary, jax_outputs, records = run_jaxserve(args)
     payload: dict[str, Any] = {"model": common.model_label(args.model), "dtype": args.dtype,
-                               "workload": {**datasets.describe(args), **datasets.length_stats(records)},
+                               "workload": {**dataset_args.describe(args), **datasets.length_stats(records)},
                                "jaxserve": jax_summary}
     if not args.skip_hf:
         hf_summary, hf_outputs = run_hf(args, records)

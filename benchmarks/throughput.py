@@ -29,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common
-from jaxserve.bench import datasets
+from jaxserve.bench import dataset_args, datasets
 from jaxserve.bench.datasets import RequestRecord
 
 NAME = "throughput"
@@ -266,14 +266,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     llm, startup_s = start_engine(common.engine_options(args))
     config = llm.llm_engine.config
     tokenizer, vocab = llm.get_tokenizer(), llm.llm_engine.vocab_size
-    records = datasets.build_requests(args, tokenizer, vocab, config.max_model_len)
+    records = dataset_args.build_requests(args, tokenizer, vocab, config.max_model_len)
     warm_up(llm, vocab, args.num_warmup_requests)
     result = run_offline(llm, records, args.temperature, args.ignore_eos, args.seed, not args.disable_tqdm)
 
     sweep = []
     if args.concurrency:
         sweep_args = argparse.Namespace(**{**vars(args), "num_prompts": max(args.concurrency) * args.sweep_waves})
-        sweep_records = datasets.build_requests(sweep_args, tokenizer, vocab, config.max_model_len)
+        sweep_records = dataset_args.build_requests(sweep_args, tokenizer, vocab, config.max_model_len)
         for level in args.concurrency:
             if level > config.max_num_seqs:
                 print(f"concurrency {level} > max_num_seqs {config.max_num_seqs}: requests will queue")
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload = {
         "model": common.model_label(args.model),
         "engine": {k: v for k, v in vars(config).items() if not k.startswith("_")},
-        "workload": {**datasets.describe(args), **datasets.length_stats(records)},
+        "workload": {**dataset_args.describe(args), **datasets.length_stats(records)},
         "startup_s": startup_s,
         "result": result.summary(),
         "closed_loop_sweep": sweep,

@@ -26,7 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import common
-from jaxserve.bench import datasets, machine
+from jaxserve.bench import dataset_args, datasets, machine
 from jaxserve.bench.datasets import RequestRecord
 
 NAME = "hf-transformers"
@@ -142,7 +142,7 @@ def hf_single_stream_decode(hf: Any, prompt_token_ids: list[int], output_len: in
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    datasets.add_dataset_args(parser)
+    common.add_workload_args(parser)
     common.add_common_args(parser)
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded default model's GGUF)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -154,19 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    common.quiet_logs()
+    argv, args = common.start(build_parser(), argv)
     threads = set_torch_threads(args.threads)
-    common.seed_everything(args.seed)
     hf, load_s = load_hf_model(args.model, args.dtype)
     tokenizer = common.load_tokenizer(None if args.model is None or str(args.model).endswith(".gguf") else args.model)
-    records = datasets.build_requests(args, tokenizer, hf.config.vocab_size)
+    records = dataset_args.build_requests(args, tokenizer, hf.config.vocab_size)
     result = run_hf_offline(hf, records, args.batch_size, not args.disable_tqdm)
     single = (hf_single_stream_decode(hf, records[0].prompt_token_ids, args.single_stream_tokens)
               if args.single_stream_tokens else None)
     payload = {"model": common.model_label(args.model), "dtype": args.dtype, "torch_threads": threads,
-               "load_s": load_s, "workload": {**datasets.describe(args), **datasets.length_stats(records)},
+               "load_s": load_s, "workload": {**dataset_args.describe(args), **datasets.length_stats(records)},
                "result": result.summary(), "single_stream": single}
     path = common.write_result(NAME, payload, args.result_file, argv, machine=common.machine_info(include_jax=False))
     rows = [("Model:", payload["model"]), ("Load (s):", common.fmt(load_s, 1)),

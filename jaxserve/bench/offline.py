@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.bench import datasets
+from jaxserve.bench import dataset_args, datasets
 from jaxserve.bench.report import print_block, write_json
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -27,7 +27,7 @@ def _engine_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--n", type=datasets.positive_int, default=1, help="outputs per prompt")
+    parser.add_argument("--n", type=dataset_args.positive_int, default=1, help="outputs per prompt")
     parser.add_argument("--output-json", default=None, help="write the result JSON here")
     parser.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(parser)
@@ -55,16 +55,16 @@ def _settings(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
 
 def throughput_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = _engine_parser("jaxserve bench throughput", "Offline throughput: every request submitted at once.")
-    datasets.add_dataset_args(parser, num_prompts=1000)
+    dataset_args.add_dataset_args(parser, num_prompts=1000)
     args = parser.parse_args(argv)
-    problem = datasets.check_dataset_args(args)
+    problem = dataset_args.check_dataset_args(args)
     if problem:
         parser.error(problem)
     from jaxserve import SamplingParams
 
     llm = _llm(args, parser)
     engine = llm.llm_engine
-    records = datasets.build_requests(args, llm.get_tokenizer(), engine.vocab_size, engine.config.max_model_len)
+    records = dataset_args.build_requests(args, llm.get_tokenizer(), engine.vocab_size, engine.config.max_model_len)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
     params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len)
               for r in records]
@@ -77,7 +77,7 @@ def throughput_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = {"elapsed_time": elapsed, "num_requests": len(records), "total_num_tokens": total,
               "requests_per_second": len(records) / elapsed, "tokens_per_second": total / elapsed,
               "total_output_tokens": output_tokens, "output_tokens_per_second": output_tokens / elapsed,
-              **_settings(args, llm), "dataset": {**datasets.describe(args), **datasets.length_stats(records)}}
+              **_settings(args, llm), "dataset": {**dataset_args.describe(args), **datasets.length_stats(records)}}
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s", flush=True)
     if args.output_json:
@@ -87,11 +87,11 @@ def throughput_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def latency_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = _engine_parser("jaxserve bench latency", "Latency of one batch, prefill to the last token.")
-    parser.add_argument("--input-len", type=datasets.positive_int, default=32, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=datasets.positive_int, default=128, help="output tokens per request")
-    parser.add_argument("--batch-size", type=datasets.positive_int, default=8, help="requests in the batch")
-    parser.add_argument("--num-iters-warmup", type=datasets.non_negative_int, default=10)
-    parser.add_argument("--num-iters", type=datasets.positive_int, default=30)
+    parser.add_argument("--input-len", type=dataset_args.positive_int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=dataset_args.positive_int, default=128, help="output tokens per request")
+    parser.add_argument("--batch-size", type=dataset_args.positive_int, default=8, help="requests in the batch")
+    parser.add_argument("--num-iters-warmup", type=dataset_args.non_negative_int, default=10)
+    parser.add_argument("--num-iters", type=dataset_args.positive_int, default=30)
     args = parser.parse_args(argv)
     from jaxserve import SamplingParams
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxserve.bench import client, datasets, metrics
+from jaxserve.bench import client, dataset_args, datasets, metrics
 from jaxserve.bench.client import CHAT, COMPLETIONS
 from jaxserve.bench.report import print_block, write_json
 
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", action="store_true",
                         help="with --save-result: a PNG beside it (TTFT and ITL distributions, output tokens/s "
                              "over time; needs matplotlib)")
-    datasets.add_dataset_args(parser, num_prompts=1000)
+    dataset_args.add_dataset_args(parser, num_prompts=1000)
     return parser
 
 
@@ -113,7 +113,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The flags, with every combined check an argparse error (exit 2, the problem named)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = datasets.check_dataset_args(args)
+    problem = dataset_args.check_dataset_args(args)
     try:
         args.goodput_ms = metrics.parse_goodput(args.goodput)
         args.targets = request_slos(args.request_slo)
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if local is None:
         print("no --tokenizer (and --model is no local path): prompts are built with the default model's tokenizer")
     tokenizer = load_tokenizer(local)
-    records = datasets.build_requests(args, tokenizer, len(tokenizer), args.max_model_len)
+    records = dataset_args.build_requests(args, tokenizer, len(tokenizer), args.max_model_len)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                   ("min_p", args.min_p)) if v is not None}
     name = args.served_model_name or model
@@ -214,7 +214,7 @@ def _settings(args: argparse.Namespace, model: str, rate: float, concurrency: in
             "endpoint": args.endpoint, "num_prompts": len(records), "request_rate": rate if math.isfinite(rate)
             else "inf", "burstiness": args.burstiness, "max_concurrency": concurrency, "ignore_eos": args.ignore_eos,
             "goodput_slo_ms": args.goodput_ms, "request_slo_ms": args.targets,
-            "dataset": {**datasets.describe(args), **datasets.length_stats(records)},
+            "dataset": {**dataset_args.describe(args), **datasets.length_stats(records)},
             "client_machine": machine_info(include_jax=False), **args.extra}
 
 
