@@ -182,6 +182,7 @@ def test_serve_counts_every_failure_names_it_and_never_hangs(tiny_llama_dir, tmp
     (["--num-prompts", "0"], "must be >= 1"),
     (["--percentile-metrics", "ttft,latency"], "unknown latency"),
     (["--metric-percentiles", "100"], "--metric-percentiles"),
+    (["--metric-percentiles", "p99"], "--metric-percentiles"),
     (["--goodput", "ttft"], "goodput spec"),
     (["--metadata", "novalue"], "KEY=VALUE"),
     (["--plot"], "go with --save-result"),

@@ -122,9 +122,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if unknown:
             raise ValueError(f"--percentile-metrics: unknown {', '.join(sorted(unknown))} (known: "
                              f"{', '.join(metrics.PERCENTILE_METRICS)})")
-        args.percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+        wrong = ValueError(f"--metric-percentiles takes numbers in (0, 100), got {args.metric_percentiles!r}")
+        try:
+            args.percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+        except ValueError:
+            raise wrong from None
         if not args.percentiles or not all(0 < p < 100 for p in args.percentiles):
-            raise ValueError(f"--metric-percentiles must be in (0, 100), got {args.metric_percentiles!r}")
+            raise wrong
     except ValueError as err:
         problem = problem or str(err)
     bad = [item for item in args.metadata if "=" not in item]
