@@ -119,9 +119,6 @@ class ServingMetrics:
     itl_ms: dict[str, float]
     e2el_ms: dict[str, float]
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def compute_serving_metrics(results: Sequence[RequestResult], duration_s: float,
                             goodput_slo_ms: dict[str, float] | None = None,
@@ -241,7 +238,7 @@ def vllm_result(summary: ServingMetrics, results: Sequence[RequestResult],
         result[f"std_{metric}_ms"] = stats["std"]
         for p in percentiles:
             key = f"p{_format_percentile(p)}"
-            result[f"{key}_{metric}_ms"] = stats[key] if key in stats else percentile([], p)
+            result[f"{key}_{metric}_ms"] = stats[key]
     if detailed:
         result.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_len for r in results],
                       ttfts=[r.ttft for r in results], itls=[r.itl for r in results],

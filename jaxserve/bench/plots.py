@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.bench.metrics import RequestResult, output_timeline
+from jaxserve.bench.metrics import RequestResult, output_timeline, percentile
 
 
 def draw_serving(results: Sequence[RequestResult], path: str | Path, title: str) -> Path:
@@ -29,7 +29,7 @@ def draw_serving(results: Sequence[RequestResult], path: str | Path, title: str)
         if values.size:
             ax.hist(values, bins=min(50, max(5, values.size // 4)), color="tab:blue", alpha=0.8)
             for p, style in ((50, "--"), (99, ":")):
-                ax.axvline(np.percentile(values, p), color="black", linestyle=style, label=f"p{p}")
+                ax.axvline(percentile(values, p), color="black", linestyle=style, label=f"p{p}")
             ax.legend(fontsize=8)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("count")
