@@ -689,3 +689,14 @@ def test_compare_samples_by_hand(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert printed == ["gen: 1 docs, exact_match 1.0000 vs 0.0000, generated answers differ: 1",
                        "mc: 1 docs, acc 1.0000 vs 1.0000, 2 loglikelihoods: max |diff| 2.50e-01, is_greedy differs 0"]
+
+
+def test_a_stream_that_ends_cleanly_before_done_is_a_failure():
+    async def lines():
+        yield b'data: {"choices": [{"index": 0, "text": "half"}]}\n'
+        yield b"\n"  # then the server closes the stream cleanly, without [DONE]
+
+    result = RequestResult(success=False, prompt_len=1)
+    asyncio.run(client.read_events(lines(), client.COMPLETIONS, result, 0.0, VirtualClock()))
+    assert not result.success and result.error == "the stream ended before [DONE]"
+    assert result.generated_text == "half"
