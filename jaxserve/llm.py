@@ -8,6 +8,7 @@ from typing import Any, Sequence as SequenceType
 from jaxserve.chat import render_chat
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -19,7 +20,8 @@ class LLM:
 
     Engine options are `EngineConfig`'s fields: tensor_parallel_size, max_num_seqs, max_model_len, page_size, num_kv_pages,
     gpu_memory_utilization, max_num_batched_tokens, enable_prefix_caching, dtype, seed,
-    attention_backend, scheduling_policy, tokenizer, generation_config, ...
+    attention_backend, scheduling_policy, tokenizer, generation_config, enable_lora, max_loras, max_lora_rank,
+    max_cpu_loras, ...
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any):
@@ -42,8 +44,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | SequenceType[PromptType],
                  sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: SequenceType[int] | None = None) -> list[RequestOutput]:
-        """Generates for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
+                 use_tqdm: bool = True, priority: SequenceType[int] | None = None,
+                 lora_request: LoRARequest | SequenceType[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in input order.
+        `lora_request`: the adapter of every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -55,6 +59,10 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         # validate everything before queueing anything, so a bad prompt leaves the engine untouched
         request_ids = []
         pending = []
@@ -63,11 +71,12 @@ class LLM:
             self.llm_engine.validate_prompt(token_ids, params)
             self.llm_engine.validate_priority(priority[index] if priority else 0)
             self.llm_engine.validate_guided_decoding(params)
+            self.llm_engine.validate_lora(loras[index])
             tokenized = {"prompt": text, "prompt_token_ids": token_ids}  # add_request will not tokenize again
             final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            pending.append((tokenized, final_only, priority[index] if priority else 0))
-        for prompt, params, prio in pending:
-            request_ids.append(self.llm_engine.add_request(None, prompt, params, priority=prio))
+            pending.append((tokenized, final_only, priority[index] if priority else 0, loras[index]))
+        for prompt, params, prio, lora in pending:
+            request_ids.append(self.llm_engine.add_request(None, prompt, params, priority=prio, lora_request=lora))
         return self._run(request_ids, use_tqdm and len(prompts) > 4)
 
     def chat(self, messages: list[Message] | list[list[Message]],

@@ -21,7 +21,8 @@ SPLIT_OUTPUT = P(None, MODEL_AXIS)  # kernels are [in_features, out_features]
 SPLIT_INPUT = P(MODEL_AXIS, None)
 SPLIT_VECTOR = P(MODEL_AXIS)
 SPEC_KINDS = ("replicated", "columns", "rows", "vector", "vocab_rows", "vocab_columns", "vocab_vector", "kv_columns",
-              "kv_vector", "expert_columns", "expert_rows", "expert_vector", "expert_replicated")
+              "kv_vector", "expert_columns", "expert_rows", "expert_vector", "expert_replicated", "lora_rows",
+              "lora_columns")
 
 __all__ = ["REPLICATED", "SPEC_KINDS", "path_name", "resolve_kind", "spec_from_rules"]
 
@@ -46,6 +47,10 @@ def resolve_kind(kind: str, config: ModelConfig, tp: TensorParallel) -> P:
         "expert_rows": P(MODEL_AXIS, None, None) if tp.expert_parallel else P(None, MODEL_AXIS, None),
         "expert_vector": P(MODEL_AXIS, None) if tp.expert_parallel else P(None, MODEL_AXIS),
         "expert_replicated": P(MODEL_AXIS, None) if tp.expert_parallel else REPLICATED,
+        # the LoRA stack (`lora/weights.py`): `a [in, slots, W]` of a row-parallel linear on its input features,
+        # `b [slots, W, out]` of a column-parallel one on its output features
+        "lora_rows": P(MODEL_AXIS, None, None),
+        "lora_columns": P(None, None, MODEL_AXIS),
     }[kind]
 
 

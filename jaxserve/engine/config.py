@@ -117,6 +117,13 @@ class EngineConfig:
     # detokenize and search stop strings in a second process, off the stepping thread (off by default: on a CPU the
     # loop shares its cores with XLA's threads and gains nothing; not yet measured on a GPU; benchmarks/RESULTS.md)
     detokenizer_process: bool = False
+    # LoRA adapters (vLLM's names): requests may run with an adapter (`LoRARequest`); max_loras of them share a
+    # step (the device stack's slots), each of rank <= max_lora_rank, and max_cpu_loras (default: max_loras) stay
+    # read in host memory
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     warmup: bool = True  # compile every shape at start-up
     # jax's persistent compilation cache (None disables it); default: $JAXSERVE_CACHE_ROOT/xla, ~/.cache/jaxserve/xla
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
@@ -153,6 +160,11 @@ class EngineConfig:
              "must be > 0"),
             ("enable_prefix_caching", self.enable_prefix_caching or not self.kv_tiers,
              "must be on for the KV tiers (kv_offloading_size / kv_offloading_dir)"),
+            ("max_loras", _int_at_least(self.max_loras, 1), "must be an integer >= 1"),
+            ("max_lora_rank", _int_at_least(self.max_lora_rank, 1), "must be an integer >= 1"),
+            ("max_cpu_loras", self.max_cpu_loras is None or (_int_at_least(self.max_cpu_loras, 1)
+                                                             and self.max_cpu_loras >= self.max_loras),
+             f"must be an integer >= max_loras ({self.max_loras})"),
             ("decode_batch_buckets", self.decode_batch_buckets is None or max(self.decode_batch_buckets, default=0)
              >= self.max_num_seqs, f"must reach max_num_seqs ({self.max_num_seqs})"),
         ]

@@ -89,6 +89,8 @@ class InputBatch:
         self.num_logprobs = np.full(slots, -1, np.int32)  # -1: the sequence asked for none
         self.num_prompt_logprobs = np.zeros(slots, np.int32)
         self.guided = np.zeros(slots, bool)  # constrained decoding: the sampler waits for a token mask
+        # LoRA: each slot's adapter slot in the device stack (-1: the base model); None without enable_lora
+        self.lora_slots = np.full(slots, -1, np.int32) if config.enable_lora else None
         self.sampling = SlotSamplingParams(slots)
         self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, hybrid)
         self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab_size), bool, device=sharding),
@@ -125,6 +127,8 @@ class InputBatch:
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[slot] = params.prompt_logprobs or 0
         self.guided[slot] = params.guided_decoding is not None
+        if self.lora_slots is not None:
+            self.lora_slots[slot] = new.lora_slot
         self.sampling.set(slot, params, new.seed)
 
     def _set_pages(self, slot: int, first: int, page_ids: tuple[int, ...]) -> None:

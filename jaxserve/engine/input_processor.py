@@ -15,6 +15,8 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.detokenizer import DetokenizedText, IncrementalDetokenizer
 from jaxserve.engine.request import Request
 from jaxserve.engine.sequence import Sequence
+from jaxserve.lora.cache import AdapterCache
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import GrammarCompiler
 
@@ -36,23 +38,25 @@ class InputProcessor:
     instead of an `IncrementalDetokenizer` each."""
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, grammars: GrammarCompiler,
-                 texts_in_process: bool = False):
+                 texts_in_process: bool = False, adapters: AdapterCache | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = grammars
         self.texts_in_process = texts_in_process
+        self.adapters = adapters  # LoRA: the host cache (None: enable_lora is off)
         self._ids_lock = threading.Lock()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished
         self._request_counter = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
 
     def make_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Validates a request and builds it (ValueError naming the problem: then nothing is taken)."""
         prompt_text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
         check_priority(priority, self.config.scheduling_policy)
+        adapter = self.adapter(lora_request)
         # the grammar compiles here (cached by its text), before the id is taken; each sequence gets its own copy
         grammar = self.grammars.matcher(params.guided_decoding) if params.guided_decoding is not None else None
         with self._ids_lock:
@@ -73,11 +77,21 @@ class InputProcessor:
             seq.tpot_slo = tpot_ms / 1000 if tpot_ms is not None else None
             if grammar is not None:
                 seq.grammar = grammar.deep_copy()
+            seq.lora = adapter
             seqs.append(seq)
             texts.append(DetokenizedText(params.stop) if self.texts_in_process else
                          IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                 params.include_stop_str_in_output))
         return Request(request_id, prompt_text, token_ids, params, seqs, texts, arrival_time)
+
+    def adapter(self, lora_request: LoRARequest | None):
+        """The read adapter of a request's `lora_request` (None: the base model); ValueError naming the problem."""
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was requested, but "
+                             "LoRA is not enabled (enable_lora=True, --enable-lora)")
+        return self.adapters.get(lora_request)
 
     def release(self, request_id: str) -> None:
         """A finished request's id may be used again."""

@@ -37,6 +37,8 @@ from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.engine.window_pages import WindowPages
 from jaxserve.engine.step_output import InFlightStep
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
+from jaxserve.lora.cache import AdapterCache
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.draft import draft_model_config
@@ -90,7 +92,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
         in_process = self.config.detokenizer_process and self.tokenizer is not None
-        self.inputs = InputProcessor(self.config, self.tokenizer, loaded_config.vocab_size, self.grammars, in_process)
+        self.adapters = (AdapterCache(loaded_config, runner.tp, self.config.max_lora_rank,
+                                      self.config.max_cpu_loras or self.config.max_loras)
+                         if self.config.enable_lora else None)
+        self.inputs = InputProcessor(self.config, self.tokenizer, loaded_config.vocab_size, self.grammars, in_process,
+                                     self.adapters)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.inputs.release, in_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._new_commands = threading.Event()
@@ -119,9 +125,12 @@ class LLMEngine:
     # -- requests (any thread) ---------------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
-        """Validates and queues a request; raises ValueError naming the problem. Returns the request id."""
-        request = self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority, arrival_time)
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Validates and queues a request (with `lora_request`: run with that adapter); raises ValueError naming the
+        problem. Returns the request id."""
+        request = self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority, arrival_time,
+                                           lora_request)
         self._commands.put(("add", request))
         self._new_commands.set()
         return request.request_id
@@ -145,6 +154,10 @@ class LLMEngine:
 
     def validate_guided_decoding(self, params: SamplingParams) -> None:
         self.inputs.validate_guided_decoding(params)
+
+    def validate_lora(self, lora_request: LoRARequest | None) -> None:
+        """Reads and checks the adapter into the host cache (ValueError naming the problem)."""
+        self.inputs.adapter(lora_request)
 
     def validate_priority(self, priority: int) -> None:
         check_priority(priority, self.config.scheduling_policy)

@@ -59,12 +59,13 @@ from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
 from jaxserve.engine.step_inputs import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
     prefill_inputs
 from jaxserve.engine.step_output import InFlightStep, PendingSample, RowSequence, SampledToken, sampled_token
-from jaxserve.engine.step_registry import StepRegistry, jit_step
+from jaxserve.engine.step_registry import Step, StepRegistry, assign, jit_step
 from jaxserve.engine.steps import BanInputs, ResetInputs, SamplerInputs, ScoreInputs, SlotState
 from jaxserve.layers.attention import make_attention_backend
 from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.loading.placement import serving_params
+from jaxserve.lora.weights import SlotWeights, empty_adapter, empty_stack, load_slot_step, stack_shapes
 from jaxserve.structured_output.grammar import bitmask_words
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,11 @@ class ModelRunner:
         self.backend = make_attention_backend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
         self.page_size = engine_config.page_size
         self.params = serving_params(params, config, self.tp, self.mesh, self.dtype, engine_config.quantization)
+        self.lora_stack = None  # LoRA: the adapters' device stack (`lora/weights.py`), read by every forward
+        if engine_config.enable_lora:
+            shapes = stack_shapes(config, self.tp, engine_config.max_loras, engine_config.max_lora_rank, self.dtype)
+            self.lora_stack = empty_stack(shapes, param_shardings({"lora": shapes}, config, self.tp,
+                                                                  self.mesh)["lora"])
         replicated = NamedSharding(self.mesh, REPLICATED)
         vocab = config.vocab_size
         self.window = hybrid_window(config, engine_config)  # the hybrid KV cache's window pool, or None: one pool
@@ -114,6 +120,8 @@ class ModelRunner:
                              for rows in startup.sampler_rows(engine_config)}
         self.steps = StepRegistry()
         self.steps.add(startup.runner_steps(self) + (self.speculator.steps() if self.speculator is not None else []))
+        if self.lora_stack is not None:
+            self.steps.add([self._lora_step()])
         self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
@@ -139,15 +147,27 @@ class ModelRunner:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
         pool = self.backend.pool_shardings()
         kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(self.mesh, REPLICATED)
-        params_in = param_shardings(self.params, self.config, self.tp, self.mesh)
+        params_in = param_shardings(self.forward_params, self.config, self.tp, self.mesh)
         static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
         return jit_step(functools.partial(step_fn, *static, **options), self.mesh, (params_in, kv_in, replicated),
                         (kv_in, replicated), donate=(1, 2))
 
     # -- the state the steps read and write --------------------------------------------------------------------
 
+    @property
+    def forward_params(self) -> dict:
+        """What the forwards read as params: the model's, and under LoRA the adapter stack as `"lora"`."""
+        return self.params if self.lora_stack is None else {**self.params, "lora": self.lora_stack}
+
     def forward_state(self) -> tuple:
-        return self.params, self.kv_cache, self.batch.slot_state
+        return self.forward_params, self.kv_cache, self.batch.slot_state
+
+    def _lora_step(self) -> Step:
+        """Writing one adapter into one slot of the stack (donated); warm-up writes zeros into slot 0."""
+        shardings = param_shardings({"lora": self.lora_stack}, self.config, self.tp, self.mesh)["lora"]
+        return Step("lora", jit_step(load_slot_step, self.mesh, (shardings,), (shardings,), donate=(0,)),
+                    lambda: (self.lora_stack,), assign(self, "lora_stack"),
+                    lambda: [SlotWeights(np.int32(0), empty_adapter(self.lora_stack))])
 
     def keep_forward_state(self, kv_cache, slot_state: SlotState) -> None:
         self.kv_cache, self.batch.slot_state = kv_cache, slot_state
@@ -206,6 +226,8 @@ class ModelRunner:
         """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
         phases, batch = self.phases, self.batch
         batch.apply(plan)
+        for slot, adapter in plan.lora_loads:
+            self.steps.run("lora", SlotWeights(np.int32(slot), adapter.serving))
         if plan.restores:
             self.transfers.restore(list(plan.restores))
         for new in plan.new_seqs:

@@ -10,6 +10,9 @@ A colliding key is a miss, never a wrong page. Freed pages keep their contents a
 until they are reallocated; the free list is LRU ordered and a sequence frees its pages tail first,
 so the longest prefixes' tails are evicted first.
 
+A LoRA sequence's chain starts from its adapter's key (`Sequence.prefix_root`), so no page is shared between two
+adapters or an adapter and the base model, in the device cache or the KV tiers.
+
 A sequence whose tokens rotate by a length rather than by their positions alone (`Sequence.rope_by_length`: a
 LongRoPE or dynamic-NTK model past its threshold, `layers/rotary.py`) neither looks up nor registers pages: equal
 tokens at equal positions hold equal K/V only when rotated by position.
@@ -53,9 +56,10 @@ def page_key(parent_key: bytes, token_ids: tuple[int, ...]) -> bytes:
 
 
 def key_chain(token_ids: list[int], page_size: int, hash_fn: PageHash = page_key,
-              max_pages: int | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
-    """The (key, token ids) of each full page of `token_ids` in order (the first `max_pages`), computed lazily."""
-    parent_key = b""
+              max_pages: int | None = None, root: bytes = b"") -> Iterator[tuple[bytes, tuple[int, ...]]]:
+    """The (key, token ids) of each full page of `token_ids` in order (the first `max_pages`), computed lazily;
+    `root`: the first page's parent key (`Sequence.prefix_root`: b"" for the base model, its adapter's else)."""
+    parent_key = root
     num_pages = len(token_ids) // page_size if max_pages is None else min(max_pages, len(token_ids) // page_size)
     for start in range(0, num_pages * page_size, page_size):
         tokens = tuple(token_ids[start:start + page_size])
@@ -120,7 +124,8 @@ class PageManager:
         if not self.caches(seq):
             return []
         max_pages = (len(seq.token_ids) - 1) // self.page_size
-        pages = self._matching_pages(key_chain(seq.token_ids, self.page_size, self.hash_fn, max_pages))
+        pages = self._matching_pages(key_chain(seq.token_ids, self.page_size, self.hash_fn, max_pages,
+                                               seq.prefix_root))
         if self.window is not None:  # as far as the window layers still hold the pages the next token reads
             pages = pages[:self.window.usable_hit([self.cached[page].serial for page in pages])]
         return pages
@@ -148,7 +153,7 @@ class PageManager:
         compute (none without tiers)."""
         if self.tiers is None or not self.caches(seq):
             return []
-        parent_key = self.cached[cached_pages[-1]].key if cached_pages else b""
+        parent_key = self.cached[cached_pages[-1]].key if cached_pages else seq.prefix_root
         max_pages = (len(seq.token_ids) - 1) // self.page_size - len(cached_pages)
         return self.tiers.lookup(seq.token_ids, len(cached_pages), parent_key, max_pages)
 
@@ -219,7 +224,7 @@ class PageManager:
         keys, serials = self._chains.setdefault(seq.seq_id, ([], []))
         for index in range(len(keys), num_full):
             tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
-            key = self.hash_fn(keys[-1] if keys else b"", tokens)
+            key = self.hash_fn(keys[-1] if keys else seq.prefix_root, tokens)
             parent_serial = serials[-1] if serials else None
             keys.append(key)
             page = seq.page_table[index]

@@ -15,7 +15,9 @@ waits at most one budget's worth of prefill. In order:
    (FCFS, or by aged priority); under slo both are ordered together by slack to their latency targets, and decode
    protection may hold prefills back (`slo.py`). An admitted sequence reuses its longest cached prefix (none for
    one that must score its prompt); with KV tiers the prefix continues in the host and disk tiers, whose pages
-   the step restores first. Admission stops at the first sequence that finds no pages.
+   the step restores first. Admission stops at the first sequence that finds no pages. A LoRA sequence waits
+   (and those after it may go first) while every device slot of the adapter stack serves other adapters' running
+   sequences (`lora/cache.py`); its admission pins its adapter's slot, writing the adapter there first if needed.
 
 With a rope whose rotations change with the length (`rope_length_rule`, `layers/rotary.py`) a sequence past the
 threshold is marked `rope_by_length` at admission (no prefix caching for it); under LongRoPE ("sequence") one that
@@ -47,6 +49,7 @@ from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutpu
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo import SloPolicy, StepCosts
 from jaxserve.engine.step_output import SampledToken
+from jaxserve.lora.cache import AdapterSlots
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class Scheduler:
         self._left_slots: list[int] = []  # ids of the sequences that left their slots since the last output
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.adapter_slots = AdapterSlots(config.max_loras) if config.enable_lora else None  # LoRA: device slots
 
     @property
     def num_waiting(self) -> int:
@@ -191,7 +195,7 @@ class Scheduler:
         return SchedulerOutput(
             left, new, tuple(c for c in cached if c is not None),
             tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills),
-            decodes, tuple(plan.restores))
+            decodes, tuple(plan.restores), tuple(plan.lora_loads))
 
     def _plan(self) -> Plan:
         budget = self.config.max_num_batched_tokens
@@ -236,6 +240,8 @@ class Scheduler:
                 continue  # preempted this step to make room for an earlier chunk
             if (admit and not admitting) or not limits.allows(seq, admit):
                 continue
+            if admit and seq.lora is not None and not self.adapter_slots.can_acquire(seq.lora.key):
+                continue  # every device slot serves other adapters' running sequences: it waits for one
             held = admit and not (slo is not None and slo.is_due(seq, now))  # decode protection holds admissions
             available = int(limits.share(min(budget, allowance) if held else budget))
             if available < smallest:
@@ -279,6 +285,10 @@ class Scheduler:
             manager.record_lookup(seq, on_device, found)
             out.restores += manager.restore(seq, found)
         self.waiting.remove(seq)
+        if seq.lora is not None:
+            seq.lora_slot, load = self.adapter_slots.acquire(seq.lora)
+            if load:
+                out.lora_loads.append((seq.lora_slot, seq.lora))
         seq.slot = self.free_slots.pop()
         seq.mark_admitted()
         self.running.append(seq)
@@ -373,6 +383,9 @@ class Scheduler:
             self.free_slots.append(seq.slot)
             self._left_slots.append(seq.seq_id)
             seq.slot = None
+        if seq.lora_slot is not None:
+            self.adapter_slots.release(seq.lora_slot)
+            seq.lora_slot = None
 
     def _waiting_order(self, now: float) -> list[Sequence]:
         """The waiting sequences in admission order: FCFS (preempted ones first), or by aged priority."""

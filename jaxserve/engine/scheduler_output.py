@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.sequence import Sequence
+from jaxserve.lora.cache import LoadedAdapter
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramIndex
@@ -34,6 +35,7 @@ class NewSequence(NamedTuple):
     params: SamplingParams
     seed: int
     window_page_ids: tuple[int, ...] = ()  # hybrid KV cache: the sliding-window layers' pages (scratch: released)
+    lora_slot: int = -1  # LoRA: its adapter's slot in the device stack (-1: the base model)
 
 
 class CachedSequence(NamedTuple):
@@ -80,6 +82,8 @@ class SchedulerOutput:
     decodes: tuple[ScheduledDecode, ...]
     # KV tiers: pages to copy into the pool before the step's forwards, (device page, tier page)
     restores: tuple[tuple[int, TierPage], ...] = ()
+    # LoRA: adapters to write into device slots before the step's forwards, (slot, adapter)
+    lora_loads: tuple[tuple[int, LoadedAdapter], ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -92,7 +96,8 @@ def new_sequence(seq: Sequence) -> NewSequence:
     seq.num_kept_pages = seq.num_sent_pages
     seq.num_sent_window_pages = seq.num_kept_window_pages = len(seq.window_pages)
     return NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
-                       tuple(seq.page_table), seq.params, seq.seed, tuple(seq.window_pages))
+                       tuple(seq.page_table), seq.params, seq.seed, tuple(seq.window_pages),
+                       -1 if seq.lora_slot is None else seq.lora_slot)
 
 
 def cached_sequence(seq: Sequence, with_tokens: bool) -> CachedSequence | None:
@@ -172,3 +177,4 @@ class Plan:
     decodes: list[Sequence]
     admitted: list[Sequence]
     restores: list[tuple[int, TierPage]] = dataclasses.field(default_factory=list)  # (device page, tier page)
+    lora_loads: list[tuple[int, LoadedAdapter]] = dataclasses.field(default_factory=list)  # (slot, adapter)

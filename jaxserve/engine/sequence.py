@@ -58,6 +58,9 @@ class Sequence:
         # what the runner has of it (`scheduler_output.py`): tokens, page-table length, pages still the same
         self.num_sent_tokens = self.num_sent_pages = self.num_kept_pages = 0
         self.slot: int | None = None
+        # LoRA: its adapter (`lora.cache.LoadedAdapter`; None: the base model) and, while running, its device slot
+        self.lora = None
+        self.lora_slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.rope_by_length = False  # its tokens rotate by a length past the rope's threshold (`layers/rotary.py`)
         self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use
@@ -73,6 +76,11 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id}#{self.index}, {self.status.value}, {len(self)} tokens)"
+
+    @property
+    def prefix_root(self) -> bytes:
+        """The parent key of its first prefix-cache page: b"" for the base model, its adapter's own otherwise."""
+        return b"" if self.lora is None else b"lora:" + self.lora.key
 
     @property
     def num_tokens(self) -> int:

@@ -73,7 +73,8 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     """One prefill call of `chunks`; `rope_by_sequence`: the tokens rotate by the sequence's length (LongRoPE),
     else by the prompt's (`layers/rotary.py`)."""
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
-    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1], rows_of.window_page_tables is not None)
+    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1], rows_of.window_page_tables is not None,
+                          rows_of.lora_slots is not None)
     inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
     for row, chunk in enumerate(chunks):
         slot = rows_of.slot_of[chunk.seq_id]
@@ -88,6 +89,8 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
         inputs.output_index[row] = len(token_ids) - rows_of.num_prompt_tokens[slot]
         batch.is_final[row] = chunk.is_final
         batch.rope_lens[row] = len(token_ids) if rope_by_sequence else rows_of.num_prompt_tokens[slot]
+        if batch.lora_slots is not None:
+            batch.lora_slots[row] = rows_of.lora_slots[slot]
         if chunk.is_final:
             inputs.sampled.append(RowSequence(row, chunk.seq_id, rows_of.logprobs_of(slot)))
             if rows_of.guided[slot]:
@@ -99,14 +102,16 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     return inputs
 
 
-def empty_prefill(rows: int, tokens: int, pages_per_seq: int, hybrid: bool = False) -> PrefillBatch:
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int, hybrid: bool = False,
+                  lora: bool = False) -> PrefillBatch:
     """A prefill call of empty rows (zero tokens: they write only to the scratch page); `hybrid`: with the window
-    layers' page tables."""
+    layers' page tables; `lora`: with each row's adapter slot (-1: none)."""
     zeros = functools.partial(np.zeros, rows, np.int32)
     tables = functools.partial(np.zeros, (rows, pages_per_seq), np.int32)
     return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
                         page_tables=tables(), slots=zeros(), is_final=np.zeros(rows, bool), next_tokens=zeros(),
-                        rope_lens=zeros(), window_page_tables=tables() if hybrid else None)
+                        rope_lens=zeros(), window_page_tables=tables() if hybrid else None,
+                        lora_slots=np.full(rows, -1, np.int32) if lora else None)
 
 
 def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:
@@ -131,7 +136,12 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     sampled = [RowSequence(row, seq_id, None if k < 0 else k)
                for row, (seq_id, k) in enumerate(zip(seq_ids, rows_of.num_logprobs[live].tolist()))]
     guided = [sampled[row] for row in np.flatnonzero(rows_of.guided[live]).tolist()]
-    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active, window_pages), output_index)
+    lora_slots = None
+    if rows_of.lora_slots is not None:
+        lora_slots = np.full(rows, -1, np.int32)
+        lora_slots[:count] = rows_of.lora_slots[live]
+    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active, window_pages, lora_slots),
+                        output_index)
 
 
 @dataclasses.dataclass
@@ -154,7 +164,8 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                         draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
                         pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool),
-                        window_pages=None if window is None else np.zeros((rows, k + 1), np.int32))
+                        window_pages=None if window is None else np.zeros((rows, k + 1), np.int32),
+                        lora_slots=None if rows_of.lora_slots is None else np.full(rows, -1, np.int32))
     inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, decode in enumerate(decodes):
         slot = rows_of.slot_of[decode.seq_id]
@@ -162,6 +173,8 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
         batch.slots[row] = slot
         batch.positions[row] = position
         batch.num_draft[row] = decode.num_draft
+        if batch.lora_slots is not None:
+            batch.lora_slots[row] = rows_of.lora_slots[slot]
         batch.draft_tokens[row, :len(decode.draft_token_ids)] = decode.draft_token_ids
         for i in range(k + 1):
             index = (position + i) // page_size

@@ -70,6 +70,7 @@ class PrefillBatch:
     next_tokens: jax.Array  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
     rope_lens: jax.Array  # int32 [rows]: the rope length each row's tokens have at least (`layers/rotary.py`)
     window_page_tables: jax.Array | None = None  # hybrid KV cache: int32 [rows, pages_per_seq], the window layers'
+    lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
 
 
 @flax.struct.dataclass
@@ -81,6 +82,7 @@ class DecodeBatch:
     pages: jax.Array  # int32 [rows]: the page holding that position (the device keeps the rest of the table)
     active: jax.Array  # bool [rows]
     window_pages: jax.Array | None = None  # hybrid KV cache: int32 [rows], that position's window-layer page
+    lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
 
 
 @flax.struct.dataclass
@@ -94,6 +96,7 @@ class VerifyBatch:
     pages: jax.Array  # int32 [rows, K + 1]: the page of each position p..p+K (0 past the sequence's pages)
     active: jax.Array  # bool [rows]
     window_pages: jax.Array | None = None  # hybrid KV cache: int32 [rows, K + 1], those positions' window pages
+    lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
 
 
 @flax.struct.dataclass
@@ -175,7 +178,7 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
                              window_slot_mapping=None if window_tables is None else slots_of(window_tables))
     (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                          logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
-                                         with_hidden=True)
+                                         with_hidden=True, lora_slots=batch.lora_slots)
     greedy = argmax(logits)
     live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     slot_state = SlotState(
@@ -218,7 +221,8 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
                              window_page_tables=None if window_tables is None else window_tables[slots],
                              window_slot_mapping=window_slots)
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
-                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp)
+                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
+                               lora_slots=batch.lora_slots)
     greedy = argmax(logits)
     slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables,
                            window_page_tables=window_tables)
@@ -246,7 +250,8 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
                              query_lens=jnp.where(active, 1 + num_draft, 0),
                              window_page_tables=None if window_tables is None else window_tables[slots],
                              window_slot_mapping=window_slots)
-    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp)
+    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
+                               lora_slots=batch.lora_slots)
     greedy = argmax(logits)
     num_accepted = verify_greedy(greedy, draft_tokens, num_draft)
     last = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from jaxserve.layers import matmul_blocks
 from jaxserve.layers.awq import awq_matmul
+from jaxserve.layers.lora import lora_delta
 
 QUANTIZE_EMBEDDING = True  # the embedding table (and so a tied LM head) too; benchmarks/quality.py measures both
 FLOAT_LINEARS = ("router", "shared_expert_gate")  # tiny, and a rounded router may choose other experts
@@ -150,7 +151,9 @@ class Linear(nn.Module):
     """`nn.Dense` (same names, initializers and float arithmetic) that also runs int8 weights: params `kernel`
     (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional); or AWQ
     int4 weights: `kernel` uint4 `[in, out]` with `zeros` (uint4) and `scales` (float) `[in / group, out]`
-    (`layers/awq.py`). `in_shards`: devices the input features are split over (row-parallel layers)."""
+    (`layers/awq.py`). `in_shards`: devices the input features are split over (row-parallel layers). Given a
+    "lora" collection (`lora/weights.py`: the adapters' stacked `a`, `b` and the rows' slot `mask`), each row adds
+    its adapter's contribution (`layers/lora.py`), whatever the base weights' format."""
 
     features: int
     use_bias: bool = False
@@ -169,6 +172,8 @@ class Linear(nn.Module):
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
             x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
             y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.has_variable("lora", "a"):
+            y = y + lora_delta(x.astype(self.dtype), *(self.get_variable("lora", name) for name in ("a", "b", "mask")))
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
             y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(self.dtype)

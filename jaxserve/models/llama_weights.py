@@ -35,7 +35,16 @@ LAYER_MODULES = {"input_norm": "input_layernorm", "post_attention_norm": "post_a
 # q/k/v, gate/up and the serving layout's fused qkv_proj, gate_up_proj. int8 scales are per output channel (split
 # with the kernel's output features, replicated where it splits on its input features); AWQ layers' per-group
 # zeros and scales ([in / group, out]) split exactly like their kernel (whole groups per device, `loading/awq.py`).
+# The LoRA stack (`lora/weights.py`, under "lora/"): `a` and `b` split as their base linear splits, so the
+# column-parallel ones' low-rank activations are whole on every device and the row-parallel ones' are partial sums.
+LORA_SHARDING_RULES: tuple[tuple[str, str], ...] = (
+    (r"^lora/.*/(qkv_proj|gate_up_proj)/a$", "replicated"),
+    (r"^lora/.*/(qkv_proj|gate_up_proj)/b$", "lora_columns"),
+    (r"^lora/.*/(o_proj|down_proj)/a$", "lora_rows"),
+    (r"^lora/.*/(o_proj|down_proj)/b$", "replicated"),
+)
 SHARDING_RULES: tuple[tuple[str, str], ...] = (
+    *LORA_SHARDING_RULES,
     *moe.SHARDING_RULES,
     (r"embed/embedding", "vocab_rows"),
     (r"embed/scale", "vocab_vector"),

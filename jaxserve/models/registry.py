@@ -25,6 +25,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
+from jaxserve.layers.lora import lora_variables
 from jaxserve.models import gemma, gpt_oss, llama, mixtral, phi3, qwen_moe
 from jaxserve.models.spec import ModelSpec
 
@@ -52,12 +53,18 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
 
 def forward(params, config: ModelConfig, backend: PagedAttention, token_ids, kv_cache: KVCache,
             meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel(),
-            with_hidden: bool = False):
+            with_hidden: bool = False, lora_slots=None):
     """The pure forward function the engine jits: params (serving layout) and cache in, float32 logits and new
     cache out. With `logits_indices [B]`, one token per row gets logits ([B, vocab]); without, every token
-    ([B, T, vocab]). `with_hidden`: the logits are the pair (logits, the last layer's output [B, T, hidden])."""
+    ([B, T, vocab]). `with_hidden`: the logits are the pair (logits, the last layer's output [B, T, hidden]).
+    LoRA: `params["lora"]` is the adapters' device stack (`lora/weights.py`) and `lora_slots [B]` each row's slot
+    in it (-1: the base model)."""
     spec = model_spec(config.model_type)
-    hidden, new_cache = spec.module(config, backend, dtype, tp).apply({"params": params}, token_ids, kv_cache, meta)
+    variables = {"params": params}
+    if "lora" in params:
+        params = {name: group for name, group in params.items() if name != "lora"}
+        variables = {"params": params, "lora": lora_variables(variables["params"]["lora"], lora_slots, dtype)}
+    hidden, new_cache = spec.module(config, backend, dtype, tp).apply(variables, token_ids, kv_cache, meta)
     x = hidden
     if logits_indices is not None:
         x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]

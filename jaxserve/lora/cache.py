@@ -1,0 +1,123 @@
+"""Where adapters live between disk and the device: `AdapterCache`, the host cache of read and checked adapters
+(`max_cpu_loras`, least recently used first out), and `AdapterSlots`, the scheduler's record of the `max_loras`
+device slots (which adapter each holds, how many running sequences pin it, least recently used unpinned slot
+reused first).
+
+A request takes its `LoadedAdapter` from the host cache when it is accepted (read from disk on a miss, on the
+caller's thread) and holds it until it ends, so an adapter evicted from the host cache meanwhile is only re-read by
+later requests. A waiting sequence is admitted only when its adapter holds a slot or a slot is free of pins; the
+step that admits it first writes the adapter into its slot if the slot holds another (`SchedulerOutput.lora_loads`).
+Adapters are known by the sha256 of their files, so a changed adapter under the same id never reads a slot, or a
+prefix-cache page, of the old one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections import OrderedDict
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.lora.peft_format import AdapterWeights, read_adapter
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.weights import serving_adapter
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedAdapter:
+    """A read adapter: its request, its weights as read and in the serving layout (numpy, ready for a slot)."""
+
+    request: LoRARequest
+    weights: AdapterWeights
+    serving: dict
+
+    @property
+    def key(self) -> bytes:
+        return self.weights.key
+
+    @property
+    def name(self) -> str:
+        return self.request.lora_name
+
+
+class AdapterCache:
+    """Read adapters by `lora_int_id`, at most `capacity` of them; safe to call from any thread."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, max_rank: int, capacity: int):
+        self.config, self.tp, self.max_rank, self.capacity = config, tp, max_rank, capacity
+        self._lock = threading.Lock()
+        self._adapters: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        self.num_reads = 0  # adapters read from disk (a miss)
+
+    def get(self, request: LoRARequest) -> LoadedAdapter:
+        """The adapter of `request`, read and checked on a miss (ValueError naming the problem)."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        with self._lock:
+            cached = self._adapters.get(request.lora_int_id)
+            if cached is not None:
+                if (cached.request.lora_path, cached.request.lora_name) != (request.lora_path, request.lora_name):
+                    raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
+                                     f"{cached.request.lora_name!r} ({cached.request.lora_path!r}); unload it or "
+                                     f"use another id for {request.lora_name!r} ({request.lora_path!r})")
+                self._adapters.move_to_end(request.lora_int_id)
+                return cached
+        weights = read_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
+        loaded = LoadedAdapter(request, weights, serving_adapter(weights, self.config, self.tp, self.max_rank))
+        with self._lock:
+            self.num_reads += 1
+            self._adapters[request.lora_int_id] = loaded
+            while len(self._adapters) > self.capacity:
+                self._adapters.popitem(last=False)
+        return loaded
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (running requests keep theirs); False if it was not cached."""
+        with self._lock:
+            return self._adapters.pop(lora_int_id, None) is not None
+
+    def cached_ids(self) -> list[int]:
+        with self._lock:
+            return list(self._adapters)
+
+
+class AdapterSlots:
+    """The device stack's `num_slots` slots, as the scheduler assigns them."""
+
+    def __init__(self, num_slots: int):
+        self.keys: list[bytes | None] = [None] * num_slots  # the adapter each slot holds
+        self.pins = [0] * num_slots  # running sequences using it
+        self._last_used = [-1] * num_slots
+        self._clock = itertools.count()
+        self.num_loads = 0
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self.keys.index(key) if key in self.keys else None
+
+    def can_acquire(self, key: bytes) -> bool:
+        """Whether a sequence of adapter `key` can run now: the adapter holds a slot, or a slot has no pins."""
+        return key in self.keys or 0 in self.pins
+
+    def acquire(self, adapter: LoadedAdapter) -> tuple[int, bool]:
+        """Pins a slot for one sequence of `adapter`: (slot, whether the adapter must be written into it first).
+        Call only when `can_acquire`."""
+        slot = self.slot_of(adapter.key)
+        load = slot is None
+        if load:
+            slot = min((s for s, pins in enumerate(self.pins) if pins == 0), key=self._last_used.__getitem__)
+            self.keys[slot] = adapter.key
+            self.num_loads += 1
+        self.pins[slot] += 1
+        return slot, load
+
+    def release(self, slot: int) -> None:
+        """A sequence using `slot` left it (finished or preempted)."""
+        self.pins[slot] -= 1
+        self._last_used[slot] = next(self._clock)
+
+    @property
+    def num_active(self) -> int:
+        """Slots that running sequences use."""
+        return sum(pins > 0 for pins in self.pins)
