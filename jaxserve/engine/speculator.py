@@ -114,9 +114,10 @@ class Speculator:
         return verify_inputs(self.runner.batch, decodes, self.runner.engine_config, self.k)
 
     def mirror_prefill(self, batch: PrefillBatch) -> None:
-        """Writes a target prefill call's chunks into the draft model's pool too (no-op without a draft model)."""
+        """Writes a target prefill call's chunks into the draft model's pool too (no-op without a draft model). The
+        draft model runs without adapters: it only proposes, and the adapted target verifies."""
         if self.draft is not None:
-            self.runner.steps.run("draft_prefill", batch)
+            self.runner.steps.run("draft_prefill", batch.replace(lora_slots=None))
 
     def verify(self, inputs: VerifyInputs) -> SampleResult:
         """Proposes (a draft model, on the device) and verifies K drafts per row in one forward of the target; each
@@ -169,7 +170,8 @@ class Speculator:
             zeros = np.zeros(rows, np.int32)
             pages = functools.partial(np.zeros, (rows, self.k + 1), np.int32)
             yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, pages(), np.zeros(rows, bool),
-                              pages() if self.runner.hybrid else None)
+                              pages() if self.runner.hybrid else None,
+                              np.full(rows, -1, np.int32) if self.runner.engine_config.enable_lora else None)
 
     def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:
         vocab = self.runner.config.vocab_size

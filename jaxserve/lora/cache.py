@@ -22,7 +22,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.lora.peft_format import AdapterWeights, read_adapter
 from jaxserve.lora.request import LoRARequest
-from jaxserve.lora.weights import serving_adapter
+from jaxserve.lora.weights import fused_columns, serving_adapter
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,7 +46,8 @@ class AdapterCache:
     """Read adapters by `lora_int_id`, at most `capacity` of them; safe to call from any thread."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, max_rank: int, capacity: int):
-        self.config, self.tp, self.max_rank, self.capacity = config, tp, max_rank, capacity
+        self.config, self.max_rank, self.capacity = config, max_rank, capacity
+        self.columns = fused_columns(config, tp)
         self._lock = threading.Lock()
         self._adapters: OrderedDict[int, LoadedAdapter] = OrderedDict()
         self.num_reads = 0  # adapters read from disk (a miss)
@@ -65,7 +66,7 @@ class AdapterCache:
                 self._adapters.move_to_end(request.lora_int_id)
                 return cached
         weights = read_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
-        loaded = LoadedAdapter(request, weights, serving_adapter(weights, self.config, self.tp, self.max_rank))
+        loaded = LoadedAdapter(request, weights, serving_adapter(weights, self.config, self.max_rank, self.columns))
         with self._lock:
             self.num_reads += 1
             self._adapters[request.lora_int_id] = loaded

@@ -59,31 +59,42 @@ def stack_shapes(config: ModelConfig, tp: TensorParallel, max_loras: int, max_ra
     return tree
 
 
-def serving_adapter(adapter: AdapterWeights, config: ModelConfig, tp: TensorParallel, max_rank: int) -> dict:
-    """`adapter` in the serving layout: numpy float32 `layers_i/{attn,mlp}/<linear>/{a [in, W], b [W, out]}` for
-    every linear of the stack (zeros where the adapter leaves it alone)."""
+def fused_columns(config: ModelConfig, tp: TensorParallel) -> dict[str, np.ndarray]:
+    """For `qkv_proj` and `gate_up_proj`, the column of the checkpoint projections' concatenation (`[q | k | v]`,
+    `[gate | up]`) each serving column reads: the family's `fuse_layer` run once over column numbers, so adapters
+    are laid out with numpy alone when they are read (no device work, nothing to compile, on a request)."""
+    def numbered(targets: tuple[str, ...]) -> dict:
+        widths = [module_shapes(config, target)[1] for target in targets]
+        starts = np.cumsum([0, *widths])
+        return {target: {"kernel": np.arange(start, start + width, dtype=np.int32)[None]}
+                for target, start, width in zip(targets, starts, widths)}
+    fused = fuse_layer({"attn": numbered(LANES["qkv_proj"][1]), "mlp": numbered(LANES["gate_up_proj"][1])}, config,
+                       tp)
+    return {"qkv_proj": np.asarray(fused["attn"]["qkv_proj"]["kernel"][0]),
+            "gate_up_proj": np.asarray(fused["mlp"]["gate_up_proj"]["kernel"][0])}
+
+
+def serving_adapter(adapter: AdapterWeights, config: ModelConfig, max_rank: int,
+                    columns: dict[str, np.ndarray]) -> dict:
+    """`adapter` in the serving layout (`columns`: `fused_columns`): numpy float32
+    `layers_i/{attn,mlp}/<linear>/{a [in, W], b [W, out]}` for every linear of the stack (zeros where the adapter
+    leaves it alone)."""
     tree: dict = {}
     for layer in range(config.num_layers):
-        linears = adapted_linears(config, layer)
-        checkpoint: dict = {"attn": {}, "mlp": {}}  # each projection's B over all lanes' rows, checkpoint columns
-        for name in linears:
+        for name in adapted_linears(config, layer):
             group, lanes = LANES[name]
-            fan_in, _ = linear_shapes(config, tp, name)
+            fan_in = module_shapes(config, lanes[0])[0]
+            widths = [module_shapes(config, target)[1] for target in lanes]
             a = np.zeros((fan_in, len(lanes) * max_rank), np.float32)
-            for lane, target in enumerate(lanes):
-                b = np.zeros((len(lanes) * max_rank, module_shapes(config, target)[1]), np.float32)
+            b = np.zeros((len(lanes) * max_rank, sum(widths)), np.float32)  # the projections' columns side by side
+            for lane, (target, start) in enumerate(zip(lanes, np.cumsum([0, *widths]))):
                 if (layer, target) in adapter.modules:
                     a_t, b_t = adapter.modules[(layer, target)]
                     rows = slice(lane * max_rank, lane * max_rank + a_t.shape[1])
-                    a[:, rows], b[rows] = a_t, b_t
-                checkpoint[group][target] = {"kernel": b}
-            tree.setdefault(f"layers_{layer}", {}).setdefault(group, {})[name] = {"a": a}
-        if "gate_up_proj" not in linears:  # fuse_layer fuses gate/up whatever the layer: give it nothing to fuse
-            checkpoint["mlp"] = {"gate_proj": {}, "up_proj": {}}
-        fused = fuse_layer(checkpoint, config, tp)
-        for name in linears:
-            group, _ = LANES[name]
-            tree[f"layers_{layer}"][group][name]["b"] = np.asarray(fused[group][name]["kernel"], np.float32)
+                    a[:, rows] = a_t
+                    b[rows, start:start + b_t.shape[1]] = b_t
+            tree.setdefault(f"layers_{layer}", {}).setdefault(group, {})[name] = {
+                "a": a, "b": b[:, columns[name]] if name in columns else b}
     return tree
 
 

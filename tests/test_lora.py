@@ -1,0 +1,235 @@
+"""LoRA adapters against HF transformers + PEFT: random adapters on a small random Llama, mixed with the base model
+in one batch (one device, and tensor parallelism over 2 and 4 simulated devices, the latter with replicated KV
+heads), slots evicted and adapters re-read, no compile when adapters change, the prefix cache never crossing
+adapters, and bad adapters refused before they touch the device."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.lora.peft_format import read_adapter
+from jaxserve.models import config_from_hf
+from tests.conftest import random_prompts, tiny_hf_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+OPTIONS = dict(max_num_seqs=8, max_model_len=128, num_kv_pages=96, enable_lora=True, max_lora_rank=16)
+# name -> PEFT LoraConfig fields: attention only, every projection with rsLoRA, and per-module ranks and alphas
+ADAPTERS = {
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"]),
+    "patterns": dict(r=16, lora_alpha=4, target_modules=["o_proj", "up_proj", "down_proj"],
+                     rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 32}),
+}
+
+
+def save_peft_adapter(base: str, path: str, seed: int, **lora_config) -> str:
+    """A PEFT LoRA adapter of `base` with random A and B (large enough to change greedy tokens), saved to `path`."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora_config))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    adapted.save_pretrained(path)
+    return path
+
+
+def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: LoRARequest(name, index + 1, save_peft_adapter(tiny_llama_dir, str(root / name), index, **config))
+            for index, (name, config) in enumerate(ADAPTERS.items())}
+
+
+PROMPTS = random_prompts(3, 512, 6, 40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, adapters) -> dict[str | None, list[list[int]]]:
+    """Every prompt's greedy tokens under the base model and under each adapter, from PEFT."""
+    refs = {None: peft_greedy(tiny_llama_dir, None, PROMPTS, GREEDY.max_tokens)}
+    for name, request in adapters.items():
+        refs[name] = peft_greedy(tiny_llama_dir, request.lora_path, PROMPTS, GREEDY.max_tokens)
+        assert refs[name] != refs[None], f"adapter {name} changes nothing: the test would prove nothing"
+    return refs
+
+
+def mixed_batch(adapters) -> tuple[list[dict], list[LoRARequest | None], list[tuple[str | None, int]]]:
+    """Every prompt under the base model and every adapter, interleaved in one batch."""
+    names = [None, *adapters]
+    cases = [(names[(i + j) % len(names)], i) for j in range(len(names)) for i in range(len(PROMPTS))]
+    return ([{"prompt_token_ids": PROMPTS[i]} for _, i in cases], [adapters.get(n) if n else None for n, _ in cases],
+            cases)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2, 4])
+def test_mixed_adapters_in_one_batch_match_peft(tiny_llama_dir, adapters, references, tensor_parallel_size):
+    """Three adapters and the base model in one batch, two device slots: identical to PEFT token for token."""
+    llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=2, tensor_parallel_size=tensor_parallel_size)
+    prompts, loras, cases = mixed_batch(adapters)
+    ours = token_ids(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+    assert ours == [references[name][i] for name, i in cases]
+
+
+def test_adapters_evicted_and_read_again_without_compiling(tiny_llama_dir, adapters, references, caplog):
+    """One device slot and one host entry for three adapters: rows wait for the slot, adapters are written into it
+    again and read from disk again, and none of it compiles after warm-up."""
+    llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=1, max_cpu_loras=1)
+    engine = llm.llm_engine
+    prompts, loras, cases = mixed_batch(adapters)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        ours = token_ids(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+        again = token_ids(llm.generate(prompts[:2], GREEDY, lora_request=loras[:2], use_tqdm=False))
+        compiles = [r.getMessage() for r in caplog.records
+                    if "Compiling" in r.getMessage() or "warm-up missed it" in r.getMessage()]
+    assert ours == [references[name][i] for name, i in cases]
+    assert again == ours[:2]
+    assert compiles == []
+    assert engine.scheduler.adapter_slots.num_loads >= len(adapters) + 1
+    assert engine.adapters.num_reads > len(adapters)  # evicted from the host cache, read again
+    assert engine.adapters.cached_ids() == [loras[1].lora_int_id]
+
+
+def test_prefix_cache_does_not_cross_adapters(tiny_llama_dir, adapters, references):
+    llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=2)
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]
+    cached = (len(PROMPTS[2]) - 1) // 16 * 16  # its full pages, leaving one token to compute
+    assert cached > 0
+
+    def run(name):
+        output = llm.generate(prompt, GREEDY, lora_request=adapters.get(name) if name else None)[0]
+        return list(output.outputs[0].token_ids), output.num_cached_tokens
+    assert run(None) == (references[None][2], 0)
+    assert run("qv") == (references["qv"][2], 0)  # the base model's pages hold other K/V
+    assert run("all") == (references["all"][2], 0)
+    assert run("qv") == (references["qv"][2], cached)  # its own pages are found
+    assert run(None) == (references[None][2], cached)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters(tiny_llama_dir, adapters, references, method):
+    """Drafts (n-gram, or the base model's as a draft model, which runs without adapters) are verified by the
+    adapted model: the tokens stay the adapters'."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+            if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 2})
+    llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=2, speculative_config={**spec, "disable_by_batch_size": None})
+    prompts, loras, cases = mixed_batch(adapters)
+    ours = token_ids(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+    assert ours == [references[name][i] for name, i in cases]
+    assert llm.llm_engine.stats().spec_decode_num_drafts > 0
+
+
+def test_attention_adapter_on_a_mixture_of_experts_model(tiny_model_dirs, tmp_path):
+    base = tiny_model_dirs["qwen3_moe"]
+    path = save_peft_adapter(base, str(tmp_path / "moe"), 7, r=8, lora_alpha=16,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    llm = LLM(base, **OPTIONS)
+    prompts = PROMPTS[:2]
+    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                  lora_request=[LoRARequest("moe", 1, path), None], use_tqdm=False))
+    assert ours == [peft_greedy(base, path, prompts[:1], 8)[0], peft_greedy(base, None, prompts[1:], 8)[0]]
+
+
+def _write_adapter(path, config: dict, tensors: dict[str, np.ndarray]) -> str:
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return str(path)
+
+
+def _lora_pair(layer: int, group: str, target: str, rank: int, fan_in: int, fan_out: int) -> dict:
+    prefix = f"base_model.model.model.layers.{layer}.{group}.{target}"
+    return {f"{prefix}.lora_A.weight": np.ones((rank, fan_in), np.float32),
+            f"{prefix}.lora_B.weight": np.ones((fan_out, rank), np.float32)}
+
+
+LLAMA = config_from_hf(tiny_hf_config("llama"))
+CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+
+
+@pytest.mark.parametrize("case, config, tensors, message", [
+    ("rank", {**CONFIG, "r": 32}, _lora_pair(0, "self_attn", "q_proj", 32, 64, 64), "r 32 exceeds max_lora_rank"),
+    ("target", {**CONFIG, "target_modules": ["lm_head"]}, {}, r"target_modules \['lm_head'\] are not supported"),
+    ("tensor", CONFIG, {"base_model.model.lm_head.lora_A.weight": np.ones((4, 64), np.float32)},
+     "is not a LoRA weight of a decoder projection"),
+    ("shape", CONFIG, _lora_pair(0, "self_attn", "q_proj", 4, 32, 32), "an adapter of another base model"),
+    ("layer", CONFIG, _lora_pair(5, "self_attn", "q_proj", 4, 64, 64), "the base model has 2 layers"),
+    ("half", CONFIG, dict(list(_lora_pair(0, "self_attn", "q_proj", 4, 64, 64).items())[:1]), "without its other"),
+    ("dora", {**CONFIG, "use_dora": True}, {}, "use_dora is not supported"),
+    ("bias", {**CONFIG, "bias": "all"}, {}, "bias must be 'none'"),
+    ("saved", {**CONFIG, "modules_to_save": ["lm_head"]}, {}, "modules_to_save is not supported"),
+    ("json", None, {}, "is not valid JSON"),
+])
+def test_bad_adapters_are_refused_naming_the_field(tmp_path, case, config, tensors, message):
+    path = _write_adapter(tmp_path / case, config or {}, tensors or _lora_pair(0, "self_attn", "q_proj", 4, 64, 64))
+    if config is None:
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            f.write("{not json")
+    with pytest.raises(ValueError, match=message) as error:
+        read_adapter(case, path, LLAMA, max_rank=16)
+    assert repr(case) in str(error.value)  # the adapter is named
+
+
+def test_moe_layer_mlp_adapter_refused(tmp_path):
+    moe = config_from_hf(tiny_hf_config("qwen3_moe"))
+    path = _write_adapter(tmp_path / "moe", {**CONFIG, "target_modules": ["gate_proj"]},
+                          _lora_pair(0, "mlp", "gate_proj", 4, 64, 128))
+    with pytest.raises(ValueError, match="mixture-of-experts layer's MLP"):
+        read_adapter("moe", path, moe, max_rank=16)
+
+
+def test_lora_requests_refused_by_the_engine_which_keeps_serving(tiny_llama_dir, adapters, references, tmp_path):
+    llm = LLM(tiny_llama_dir, **{**OPTIONS, "max_lora_rank": 4}, max_loras=1)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    with pytest.raises(ValueError, match="r 8 exceeds max_lora_rank"):
+        llm.generate(prompt, GREEDY, lora_request=adapters["qv"])
+    with pytest.raises(ValueError, match="is not a directory"):
+        llm.generate(prompt, GREEDY, lora_request=LoRARequest("missing", 9, str(tmp_path / "nowhere")))
+    assert token_ids(llm.generate(prompt, GREEDY, lora_request=adapters["all"])) == [references["all"][0]]
+    with pytest.raises(ValueError, match="lora_int_id 2 is already adapter 'all'"):
+        llm.generate(prompt, GREEDY, lora_request=LoRARequest("other", 2, adapters["qv"].lora_path))
+    with pytest.raises(ValueError, match="got 2 lora_requests for 1 prompts"):
+        llm.generate(prompt, GREEDY, lora_request=[None, None])
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, adapters["qv"].lora_path)
+    assert token_ids(llm.generate(prompt, GREEDY)) == [references[None][0]]
+    base_only = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=128, num_kv_pages=32)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        base_only.generate(prompt, GREEDY, lora_request=adapters["qv"])
