@@ -82,12 +82,14 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | SequenceType[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates."""
+             chat_template: str | None = None,
+             lora_request: LoRARequest | SequenceType[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates (`lora_request`
+        as for `generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
