@@ -233,3 +233,59 @@ def test_lora_requests_refused_by_the_engine_which_keeps_serving(tiny_llama_dir,
     base_only = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=128, num_kv_pages=32)
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         base_only.generate(prompt, GREEDY, lora_request=adapters["qv"])
+
+
+def test_server_serves_adapters_by_model_name(tiny_llama_dir, adapters, references, monkeypatch, tmp_path):
+    """`--lora-modules` names in /v1/models with their parent; `model` chooses the adapter; unknown names 404; a
+    bad adapter is a 400 and the server goes on; adapters load and unload at run time when allowed."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.server.lora_modules import RUNTIME_UPDATING_ENV
+    from tests.test_server_app import run_in_process
+
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "true")
+    bad = _write_adapter(tmp_path / "bad", {**CONFIG, "r": 64}, _lora_pair(0, "self_attn", "q_proj", 64, 64, 64))
+
+    def completion(model: str, prompt_index: int) -> dict:
+        return {"model": model, "prompt": PROMPTS[prompt_index], "max_tokens": GREEDY.max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+
+    async def check(http, _) -> None:
+        models = (await http.get("/v1/models")).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("qv", "base"), ("all", "base")]
+        for model, name in (("qv", "qv"), ("base", None), ("all", "all")):
+            answer = (await http.post("/v1/completions", json=completion(model, 1))).json()
+            assert answer["choices"][0]["token_ids"] == references[name][1], model
+        missing = await http.post("/v1/completions", json=completion("patterns", 0))
+        assert missing.status_code == 404 and "`patterns` does not exist" in missing.json()["error"]["message"]
+        refused = await http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": bad})
+        assert refused.status_code == 400 and "exceeds max_lora_rank" in refused.json()["error"]["message"]
+        loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "patterns",
+                                                                "lora_path": adapters["patterns"].lora_path})
+        assert loaded.status_code == 200, loaded.text
+        answer = (await http.post("/v1/completions", json=completion("patterns", 0))).json()
+        assert answer["choices"][0]["token_ids"] == references["patterns"][0]
+        assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "patterns"})).status_code == 200
+        assert (await http.post("/v1/completions", json=completion("patterns", 0))).status_code == 404
+        assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "patterns"})).status_code == 404
+
+    modules = [("qv", adapters["qv"].lora_path, None), ("all", adapters["all"].lora_path, None)]
+    run_in_process(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, **OPTIONS, max_loras=2)), check,
+                   served_model_names=["base"], lora_modules=modules)
+
+
+def test_lora_flags():
+    from jaxserve.server.cli_args import build_parser, engine_config, server_settings
+
+    args = build_parser().parse_args(["--enable-lora", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras",
+                                      "8", "--lora-modules", "a=/x/a", '{"name": "b", "path": "/x/b", '
+                                      '"base_model_name": "m"}'])
+    config = engine_config(args)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 4, 64, 8)
+    assert server_settings(args).lora_modules == [("a", "/x/a", None), ("b", "/x/b", "m")]
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        server_settings(build_parser().parse_args(["--lora-modules", "a=/x"]))
+    with pytest.raises(ValueError, match="must be name=path"):
+        server_settings(build_parser().parse_args(["--enable-lora", "--lora-modules", "a"]))
+    with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
+        engine_config(build_parser().parse_args(["--max-loras", "4", "--max-cpu-loras", "2"]))

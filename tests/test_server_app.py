@@ -116,7 +116,7 @@ class FakeEngine:
         if len(token_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError("prompt + max_tokens exceeds max_model_len")
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None) -> str:
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, lora_request=None) -> str:
         with self.lock:
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")

@@ -26,6 +26,7 @@ from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.server.async_engine import AsyncEngine, EngineState
 from jaxserve.server.errors import APIError, bad_request, error_body
 from jaxserve.server.http_utils import read_json
+from jaxserve.server.lora_modules import add_lora_routes, runtime_updating_allowed
 from jaxserve.server.metrics import ServerMetrics, StatLogger
 from jaxserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 from jaxserve.server.protocol import DetokenizeRequest, TokenizeRequest, normalize_messages
@@ -48,11 +49,15 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     log_stats_interval: float = 10.0  # seconds; 0 disables the periodic stats line
     engine_stop_timeout: float = 10.0  # seconds to wait for the engine thread at shutdown
+    # LoRA adapters served by name (--lora-modules): (name, path, base model name or None)
+    lora_modules: list[tuple[str, str, str | None]] = dataclasses.field(default_factory=list)
 
 
 def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     ctx = ServingContext(async_engine, settings.served_model_names, settings.chat_template, settings.tool_call_parser)
+    for name, path, base_model_name in settings.lora_modules:
+        ctx.adapters.add(name, path, base_model_name)
     replicas = async_engine.replicas
     metrics = ServerMetrics([replica.stats for replica in replicas], ctx.model_name)
     stat_loggers = [StatLogger(replica.stats, f"Replica {replica.replica}: " if len(replicas) > 1 else "")
@@ -102,7 +107,10 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
         root = llm_engine.config.model or llm_engine.model.name
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": now(), "owned_by": "jaxserve", "root": root, "parent": None,
-            "max_model_len": llm_engine.config.max_model_len} for name in ctx.served_model_names]}
+            "max_model_len": llm_engine.config.max_model_len} for name in ctx.served_model_names] + [{
+            "id": name, "object": "model", "created": now(), "owned_by": "jaxserve", "root": lora.lora_path,
+            "parent": lora.base_model_name or ctx.model_name, "max_model_len": llm_engine.config.max_model_len}
+            for name, lora in ctx.adapters.requests.items()]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -119,6 +127,9 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
         raise stored_response_missing(response_id)
+
+    if runtime_updating_allowed():
+        add_lora_routes(app, ctx)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

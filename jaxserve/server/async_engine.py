@@ -25,6 +25,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.server.output_collector import OutputCollector
 
@@ -219,7 +220,7 @@ class AsyncEngine:
     # -- requests (event loop) --------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               priority: int = 0) -> Submission:
+               priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
         """Validates and queues one engine request per prompt (ids `{request_id}-{prompt index}`); raises
         ValueError (also for an id still in flight), EngineUnavailable or ServerOverloaded."""
         llm_engine = self.ready_engine()
@@ -242,7 +243,8 @@ class AsyncEngine:
         accepted = []
         try:
             for engine_request_id, token_ids in zip(request_ids, prompts):
-                llm_engine.add_request(engine_request_id, token_ids, params, priority=priority)
+                llm_engine.add_request(engine_request_id, token_ids, params, priority=priority,
+                                       lora_request=lora_request)
                 accepted.append(engine_request_id)
                 self._requests[engine_request_id] = InFlight(submission, params.n)
                 self.num_inflight_seqs += params.n

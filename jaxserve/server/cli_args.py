@@ -18,6 +18,7 @@ from jaxserve.loading import DEFAULT_MODEL
 from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.server.api_server import ServerSettings
 from jaxserve.server.data_parallel import LOAD_BALANCE_METHODS
+from jaxserve.server.lora_modules import RUNTIME_UPDATING_ENV, parse_lora_module
 
 JINJA_CHARS = "{}\n"  # a --chat-template value with any of these is a template, not a file name (as vLLM)
 ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="the names clients may use; the first is reported in responses (default: --model as "
                              f"given, else {DEFAULT_MODEL})")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters clients choose by `model`: name=path, or JSON {\"name\": ..., \"path\": "
+                             "..., \"base_model_name\": ...} (needs --enable-lora; " + RUNTIME_UPDATING_ENV +
+                             "=true also serves /v1/load_lora_adapter and /v1/unload_lora_adapter)")
     server.add_argument("--chat-template", type=chat_template, default=None,
                         help="a Jinja chat template, or a file holding one, used instead of the tokenizer's")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -142,6 +147,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                         help="default: pallas on GPU, pallas-tpu on TPU, xla on CPU")
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
+    lora.add_argument("--max-loras", type=int, default=ENGINE_DEFAULTS["max_loras"],
+                      help="adapters one step can run (their device slots)")
+    lora.add_argument("--max-lora-rank", type=int, default=ENGINE_DEFAULTS["max_lora_rank"],
+                      help="the largest adapter rank served")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept read in host memory (default: --max-loras)")
 
 
 def chat_template(value: str) -> str:
@@ -190,7 +203,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
-                        detokenizer_process=args.detokenizer_process)
+                        detokenizer_process=args.detokenizer_process, enable_lora=args.enable_lora,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def multihost(args: argparse.Namespace) -> MultiHost:
@@ -202,7 +216,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     """ValueError if the tool-call flags are inconsistent (vLLM's rule: each needs the other)."""
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    lora_modules = [parse_lora_module(value) for value in args.lora_modules or []]
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     return ServerSettings(served_model_names=served_model_names(args), chat_template=args.chat_template,
+                          lora_modules=lora_modules,
                           tool_call_parser=args.tool_call_parser,
                           api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                           log_stats_interval=args.log_stats_interval)

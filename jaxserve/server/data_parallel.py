@@ -27,6 +27,7 @@ import itertools
 from typing import TYPE_CHECKING, Callable
 
 from jaxserve.engine.page_manager import key_chain
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.async_engine import AsyncEngine, EngineState, EngineUnavailable, ServerOverloaded, Submission
 
@@ -112,13 +113,13 @@ class DataParallelEngine:
     # -- requests ---------------------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               priority: int = 0) -> Submission:
+               priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
         """Queues the request on the replica the load-balance method picks (the next one if that one is full)."""
         self.ready_engine()
         overloaded = None
         for replica in self.ranking(prompts[0]):
             try:
-                return replica.submit(request_id, prompts, params, priority)
+                return replica.submit(request_id, prompts, params, priority, lora_request)
             except ServerOverloaded as err:
                 overloaded = err
         raise ServerOverloaded(f"every replica is at capacity ({overloaded}); retry later")

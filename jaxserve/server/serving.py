@@ -16,7 +16,9 @@ from starlette.requests import Request
 from jaxserve.server.async_engine import (AsyncEngine, EngineUnavailable, RequestFailed, ServerOverloaded,
                                           Submission)
 from jaxserve.chat import render_chat
+from jaxserve.lora.request import LoRARequest
 from jaxserve.server.errors import APIError, bad_request, param_of
+from jaxserve.server.lora_modules import ServedAdapters
 
 if TYPE_CHECKING:
     from jaxserve.engine.llm_engine import LLMEngine
@@ -39,7 +41,8 @@ class ServingContext:
     parser of `tool_choice: "auto"`."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: Sequence[str],
-                 chat_template: str | None = None, tool_call_parser: str | None = None):
+                 chat_template: str | None = None, tool_call_parser: str | None = None,
+                 adapters: ServedAdapters | None = None):
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         self.async_engine = async_engine
@@ -47,6 +50,7 @@ class ServingContext:
         self.chat_template = chat_template  # used instead of the tokenizer's for chat requests
         self.tool_call_parser = tool_call_parser  # None: "auto" tool choice is off
         self._token_strings: dict[int, str] = {}
+        self.adapters = adapters or ServedAdapters(self.served_model_names)  # LoRA adapters served by name
 
     # -- model and engine -----------------------------------------------------------------------------------
 
@@ -61,10 +65,15 @@ class ServingContext:
         except EngineUnavailable as err:
             raise unavailable(str(err)) from None
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a name this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return None
+        if model in self.adapters.requests:
+            return self.adapters.requests[model]
+        names = ", ".join(f"`{name}`" for name in [self.model_name, *self.adapters.requests])
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {names}",
+                       param="model", code="model_not_found")
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The model's generation-config defaults for the sampling fields a request leaves unset."""
@@ -81,10 +90,11 @@ class ServingContext:
             raise invalid(err) from None
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               priority: int = 0) -> Submission:
-        """Queues the prompts; 400 for invalid input, 503 (+ Retry-After) when full or unavailable."""
+               priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
+        """Queues the prompts; 400 for invalid input (a bad adapter too), 503 (+ Retry-After) when full or
+        unavailable."""
         try:
-            return self.async_engine.submit(request_id, prompts, params, priority)
+            return self.async_engine.submit(request_id, prompts, params, priority, lora_request)
         except ValueError as err:
             raise invalid(err) from None
         except ServerOverloaded as err:

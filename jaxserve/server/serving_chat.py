@@ -17,6 +17,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
+from jaxserve.lora.request import LoRARequest
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.tools import ToolPlan, ToolStream, plan_tools
@@ -31,11 +32,12 @@ class ChatGeneration:
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolPlan | None
+    lora_request: LoRARequest | None = None  # the adapter `model` names (None: the base model)
 
 
 async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> ChatGeneration:
     """Checks `request`, renders its prompt and compiles its grammar; APIError (4xx, 503) naming what is wrong."""
-    ctx.check_model(request.model)
+    lora_request = ctx.check_model(request.model)
     llm_engine = ctx.ready_engine()
     try:
         request.check_supported()
@@ -59,14 +61,14 @@ async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> C
     except ValueError as err:
         raise invalid(err) from None
     await ctx.compile_grammar(params)
-    return ChatGeneration(prompt_ids, params, tools)
+    return ChatGeneration(prompt_ids, params, tools, lora_request)
 
 
 async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> Response:
     request = await read_json(raw_request, ChatCompletionRequest)
     chat = await prepare_chat(ctx, request)
     request_id = new_id("chatcmpl", raw_request)
-    submission = ctx.submit(request_id, [chat.prompt_ids], chat.params, request.priority)
+    submission = ctx.submit(request_id, [chat.prompt_ids], chat.params, request.priority, chat.lora_request)
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, chat.params.n, chat.tools,
                                            chat.prompt_ids))

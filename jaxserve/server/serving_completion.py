@@ -29,7 +29,7 @@ from jaxserve.server.serving import (ServingContext, engine_failures, invalid, n
 
 async def create_completion(ctx: ServingContext, raw_request: Request) -> Response:
     request = await read_json(raw_request, CompletionRequest)
-    ctx.check_model(request.model)
+    lora_request = ctx.check_model(request.model)
     llm_engine = ctx.ready_engine()
     try:
         request.check_supported()
@@ -45,7 +45,7 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
         raise invalid(err) from None
     request_id = new_id("cmpl", raw_request)
     await ctx.compile_grammar(params)
-    submission = ctx.submit(request_id, token_lists, params, request.priority)
+    submission = ctx.submit(request_id, token_lists, params, request.priority, lora_request)
     echoes = [p if isinstance(p, str) else ctx.decode(p) for p in prompts] if request.echo else None
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n, echoes))
