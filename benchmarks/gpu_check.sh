@@ -14,6 +14,8 @@
 #      in flight (128-token prompts, 128 output tokens), single-stream tok/s, TTFT of a 2,048-token prompt, and
 #      int8 weights and fp8 KV pages against bf16
 #   3b. the MoE stand-in: Qwen3-30B-A3B's shapes the same way (decode step at batch 1/8/64, offline at 64)
+#   3c. LoRA on the 8B stand-in: 64 requests through the base engine, a LoRA engine's base rows, and 4 rank-16
+#      adapters mixed (`lora.py`)
 #   4. host overhead: a tiny model's offline run with the host's time per step phase and the device's busy
 #      fraction (`host_overhead.py`), then with detokenization inline and in a second process
 #   5. the default model's shapes (135M, a random-weight HF checkpoint built with torch): decode step against
@@ -24,6 +26,7 @@
 #   8. the KV host tier: multi-turn later-turn TTFT with and without it (`multi_turn.py`), the default model's shapes
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
 # gpu_check.log, summary.txt (with the 8B and MoE tables), gpu-8b.json, gpu-8b.txt, gpu-moe.json, gpu-moe.txt,
+# lora-gpu.json,
 # host-overhead-gpu.json,
 # host-overhead-detok-*.json,
 # roofline-gpu.json, test_kernels.xml, kernels-*.json, multi-turn-gpu.json.
@@ -130,6 +133,11 @@ step "MoE stand-in: qwen3-30b-a3b shapes, random weights, bf16 (gpu_8b.py --shap
     "$PY" benchmarks/gpu_8b.py --shape qwen3-30b-a3b --batch-sizes 1 8 64 --concurrency 64 --ttft-repeats 1 \
     --variants --result-file "$OUT_DIR/gpu-moe.json" --time-limit-s $((limit - 20))
 [ -f "$OUT_DIR/gpu-moe.txt" ] && cat "$OUT_DIR/gpu-moe.txt" >>"$SUMMARY"
+
+step "LoRA: 8B stand-in, bf16, 64 requests, base vs 4 rank-16 adapters mixed (lora.py)" 120 \
+    "$PY" benchmarks/lora.py --shape llama-3.1-8b --dtype bfloat16 --num-prompts 64 --max-num-seqs 64 \
+    --input-len 128 --output-len 128 --num-adapters 4 --lora-rank 16 --result-file "$OUT_DIR/lora-gpu.json" \
+    --disable-tqdm
 
 step "host overhead: tiny model, async scheduling, batch 1 and 64 (host_overhead.py)" 60 \
     "$PY" benchmarks/host_overhead.py --batch-sizes 1 64 --result-file "$OUT_DIR/host-overhead-gpu.json"
