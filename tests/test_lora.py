@@ -289,3 +289,39 @@ def test_lora_flags():
         server_settings(build_parser().parse_args(["--enable-lora", "--lora-modules", "a"]))
     with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
         engine_config(build_parser().parse_args(["--max-loras", "4", "--max-cpu-loras", "2"]))
+
+
+def test_adapters_on_int8_base_weights_match_peft_on_the_dequantized_model(tiny_llama_dir, adapters, tmp_path):
+    """quantization="int8" with adapters: the adapters' contribution is added to the int8 matmuls, so the tokens
+    are PEFT's over the base model whose weights are the int8 round trip (per output channel, as `quant_dense`)."""
+    import torch
+    import transformers
+
+    from tests.conftest import save_tiny_tokenizer
+    from tests.test_quantization import numpy_int8
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # [out, in] / [vocab, hidden]: per row
+                q, scale = numpy_int8(module.weight.numpy(), axis=1)
+                module.weight.copy_(torch.from_numpy(q.astype(np.float32) * scale[:, None]))
+    dequantized = str(tmp_path / "dequantized")
+    model.save_pretrained(dequantized, safe_serialization=True)
+    save_tiny_tokenizer(dequantized, model.config.vocab_size)
+    llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=2, quantization="int8")
+    names = ["qv", "all", None]
+    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                  lora_request=[adapters[n] if n else None for n in names], use_tqdm=False))
+    assert ours == [peft_greedy(dequantized, adapters[n].lora_path if n else None, [p], GREEDY.max_tokens)[0]
+                    for n, p in zip(names, PROMPTS)]
+
+
+def test_preempted_adapter_rows_recompute_with_their_adapter(tiny_llama_dir, adapters, references):
+    """A pool too small for the batch: rows are preempted (releasing their adapter's slot pin) and re-admitted,
+    possibly into another slot, and still give PEFT's tokens."""
+    llm = LLM(tiny_llama_dir, **{**OPTIONS, "num_kv_pages": 10}, max_loras=2)
+    prompts, loras, cases = mixed_batch(adapters)
+    ours = token_ids(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert ours == [references[name][i] for name, i in cases]
