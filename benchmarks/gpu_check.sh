@@ -22,7 +22,7 @@
 #      the roofline (`roofline.py`)
 #   6. pytest tests/test_kernels.py and tests/test_mosaic_gpu_kernels.py with JAXSERVE_KERNEL_INTERPRET=0
 #      (compiled Triton and Mosaic GPU kernels)
-#   7. benchmarks/kernels.py: default grid (bf16), then a quick int8 grid
+#   7. benchmarks/kernel_bench.py: default grid (bf16), then a quick int8 grid
 #   8. the KV host tier: multi-turn later-turn TTFT with and without it (`multi_turn.py`), the default model's shapes
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
 # gpu_check.log, summary.txt (with the 8B and MoE tables), gpu-8b.json, gpu-8b.txt, gpu-moe.json, gpu-moe.txt,
@@ -172,10 +172,10 @@ else
     echo "pytest: skipped (not installed; put a pytest wheel in .whl/)" | tee -a "$SUMMARY"
 fi
 
-step "benchmarks/kernels.py (bf16 grid)" 150 \
-    "$PY" benchmarks/kernels.py --repeats 5 --out-dir "$OUT_DIR"
-step "benchmarks/kernels.py (int8 quick grid)" 45 \
-    "$PY" benchmarks/kernels.py --quick --kv-int8 --repeats 5 --out-dir "$OUT_DIR"
+step "benchmarks/kernel_bench.py (bf16 grid)" 150 \
+    "$PY" benchmarks/kernel_bench.py --repeats 5 --out-dir "$OUT_DIR"
+step "benchmarks/kernel_bench.py (int8 quick grid)" 45 \
+    "$PY" benchmarks/kernel_bench.py --quick --kv-int8 --repeats 5 --out-dir "$OUT_DIR"
 
 # KV tiers: pinned-host stores and restores against recomputing (last: it matters least to the kernels' owners)
 step "KV host tier: multi-turn TTFT, default model's shapes, bf16 (multi_turn.py)" 120 \

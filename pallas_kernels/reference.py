@@ -1,7 +1,7 @@
 """Plain jax.numpy references for the paged-attention kernels (gather + masked softmax).
 
 These define the semantics the kernels must match and are the "xla" baseline in
-benchmarks/kernels.py.  They materialize gathered K/V copies, so they are for
+benchmarks/kernel_bench.py.  They materialize gathered K/V copies, so they are for
 checking and comparison, not for speed.  Masking replaces logits and zeroes V
 rather than multiplying, so garbage (even NaN) in pages or slots a sequence does
 not own never reaches the output; a sequence with no keys gives zeros.  Attention

@@ -26,7 +26,7 @@ from jaxserve.bench.metrics import RequestResult
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
-           "baselines/hf_transformers.py", "kernels.py", "random_model.py", "loading_memory.py", "host_overhead.py",
+           "baselines/hf_transformers.py", "kernel_bench.py", "random_model.py", "loading_memory.py", "host_overhead.py",
            "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py", "hybrid_capacity.py", "slo_scheduling.py", "routing.py",
            "lm_eval_tasks/make_data.py", "lm_eval_tasks/export_hf.py", "lm_eval_tasks/compare_samples.py"]
 
@@ -442,9 +442,17 @@ def test_greedy_agreement_by_hand():
         compare.agreement([[1, 2]], [[1, 2], [3]])
 
 
+def test_benchmark_scripts_shadow_no_module_a_library_imports():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path, so a script named like a module a library looks
+    for is imported in its place (transformers' model configs import `kernels` whenever one is importable)."""
+    out = subprocess.run([sys.executable, "-c", "import transformers.activations, transformers.models.llama, flax, "
+                          "jax, orbax.checkpoint, grain, safetensors, gguf"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO / "benchmarks")
+    assert out.returncode == 0, out.stderr
+
 def test_kernels_smoke(tmp_path):
     # a script that puts benchmarks/ on sys.path itself: run it as the command line does
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--impls", "xla-ref", "pallas-ours",
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_bench.py"), "--impls", "xla-ref", "pallas-ours",
                           "--interpret", "--batches", "2", "--contexts", "40", "--warmup", "1", "--repeats", "1",
                           "--copy-bytes", str(1 << 20), "--out", str(tmp_path / "kernels.json")],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
