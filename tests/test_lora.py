@@ -164,6 +164,43 @@ def test_attention_adapter_on_a_mixture_of_experts_model(tiny_model_dirs, tmp_pa
     assert ours == [peft_greedy(base, path, prompts[:1], 8)[0], peft_greedy(base, None, prompts[1:], 8)[0]]
 
 
+
+def test_fused_phi3_adapter_matches_peft(tiny_model_dirs, tmp_path):
+    """Phi-3's checkpoint fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and so do its adapters: each
+    fused module is served as its projections, sharing A, with their rows of B."""
+    base = tiny_model_dirs["phi3"]
+    path = save_peft_adapter(base, str(tmp_path / "phi3"), 11, r=8, lora_alpha=16, rank_pattern={"gate_up_proj": 4},
+                             target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    llm = LLM(base, **OPTIONS, max_loras=1)
+    adapter = LoRARequest("phi3", 1, path)
+    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                  lora_request=[adapter, None, adapter], use_tqdm=False))
+    assert ours == [peft_greedy(base, path, PROMPTS[:1], 8)[0], peft_greedy(base, None, PROMPTS[1:2], 8)[0],
+                    peft_greedy(base, path, PROMPTS[2:], 8)[0]]
+    assert ours[0] != peft_greedy(base, None, PROMPTS[:1], 8)[0], "the adapter changes nothing: the test proves nothing"
+    phi3 = config_from_hf(tiny_hf_config("phi3"))
+    separate = _write_adapter(tmp_path / "separate", CONFIG, _lora_pair(0, "self_attn", "q_proj", 4, 64, 64))
+    with pytest.raises(ValueError, match=r"target_modules \['q_proj'\] are not supported \(supported: qkv_proj"):
+        read_adapter("separate", separate, phi3, max_rank=16)
+
+
+def test_adapters_on_awq_base_weights_match_peft_on_the_dequantized_model(tmp_path):
+    """An AWQ int4 checkpoint with adapters: PEFT's tokens over the float model holding the dequantized weights."""
+    from tests.test_awq import build_awq_pair
+
+    _, awq_dir, reference_dir = build_awq_pair(tmp_path, "llama")
+    path = save_peft_adapter(reference_dir, str(tmp_path / "adapter"), 5, r=8, lora_alpha=16,
+                             target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    llm = LLM(awq_dir, **OPTIONS, max_loras=1)
+    assert llm.llm_engine.config.quantization == "awq"
+    adapter = LoRARequest("awq", 1, path)
+    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                  lora_request=[adapter, None, adapter], use_tqdm=False))
+    base = peft_greedy(reference_dir, None, PROMPTS, 8)
+    assert ours == [peft_greedy(reference_dir, path, PROMPTS[:1], 8)[0], base[1],
+                    peft_greedy(reference_dir, path, PROMPTS[2:], 8)[0]]
+    assert ours[0] != base[0], "the adapter changes nothing: the test proves nothing"
+
 def _write_adapter(path, config: dict, tensors: dict[str, np.ndarray]) -> str:
     from safetensors.numpy import save_file
 
@@ -187,6 +224,7 @@ CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_pr
 @pytest.mark.parametrize("case, config, tensors, message", [
     ("rank", {**CONFIG, "r": 32}, _lora_pair(0, "self_attn", "q_proj", 32, 64, 64), "r 32 exceeds max_lora_rank"),
     ("target", {**CONFIG, "target_modules": ["lm_head"]}, {}, r"target_modules \['lm_head'\] are not supported"),
+    ("fused", {**CONFIG, "target_modules": ["qkv_proj"]}, {}, r"target_modules \['qkv_proj'\] are not supported"),
     ("tensor", CONFIG, {"base_model.model.lm_head.lora_A.weight": np.ones((4, 64), np.float32)},
      "is not a LoRA weight of a decoder projection"),
     ("shape", CONFIG, _lora_pair(0, "self_attn", "q_proj", 4, 32, 32), "an adapter of another base model"),

@@ -7,6 +7,10 @@
 engine cannot serve exactly is a ValueError naming the adapter and the field: a rank above `max_lora_rank`, a
 target other than the decoder's q/k/v/o/gate/up/down projections (embeddings, the LM head, `modules_to_save`),
 DoRA, trained biases, a shape or layer that is not the base model's, a mixture-of-experts layer's MLP.
+
+The target names are the base checkpoint's: Phi-3's fused `qkv_proj` (`[q | k | v]` rows) and `gate_up_proj`
+(`[gate | up]`) instead of the separate projections. A fused module's `x @ A @ B` is split exactly into one module
+per projection, each with the shared A and its rows of B.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import re
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import phi3
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# fused checkpoint target (Phi-3) -> the projections its output rows hold, in order
+FUSED_TARGETS = {fused: parts for _, fused, parts in phi3.FUSED.values()}
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -51,6 +58,19 @@ def module_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
             "down_proj": (config.intermediate_size, config.hidden_size)}[target]
 
 
+def checkpoint_targets(config: ModelConfig) -> tuple[str, ...]:
+    """The projection names an adapter of the base model `config` targets: its checkpoint's (Phi-3's fused ones)."""
+    if config.model_type not in phi3.MODEL_TYPES:
+        return TARGETS
+    return (*FUSED_TARGETS, "o_proj", "down_proj")
+
+
+def checkpoint_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
+    """(in, out) features of the checkpoint's linear `target` (a fused one: its projections' outputs together)."""
+    parts = FUSED_TARGETS.get(target, (target,))
+    return module_shapes(config, parts[0])[0], sum(module_shapes(config, part)[1] for part in parts)
+
+
 def pattern_value(patterns: dict, module: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the end of the module's dotted name."""
     for key, value in patterns.items():
@@ -74,7 +94,7 @@ def _read_config(name: str, path: str) -> tuple[dict, bytes]:
     return config, raw
 
 
-def _check_config(name: str, config: dict, max_rank: int) -> None:
+def _check_config(name: str, config: dict, max_rank: int, supported: tuple[str, ...]) -> None:
     def refuse(field: str, why: str):
         raise ValueError(f"LoRA adapter {name!r}: {field} {why}")
     if config.get("peft_type", "LORA") != "LORA":
@@ -97,9 +117,9 @@ def _check_config(name: str, config: dict, max_rank: int) -> None:
         refuse("fan_in_fan_out", "is not supported (Conv1D base layers)")
     targets = config.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        unknown = sorted(set(targets) - set(TARGETS))
+        unknown = sorted(set(targets) - set(supported))
         if unknown:
-            refuse("target_modules", f"{unknown} are not supported (supported: {', '.join(TARGETS)})")
+            refuse("target_modules", f"{unknown} are not supported (supported: {', '.join(supported)})")
     elif targets is not None and not isinstance(targets, str):
         refuse("target_modules", f"must be a list of names or a regex string, got {targets!r}")
 
@@ -126,7 +146,8 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
     if not os.path.isdir(path):
         raise ValueError(f"LoRA adapter {name!r}: {path!r} is not a directory")
     adapter_config, config_bytes = _read_config(name, path)
-    _check_config(name, adapter_config, max_rank)
+    supported = checkpoint_targets(config)
+    _check_config(name, adapter_config, max_rank, supported)
     tensors, tensor_bytes = _read_tensors(name, path)
     rank_default, alpha_default = adapter_config["r"], adapter_config.get("lora_alpha", 8)
     ranks, alphas = adapter_config.get("rank_pattern") or {}, adapter_config.get("alpha_pattern") or {}
@@ -135,11 +156,12 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
         match = _KEY.match(key)
         if match is None:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder projection "
-                             f"(supported: {', '.join(TARGETS)})")
+                             f"(supported: {', '.join(supported)})")
         layer, group, target, half = int(match[1]), match[2], match[3], match[4]
-        if target not in TARGETS or (group == "mlp") != (target in MLP_TARGETS):
+        in_mlp = FUSED_TARGETS.get(target, (target,))[0] in MLP_TARGETS
+        if target not in supported or (group == "mlp") != in_mlp:
             raise ValueError(f"LoRA adapter {name!r}: target module {group}.{target} ({key!r}) is not supported "
-                             f"(supported: {', '.join(TARGETS)})")
+                             f"(supported: {', '.join(supported)})")
         if layer >= config.num_layers:
             raise ValueError(f"LoRA adapter {name!r}: {key!r} adapts layer {layer}, but the base model has "
                              f"{config.num_layers} layers (an adapter of another base model?)")
@@ -155,8 +177,9 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: {where} has lora_{''.join(pair)} without its other half")
         a, b = pair["A"], pair["B"]
-        fan_in, fan_out = module_shapes(config, target)
-        module = f"model.layers.{layer}.{'self_attn' if target not in MLP_TARGETS else 'mlp'}.{target}"
+        parts = FUSED_TARGETS.get(target, (target,))
+        fan_in, fan_out = checkpoint_shapes(config, target)
+        module = f"model.layers.{layer}.{'mlp' if parts[0] in MLP_TARGETS else 'self_attn'}.{target}"
         rank = pattern_value(ranks, module, rank_default)
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(f"LoRA adapter {name!r}: {where} has lora_A {a.shape} and lora_B {b.shape}, but rank "
@@ -164,6 +187,9 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
                              "another base model?)")
         alpha = pattern_value(alphas, module, alpha_default)
         scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
-        modules[(layer, target)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T) * np.float32(scaling))
+        a_t, b_t = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T) * np.float32(scaling)
+        starts = np.cumsum([0, *(module_shapes(config, part)[1] for part in parts)])
+        for part, start, stop in zip(parts, starts, starts[1:]):
+            modules[(layer, part)] = (a_t, np.ascontiguousarray(b_t[:, start:stop]))
     key = hashlib.sha256(config_bytes + hashlib.sha256(tensor_bytes).digest()).digest()
     return AdapterWeights(name, path, key, max(a.shape[1] for a, _ in modules.values()), modules)
