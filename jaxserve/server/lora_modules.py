@@ -9,7 +9,6 @@ vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -88,13 +87,13 @@ def add_lora_routes(app: FastAPI, ctx) -> None:
         adapters = ctx.adapters
         if body.lora_name in adapters.requests or body.lora_name in adapters.base_names:
             raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
-        llm_engine = ctx.ready_engine()
+        ctx.ready_engine()
+        lora = adapters.add(body.lora_name, body.lora_path)
         try:
-            lora = adapters.add(body.lora_name, body.lora_path)
-            await asyncio.to_thread(llm_engine.validate_lora, lora)
-        except ValueError as error:
+            await ctx.read_adapter(lora, param="lora_path")
+        except APIError:
             adapters.requests.pop(body.lora_name, None)
-            raise bad_request(str(error), param="lora_path") from None
+            raise
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -105,7 +104,5 @@ def add_lora_routes(app: FastAPI, ctx) -> None:
         except KeyError:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                            code="model_not_found") from None
-        llm_engine = ctx.ready_engine()
-        if llm_engine.adapters is not None:
-            llm_engine.adapters.remove(lora.lora_int_id)  # requests running with it keep theirs
+        ctx.forget_adapter(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -89,6 +89,25 @@ class ServingContext:
         except ValueError as err:
             raise invalid(err) from None
 
+    async def read_adapter(self, lora_request: LoRARequest | None, param: str = "model") -> None:
+        """Reads and checks a request's adapter off the event loop, into every replica's host cache (so `submit`
+        finds it read); 400 naming the problem (and `param`)."""
+        if lora_request is None:
+            return
+        engines = [replica.ready_engine() for replica in self.async_engine.replicas]
+        try:
+            for llm_engine in engines:
+                await asyncio.to_thread(llm_engine.validate_lora, lora_request)
+        except ValueError as err:
+            raise bad_request(str(err), param=param) from None
+
+    def forget_adapter(self, lora_request: LoRARequest) -> None:
+        """Drops an unloaded adapter from every replica's host cache (requests running with it keep theirs)."""
+        for replica in self.async_engine.replicas:
+            adapters = replica.ready_engine().adapters
+            if adapters is not None:
+                adapters.remove(lora_request.lora_int_id)
+
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
         """Queues the prompts; 400 for invalid input (a bad adapter too), 503 (+ Retry-After) when full or

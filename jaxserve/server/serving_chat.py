@@ -61,6 +61,7 @@ async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> C
     except ValueError as err:
         raise invalid(err) from None
     await ctx.compile_grammar(params)
+    await ctx.read_adapter(lora_request)
     return ChatGeneration(prompt_ids, params, tools, lora_request)
 
 

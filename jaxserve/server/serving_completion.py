@@ -45,6 +45,7 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
         raise invalid(err) from None
     request_id = new_id("cmpl", raw_request)
     await ctx.compile_grammar(params)
+    await ctx.read_adapter(lora_request)
     submission = ctx.submit(request_id, token_lists, params, request.priority, lora_request)
     echoes = [p if isinstance(p, str) else ctx.decode(p) for p in prompts] if request.echo else None
     if request.stream:
