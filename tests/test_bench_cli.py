@@ -109,11 +109,13 @@ def slo_checked(url: str) -> float:
 # -- a fake OpenAI server that fails in every way ----------------------------------------------------------------
 
 
-def failing_server() -> FastAPI:
+def failing_server(modes: tuple[str, ...] = ("ok", "http", "event", "drop", "hang"),
+                   seen_models: list[str] | None = None) -> FastAPI:
     """Answers its first request (the client's probe) and then, in turn: a whole stream, HTTP 500, an error event,
-    a stream cut before [DONE], and no answer at all."""
+    a stream cut before [DONE], and no answer at all (or the given `modes`); appends each request's `model` to
+    `seen_models`."""
     app = FastAPI()
-    modes = itertools.cycle(["ok", "http", "event", "drop", "hang"])
+    modes = itertools.cycle(modes)
 
     def event(data) -> bytes:
         return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n".encode()
@@ -127,7 +129,9 @@ def failing_server() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        await request.json()
+        body = await request.json()
+        if seen_models is not None:
+            seen_models.append(body["model"])
         mode = next(modes)
         if mode == "http":
             return JSONResponse({"error": {"message": "the engine is on fire"}}, status_code=500)
@@ -149,6 +153,28 @@ def failing_server() -> FastAPI:
 
     return app
 
+
+def test_serve_spreads_requests_over_lora_modules(tiny_llama_dir, tmp_path):
+    """--lora-modules: each request names one of the adapters (drawn with --seed), as vLLM's benchmark does."""
+    models: list[str] = []
+    fake = ThreadServer(failing_server(("ok",), models), free_port())
+    try:
+        outcome = serve.main(["--port", str(fake.port), "--tokenizer", tiny_llama_dir, "--random-input-len", "4",
+                              "--random-output-len", "2", "--num-prompts", "40", "--lora-modules", "sql", "chat",
+                              "--disable-tqdm", "--seed", "3"])[0]
+    finally:
+        fake.stop()
+    assert outcome["completed"] == 40 and outcome["lora_modules"] == ["sql", "chat"]
+    assert len(models) == 41 and set(models) == {"sql", "chat"}  # the probe and the 40 requests
+    again: list[str] = []
+    fake = ThreadServer(failing_server(("ok",), again), free_port())
+    try:
+        serve.main(["--port", str(fake.port), "--tokenizer", tiny_llama_dir, "--random-input-len", "4",
+                    "--random-output-len", "2", "--num-prompts", "40", "--lora-modules", "sql", "chat",
+                    "--disable-tqdm", "--seed", "3"])
+    finally:
+        fake.stop()
+    assert sorted(again) == sorted(models)  # the same seed, the same draw (arrival order may differ)
 
 def test_serve_counts_every_failure_names_it_and_never_hangs(tiny_llama_dir, tmp_path):
     fake = ThreadServer(failing_server(), free_port())

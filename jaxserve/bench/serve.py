@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import math
 import os
+import random
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", choices=client.ENDPOINTS, default=None, help="default: the backend's")
     parser.add_argument("--model", default=None, help="the model to ask for (default: the first of /v1/models)")
     parser.add_argument("--served-model-name", default=None, help="the name sent in requests (default: --model)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="adapter names the server serves (its --lora-modules): each request asks for one of "
+                             "them, drawn at random with --seed (vLLM's)")
     parser.add_argument("--tokenizer", default=None,
                         help="HF tokenizer dir for building prompts (default: --model's, else the default model's)")
     parser.add_argument("--label", default=None, help="the result's label and file-name prefix (default: backend)")
@@ -165,9 +169,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                   ("min_p", args.min_p)) if v is not None}
     name = args.served_model_name or model
-    bodies = [{**client.build_payload(r, args.endpoint, name, args.prompt_format, args.ignore_eos, tokenizer,
+    draw = random.Random(args.seed)
+    names = [draw.choice(args.lora_modules) if args.lora_modules else name for _ in records]
+    bodies = [{**client.build_payload(r, args.endpoint, n, args.prompt_format, args.ignore_eos, tokenizer,
                                       sampling), **args.targets.get(r.category, args.targets.get("*", {}))}
-              for r in records]
+              for r, n in zip(records, names)]
     prompt_lens = [r.prompt_len for r in records]
 
     print(f"Starting initial single prompt test run against {args.base_url}{args.endpoint} ...", flush=True)
@@ -214,7 +220,7 @@ def _settings(args: argparse.Namespace, model: str, rate: float, concurrency: in
 
     return {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
             "endpoint_type": args.backend, "label": args.label or args.backend, "model_id": model,
-            "tokenizer_id": args.tokenizer or args.model or model, "base_url": args.base_url,
+            "tokenizer_id": args.tokenizer or args.model or model, "lora_modules": args.lora_modules, "base_url": args.base_url,
             "endpoint": args.endpoint, "num_prompts": len(records), "request_rate": rate if math.isfinite(rate)
             else "inf", "burstiness": args.burstiness, "max_concurrency": concurrency, "ignore_eos": args.ignore_eos,
             "goodput_slo_ms": args.goodput_ms, "request_slo_ms": args.targets,
