@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         adapters = [LoRARequest(f"adapter{i}", i + 1, write_random_adapter(f"{root}/{i}", config, args.lora_rank, i))
                     for i in range(args.num_adapters)]
         llm = LLM(**options, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.lora_rank)
-        timed_generate(llm, prompts[:2], 4, adapters[:2])
+        timed_generate(llm, prompts[:len(adapters)], 4, adapters)  # every adapter read and in its slot
         results["LoRA engine, base rows"] = timed_generate(llm, prompts, args.output_len, None)
         mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
         results[f"LoRA engine, {args.num_adapters} adapters mixed"] = timed_generate(llm, prompts, args.output_len,
