@@ -153,6 +153,32 @@ def test_speculative_decoding_with_adapters(tiny_llama_dir, adapters, references
     assert llm.llm_engine.stats().spec_decode_num_drafts > 0
 
 
+
+def test_stats_name_running_and_waiting_adapters(tiny_llama_dir, adapters, references):
+    """One slot, two adapters: the first adapter's sequences run while the other's wait, then the other runs; the
+    snapshot (vLLM's lora_requests_info labels) says so at each step, and counts slot loads and disk reads."""
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=tiny_llama_dir, **OPTIONS, max_loras=1)
+    assert engine.stats().max_loras == 1 and engine.stats().lora_running_adapters == ()
+    engine.add_request("qv-0", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=adapters["qv"])
+    engine.add_request("all-0", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=adapters["all"])
+    engine.add_request("qv-1", {"prompt_token_ids": PROMPTS[1]}, GREEDY, lora_request=adapters["qv"])
+    engine.add_request("base", {"prompt_token_ids": PROMPTS[2]}, GREEDY)
+    seen, tokens = [], {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+        seen.append((engine.stats().lora_running_adapters, engine.stats().lora_waiting_adapters))
+    assert seen[0] == (("qv",), ("all",))
+    assert (("all",), ()) in seen and seen[-1] == ((), ())
+    assert seen.index((("all",), ())) > max(i for i, state in enumerate(seen) if state[0] == ("qv",))
+    assert tokens == {"qv-0": references["qv"][0], "all-0": references["all"][0], "qv-1": references["qv"][1],
+                      "base": references[None][2]}
+    # the host cache holds one adapter (max_cpu_loras defaults to max_loras): qv-1's arrival read qv again
+    assert (engine.stats().lora_slot_loads, engine.stats().lora_adapter_reads) == (2, 3)
+
 def test_attention_adapter_on_a_mixture_of_experts_model(tiny_model_dirs, tmp_path):
     base = tiny_model_dirs["qwen3_moe"]
     path = save_peft_adapter(base, str(tmp_path / "moe"), 7, r=8, lora_alpha=16,
@@ -306,6 +332,10 @@ def test_server_serves_adapters_by_model_name(tiny_llama_dir, adapters, referenc
         assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "patterns"})).status_code == 200
         assert (await http.post("/v1/completions", json=completion("patterns", 0))).status_code == 404
         assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "patterns"})).status_code == 404
+        metrics = (await http.get("/metrics")).text
+        assert ('jaxserve:lora_requests_info{max_lora="2",model_name="base",running_lora_adapters="",'
+                'waiting_lora_adapters=""}') in metrics
+        assert 'jaxserve:lora_adapter_reads_total{model_name="base"} 3.0' in metrics
 
     modules = [("qv", adapters["qv"].lora_path, None), ("all", adapters["all"].lora_path, None)]
     run_in_process(lambda: LLMEngine(EngineConfig(model=tiny_llama_dir, **OPTIONS, max_loras=2)), check,

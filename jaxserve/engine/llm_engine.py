@@ -270,7 +270,14 @@ class LLMEngine:
             kv_cache_window_usage=manager.window.usage if manager.window is not None else 0.0,
             request_slo=tuple((kind, checked, self.outputs.slo_met[kind])
                               for kind, checked in self.outputs.slo_checked.items()),
-            **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}))
+            **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}),
+            **(self._lora_stats() if self.adapters is not None else {}))
+
+    def _lora_stats(self) -> dict:
+        slots = self.scheduler.adapter_slots
+        return dict(max_loras=self.config.max_loras, lora_running_adapters=slots.running_adapters(),
+                    lora_waiting_adapters=slots.waiting_adapters(), lora_slot_loads=slots.num_loads,
+                    lora_adapter_reads=self.adapters.num_reads)
 
 
 def _fragmentation(running: list, page_size: int) -> float:

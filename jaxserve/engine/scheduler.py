@@ -96,6 +96,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
+        if seq.lora is not None:
+            self.adapter_slots.count(seq.lora, 1)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retires `seq` at once with its finish reason: its slot and pages are free for the next step."""
@@ -106,7 +108,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.seqs.pop(seq.seq_id, None)
+        if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
+            self.adapter_slots.count(seq.lora, -1)
 
     def update_after_dispatch(self, plan: SchedulerOutput) -> None:
         """Advances a dispatched plan's sequences: their chunks' and decodes' KV is computed once the step runs, and

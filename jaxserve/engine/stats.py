@@ -47,6 +47,13 @@ class SchedulerStats:
     kv_cache_fragmentation: float = 0.0
     # goodput: per kind ("ttft", "tpot", "both"), finished requests that had such latency targets, and met them
     request_slo: tuple[tuple[str, int, int], ...] = ()  # (kind, requests with targets, requests that met them)
+    # LoRA (0 slots: not enabled): device slots, the adapters of running and of waiting sequences (names), adapters
+    # written into a slot and read from disk so far
+    max_loras: int = 0
+    lora_running_adapters: tuple[str, ...] = ()
+    lora_waiting_adapters: tuple[str, ...] = ()
+    lora_slot_loads: int = 0
+    lora_adapter_reads: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
@@ -85,10 +85,13 @@ class AdapterCache:
 
 
 class AdapterSlots:
-    """The device stack's `num_slots` slots, as the scheduler assigns them."""
+    """The device stack's `num_slots` slots, as the scheduler assigns them, and how many unfinished sequences (waiting
+    or running) each adapter has, for the metrics' running and waiting adapters."""
 
     def __init__(self, num_slots: int):
         self.keys: list[bytes | None] = [None] * num_slots  # the adapter each slot holds
+        self.names: list[str | None] = [None] * num_slots  # and its name
+        self._unfinished: Counter[str] = Counter()  # adapter name -> unfinished sequences
         self.pins = [0] * num_slots  # running sequences using it
         self._last_used = [-1] * num_slots
         self._clock = itertools.count()
@@ -108,7 +111,7 @@ class AdapterSlots:
         load = slot is None
         if load:
             slot = min((s for s, pins in enumerate(self.pins) if pins == 0), key=self._last_used.__getitem__)
-            self.keys[slot] = adapter.key
+            self.keys[slot], self.names[slot] = adapter.key, adapter.name
             self.num_loads += 1
         self.pins[slot] += 1
         return slot, load
@@ -117,6 +120,23 @@ class AdapterSlots:
         """A sequence using `slot` left it (finished or preempted)."""
         self.pins[slot] -= 1
         self._last_used[slot] = next(self._clock)
+
+    def count(self, adapter: LoadedAdapter, change: int) -> None:
+        """A sequence of `adapter` arrived (+1) or finished (-1)."""
+        self._unfinished[adapter.name] += change
+        if not self._unfinished[adapter.name]:
+            del self._unfinished[adapter.name]
+
+    def running_adapters(self) -> tuple[str, ...]:
+        """The names of the adapters running sequences use."""
+        return tuple(sorted({name for name, pins in zip(self.names, self.pins) if pins}))
+
+    def waiting_adapters(self) -> tuple[str, ...]:
+        """The names of the adapters that have waiting sequences (unfinished ones beyond those running)."""
+        running = Counter()
+        for name, pins in zip(self.names, self.pins):
+            running[name] += pins
+        return tuple(sorted(name for name, num in self._unfinished.items() if num > running[name]))
 
     @property
     def num_active(self) -> int:

@@ -121,6 +121,27 @@ class EngineCollector(Collector):
         for position, accepted in enumerate(stats.spec_decode_accepted_per_pos):
             per_position.add_metric(name + [str(position)], accepted)
         yield per_position
+        if stats.max_loras:
+            yield from lora_metrics(stats, labels, name)
+
+
+def lora_metrics(stats: SchedulerStats, labels: list[str], name: list[str]) -> Iterable[Metric]:
+    """vLLM's `lora_requests_info` (the adapters of running and waiting requests, comma-separated, and max_lora in
+    its labels; its value the time of the snapshot, as vLLM's), and the adapters written into device slots and read
+    from disk."""
+    info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                             labels=labels + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric(name + [str(stats.max_loras), ",".join(stats.lora_running_adapters),
+                            ",".join(stats.lora_waiting_adapters)], time.time())
+    yield info
+    loads = CounterMetricFamily(PREFIX + "lora_slot_loads", "LoRA adapters written into a device slot.",
+                                labels=labels)
+    loads.add_metric(name, stats.lora_slot_loads)
+    yield loads
+    reads = CounterMetricFamily(PREFIX + "lora_adapter_reads", "LoRA adapters read from disk (host cache misses).",
+                                labels=labels)
+    reads.add_metric(name, stats.lora_adapter_reads)
+    yield reads
 
 
 def replica_labels(model_name: str, replica: int, num_replicas: int) -> tuple[list[str], list[str]]:
