@@ -1,7 +1,8 @@
 """The cost of LoRA per step: one offline batch through the base model alone, then through a LoRA engine with every
 row on the base model, and with the rows spread over `--num-adapters` adapters (rank `--lora-rank` on every
 projection, random weights in PEFT's format, written by `write_random_adapter`). Output tokens/s of each, as ratios
-to the base engine, in one run on one machine.
+to the base engine, in one run on one machine. The warm-up requests use prompts of their own: a timed prompt found in
+the prefix cache would start decoding while the others prefill, adding decode calls to one run and not the others.
 
     python benchmarks/lora.py --num-prompts 32 --input-len 128 --output-len 64
     python benchmarks/lora.py --shape llama-3.1-8b --dtype bfloat16 --num-prompts 64  # a GPU: the 8B stand-in
@@ -57,11 +58,13 @@ def timed_generate(llm, prompts: list[list[int]], output_len: int, loras) -> dic
     from jaxserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    hits = llm.llm_engine.stats().prefix_cache_hits
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+            "prefix_cache_hits": llm.llm_engine.stats().prefix_cache_hits - hits}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -87,9 +90,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     config = model_config(resolve_model(options["model"]))
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, config.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
+    warmup = [rng.integers(3, config.vocab_size, args.input_len).tolist() for _ in range(max(2, args.num_adapters))]
     results = {}
     llm = LLM(**options)
-    timed_generate(llm, prompts[:2], 4, None)  # first requests: anything lazy happens here, not in the timing
+    timed_generate(llm, warmup[:2], 4, None)  # first requests: anything lazy happens here, not in the timing
     results["base engine"] = timed_generate(llm, prompts, args.output_len, None)
     del llm
     gc.collect()  # the base engine's device memory back before the LoRA engine sizes its KV pool
@@ -97,15 +101,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         adapters = [LoRARequest(f"adapter{i}", i + 1, write_random_adapter(f"{root}/{i}", config, args.lora_rank, i))
                     for i in range(args.num_adapters)]
         llm = LLM(**options, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.lora_rank)
-        timed_generate(llm, prompts[:len(adapters)], 4, adapters)  # every adapter read and in its slot
+        timed_generate(llm, warmup[:len(adapters)], 4, adapters)  # every adapter read and in its slot
         results["LoRA engine, base rows"] = timed_generate(llm, prompts, args.output_len, None)
         mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
         results[f"LoRA engine, {args.num_adapters} adapters mixed"] = timed_generate(llm, prompts, args.output_len,
                                                                                    mixed)
     base = results["base engine"]["output_tok_s"]
-    rows = [(name, common.fmt(r["output_tok_s"], 1), common.fmt(r["output_tok_s"] / base, 3), common.fmt(r["seconds"]))
-            for name, r in results.items()]
-    print(common.format_table(["run", "output tok/s", "vs base", "seconds"], rows))
+    rows = [(name, common.fmt(r["output_tok_s"], 1), common.fmt(r["output_tok_s"] / base, 3), common.fmt(r["seconds"]),
+             r["prefix_cache_hits"]) for name, r in results.items()]
+    print(common.format_table(["run", "output tok/s", "vs base", "seconds", "prefix-cache hits"], rows))
     payload = {"argv": argv, "commit": common.commit_at_start(), "machine": common.machine_info(),
                "model": args.shape or common.model_label(args.model), "results": results}
     common.write_result(NAME, payload, args.result_file)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
 SCRIPTS = ["throughput.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
            "baselines/hf_transformers.py", "kernel_bench.py", "random_model.py", "loading_memory.py", "host_overhead.py",
-           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py", "hybrid_capacity.py", "slo_scheduling.py", "routing.py",
+           "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py", "hybrid_capacity.py", "slo_scheduling.py", "routing.py", "lora.py",
            "lm_eval_tasks/make_data.py", "lm_eval_tasks/export_hf.py", "lm_eval_tasks/compare_samples.py"]
 
 
@@ -661,6 +661,16 @@ def test_spec_decode_smoke(tiny_llama_dir, tmp_path):
     assert all(row[-1] is True for row in payload["summary"])
     assert payload["methods"]["draft"]["sets"]["copy"]["acceptance_rate"] > 0.9
 
+
+def test_lora_smoke(tiny_llama_dir, tmp_path):
+    """The base engine, a LoRA engine's base rows and two random adapters mixed: every run makes every token."""
+    from benchmarks import lora
+
+    payload = lora.main(["--model", tiny_llama_dir, "--max-model-len", "128", "--max-num-batched-tokens", "64",
+                         "--max-num-seqs", "4", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                         "--num-adapters", "2", "--lora-rank", "4", "--result-file", str(tmp_path / "lora.json")])
+    assert list(payload["results"]) == ["base engine", "LoRA engine, base rows", "LoRA engine, 2 adapters mixed"]
+    assert all(run["output_tokens"] == 16 for run in payload["results"].values())
 
 def test_prompt_scoring_smoke(tiny_llama_dir, capsys):
     from benchmarks import prompt_scoring
