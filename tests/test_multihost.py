@@ -1,7 +1,8 @@
 """Multi-host serving on one machine: three `jaxserve serve` processes of one CPU device each, joined by
 jax.distributed (gloo CPU collectives), serve one model split three ways.
 
-Over HTTP the answers equal one device's; SIGTERM to the leader ends every rank; a follower that dies makes
+Over HTTP the answers equal one device's (with LoRA adapters too, their slots loaded on every host); SIGTERM to
+the leader ends every rank; a follower that dies makes
 the leader fail the request in flight with 503 and exit non-zero, and the other follower exits with it.
 """
 
@@ -74,7 +75,7 @@ def one_device(three_head_model) -> dict[str, list]:
 class Cluster:
     """RANKS `jaxserve serve` processes on this machine, rank 0 serving HTTP."""
 
-    def __init__(self, model: str, log_dir: Path, leader_prelude: str = ""):
+    def __init__(self, model: str, log_dir: Path, leader_prelude: str = "", flags: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -87,7 +88,7 @@ class Cluster:
             script = f"{leader_prelude if rank == 0 else ''}\nfrom jaxserve.cli import main\nmain()\n"
             command = [sys.executable, "-c", script, "serve", "--model", model, "--port", str(self.port),
                        "--tensor-parallel-size", str(RANKS), "--nnodes", str(RANKS), "--node-rank", str(rank),
-                       "--dist-init-addr", address, *OPTIONS]
+                       "--dist-init-addr", address, *OPTIONS, *flags]
             with open(self.logs[rank], "wb") as log:
                 self.processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                                        stderr=subprocess.STDOUT))
@@ -120,8 +121,8 @@ class Cluster:
 def start_cluster(three_head_model, tmp_path):
     clusters = []
 
-    def start(leader_prelude: str = "") -> Cluster:
-        clusters.append(Cluster(three_head_model, tmp_path, leader_prelude))
+    def start(leader_prelude: str = "", flags: tuple[str, ...] = ()) -> Cluster:
+        clusters.append(Cluster(three_head_model, tmp_path, leader_prelude, flags))
         clusters[-1].wait_healthy()
         return clusters[-1]
 
@@ -164,3 +165,30 @@ def test_a_dead_follower_fails_the_request_in_flight_with_503_and_every_rank_exi
     assert error["code"] == "engine_unavailable" and "follower rank 2" in error["message"], error
     codes = cluster.wait_exits()
     assert codes[0] != 0 and codes[1] != 0, [cluster.log(rank) for rank in range(2)]
+
+
+def test_three_hosts_serve_lora_adapters_as_one_device(start_cluster, three_head_model, tmp_path):
+    """One device slot for two adapters, so serving them in turn writes the slot again: each write is a step whose
+    inputs (the adapter's weights) the leader sends every follower; the answers are one device's."""
+    from jaxserve import LLM, LoRARequest, SamplingParams
+    from tests.test_lora import save_peft_adapter
+
+    paths = [save_peft_adapter(three_head_model, str(tmp_path / name), seed, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+             for seed, name in enumerate(("a", "b"))]
+    turns = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("b", PROMPTS[0]), ("a", PROMPTS[1])]
+    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, enable_lora=True,
+              max_loras=1, max_lora_rank=4)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    adapters = {"a": LoRARequest("a", 1, paths[0]), "b": LoRARequest("b", 2, paths[1])}
+    expected = [llm.generate(prompt, greedy, lora_request=adapters.get(name), use_tqdm=False)[0].outputs[0].text
+                for name, prompt in turns]
+    assert len(set(expected[::2])) == 2, "the adapters change nothing: the test proves nothing"
+    del llm
+    cluster = start_cluster(flags=("--enable-lora", "--max-loras", "1", "--max-lora-rank", "4", "--lora-modules",
+                                   f"a={paths[0]}", f"b={paths[1]}"))
+    texts = [complete(cluster, prompt, model=name or cluster.model).json()["choices"][0]["text"]
+             for name, prompt in turns]
+    assert texts == expected
+    cluster.processes[0].send_signal(signal.SIGTERM)
+    assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
