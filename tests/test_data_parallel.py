@@ -109,6 +109,30 @@ def test_cache_aware_follows_the_prefix_and_breaks_ties_and_crowds_by_load(tiny_
     serve(engine, check)
 
 
+
+def test_cache_aware_keys_an_adapters_prompts_by_the_adapter(tiny_llama_dir, tmp_path):
+    """A replica's prefix cache keeps an adapter's pages apart from the base model's: routing looks them up so."""
+    from jaxserve import LoRARequest
+    from tests.test_lora import save_peft_adapter
+
+    adapter = LoRARequest("a", 1, save_peft_adapter(tiny_llama_dir, str(tmp_path / "a"), 0, r=4, lora_alpha=8,
+                                                    target_modules=["q_proj", "v_proj"]))
+    engine = replicas(tiny_llama_dir, "cache_aware", enable_lora=True, max_lora_rank=4)
+    conversation = random_prompts(1, 500, 40, 40, seed=12)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def check(http: httpx.AsyncClient) -> None:
+        first, second = engine.replicas
+        await second.submit("turn-1", [conversation], params, lora_request=adapter).final_outputs()
+        follow_up = conversation + [7, 8, 9]
+        assert engine.ranking(follow_up, adapter) == [second, first]  # the adapter's pages live on 1
+        assert engine.ranking(follow_up) == [first, second]  # the base model's are nowhere: by load, then index
+        hits = second.llm_engine.stats().prefix_cache_hits
+        await engine.submit("turn-2", [follow_up], params, lora_request=adapter).final_outputs()
+        assert second.llm_engine.stats().prefix_cache_hits - hits == 40
+
+    serve(engine, check)
+
 def test_a_full_replica_is_skipped_and_all_full_is_a_503(tiny_llama_dir):
     from jaxserve.server.async_engine import ServerOverloaded
 

@@ -80,7 +80,7 @@ class Sequence:
     @property
     def prefix_root(self) -> bytes:
         """The parent key of its first prefix-cache page: b"" for the base model, its adapter's own otherwise."""
-        return b"" if self.lora is None else b"lora:" + self.lora.key
+        return b"" if self.lora is None else self.lora.prefix_root
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,11 @@ class LoadedAdapter:
     def name(self) -> str:
         return self.request.lora_name
 
+    @property
+    def prefix_root(self) -> bytes:
+        """The parent key of its sequences' first prefix-cache page (the base model's is b"")."""
+        return b"lora:" + self.weights.key
+
 
 class AdapterCache:
     """Read adapters by `lora_int_id`, at most `capacity` of them; safe to call from any thread."""

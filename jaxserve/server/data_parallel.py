@@ -117,15 +117,16 @@ class DataParallelEngine:
         """Queues the request on the replica the load-balance method picks (the next one if that one is full)."""
         self.ready_engine()
         overloaded = None
-        for replica in self.ranking(prompts[0]):
+        for replica in self.ranking(prompts[0], lora_request):
             try:
                 return replica.submit(request_id, prompts, params, priority, lora_request)
             except ServerOverloaded as err:
                 overloaded = err
         raise ServerOverloaded(f"every replica is at capacity ({overloaded}); retry later")
 
-    def ranking(self, prompt: list[int]) -> list[AsyncEngine]:
-        """The replicas in the order a request with first prompt `prompt` tries them."""
+    def ranking(self, prompt: list[int], lora_request: LoRARequest | None = None) -> list[AsyncEngine]:
+        """The replicas in the order a request with first prompt `prompt` (and adapter `lora_request`) tries them;
+        ValueError for an adapter that cannot be read."""
         by_load = sorted(self.replicas, key=_load)
         if self.load_balance_method == "shortest_queue":
             return by_load
@@ -134,7 +135,9 @@ class DataParallelEngine:
             return self.replicas[start:] + self.replicas[:start]
         engines = [replica.llm_engine for replica in self.replicas]
         page_size = engines[0].page_manager.page_size
-        chain = list(key_chain(prompt, page_size, engines[0].page_manager.hash_fn, (len(prompt) - 1) // page_size))
+        adapter = engines[0].inputs.adapter(lora_request)  # read already (ServingContext.read_adapter): a lookup
+        chain = list(key_chain(prompt, page_size, engines[0].page_manager.hash_fn, (len(prompt) - 1) // page_size,
+                               b"" if adapter is None else adapter.prefix_root))
         cached = {replica.replica: engine.page_manager.num_cached_tokens(chain)
                   for replica, engine in zip(self.replicas, engines)}
         idlest = by_load[0].num_inflight_seqs
