@@ -271,6 +271,43 @@ def test_bad_adapters_are_refused_naming_the_field(tmp_path, case, config, tenso
     assert repr(case) in str(error.value)  # the adapter is named
 
 
+
+def test_half_precision_adapters_are_read_as_saved_and_reading_compiles_nothing(tmp_path):
+    """bfloat16 and float16 adapter files read to the same float32 values; reading one is numpy only (a first
+    version parsed the file with safetensors.flax, whose arrays compiled a jax function per new tensor shape on
+    the request that read the adapter). Run in a fresh process, so no earlier test has compiled anything."""
+    import subprocess
+    import sys
+
+    import ml_dtypes
+
+    pair = _lora_pair(0, "self_attn", "q_proj", 4, 64, 64)
+    values = {key: np.random.default_rng(0).standard_normal(t.shape).astype(np.float32) for key, t in pair.items()}
+    for name, dtype in (("f32", np.float32), ("bf16", ml_dtypes.bfloat16), ("f16", np.float16)):
+        _write_adapter(tmp_path / name, CONFIG, {key: value.astype(dtype) for key, value in values.items()})
+    script = f"""
+import logging, jax, numpy as np
+from jaxserve.lora.peft_format import read_adapter
+from jaxserve.models import config_from_hf
+from tests.conftest import tiny_hf_config
+config = config_from_hf(tiny_hf_config("llama"))
+compiled = []
+logging.getLogger("jax").addHandler(logging.Handler())
+logging.getLogger("jax").handlers[-1].emit = lambda record: compiled.append(record.getMessage())
+with jax.log_compiles(True):
+    read = {{name: read_adapter(name, "{tmp_path}/" + name, config, 16) for name in ("f32", "bf16", "f16")}}
+assert not [m for m in compiled if "Compiling" in m], compiled
+a32, b32 = read["f32"].modules[(0, "q_proj")]
+for name, dtype in (("bf16", "bfloat16"), ("f16", "float16")):
+    a, b = read[name].modules[(0, "q_proj")]
+    assert a.dtype == np.float32
+    np.testing.assert_allclose(a, a32.astype(dtype).astype(np.float32), rtol=0, atol=0)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
 def test_moe_layer_mlp_adapter_refused(tmp_path):
     moe = config_from_hf(tiny_hf_config("qwen3_moe"))
     path = _write_adapter(tmp_path / "moe", {**CONFIG, "target_modules": ["gate_proj"]},

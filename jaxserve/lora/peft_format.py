@@ -22,6 +22,7 @@ import math
 import os
 import re
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -33,6 +34,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # fused checkpoint target (Phi-3) -> the projections its output rows hold, in order
 FUSED_TARGETS = {fused: parts for _, fused, parts in phi3.FUSED.values()}
+# safetensors' dtype names -> numpy's (safetensors.numpy has no bfloat16): numpy only, so reading compiles nothing
+FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -130,14 +133,21 @@ def _read_tensors(name: str, path: str) -> tuple[dict[str, np.ndarray], bytes]:
         other = " (adapter_model.bin is not read: save with safe_serialization)" if os.path.exists(
             os.path.join(path, "adapter_model.bin")) else ""
         raise ValueError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {path!r}{other}")
-    from safetensors.flax import load as load_flax
+    from safetensors import deserialize
 
     with open(file, "rb") as f:
         raw = f.read()
     try:
-        tensors = {key: np.asarray(value, np.float32) for key, value in load_flax(raw).items()}
+        views = deserialize(raw)
     except Exception as error:  # safetensors raises its own error types for a damaged file
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read ({error})") from None
+    tensors = {}
+    for key, view in views:
+        if view["dtype"] not in FLOAT_DTYPES:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is {view['dtype']} (supported: "
+                             f"{', '.join(FLOAT_DTYPES)})")
+        tensor = np.frombuffer(view["data"], FLOAT_DTYPES[view["dtype"]]).reshape(view["shape"])
+        tensors[key] = tensor.astype(np.float32)
     return tensors, raw
 
 
