@@ -220,9 +220,10 @@ def _settings(args: argparse.Namespace, model: str, rate: float, concurrency: in
 
     return {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
             "endpoint_type": args.backend, "label": args.label or args.backend, "model_id": model,
-            "tokenizer_id": args.tokenizer or args.model or model, "lora_modules": args.lora_modules, "base_url": args.base_url,
-            "endpoint": args.endpoint, "num_prompts": len(records), "request_rate": rate if math.isfinite(rate)
-            else "inf", "burstiness": args.burstiness, "max_concurrency": concurrency, "ignore_eos": args.ignore_eos,
+            "tokenizer_id": args.tokenizer or args.model or model, "lora_modules": args.lora_modules,
+            "base_url": args.base_url, "endpoint": args.endpoint, "num_prompts": len(records),
+            "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": args.burstiness,
+            "max_concurrency": concurrency, "ignore_eos": args.ignore_eos,
             "goodput_slo_ms": args.goodput_ms, "request_slo_ms": args.targets,
             "dataset": {**dataset_args.describe(args), **datasets.length_stats(records)},
             "client_machine": machine_info(include_jax=False), **args.extra}

@@ -68,9 +68,14 @@ def checkpoint_targets(config: ModelConfig) -> tuple[str, ...]:
     return (*FUSED_TARGETS, "o_proj", "down_proj")
 
 
-def checkpoint_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
-    """(in, out) features of the checkpoint's linear `target` (a fused one: its projections' outputs together)."""
-    parts = FUSED_TARGETS.get(target, (target,))
+def projections(target: str) -> tuple[str, ...]:
+    """The base model's projections an adapter target covers: itself, or a fused target's parts in row order."""
+    return FUSED_TARGETS.get(target, (target,))
+
+
+def target_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
+    """(in, out) features of the adapter target `target` (a fused one: its projections' outputs together)."""
+    parts = projections(target)
     return module_shapes(config, parts[0])[0], sum(module_shapes(config, part)[1] for part in parts)
 
 
@@ -168,8 +173,7 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder projection "
                              f"(supported: {', '.join(supported)})")
         layer, group, target, half = int(match[1]), match[2], match[3], match[4]
-        in_mlp = FUSED_TARGETS.get(target, (target,))[0] in MLP_TARGETS
-        if target not in supported or (group == "mlp") != in_mlp:
+        if target not in supported or (group == "mlp") != (projections(target)[0] in MLP_TARGETS):
             raise ValueError(f"LoRA adapter {name!r}: target module {group}.{target} ({key!r}) is not supported "
                              f"(supported: {', '.join(supported)})")
         if layer >= config.num_layers:
@@ -187,8 +191,8 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: {where} has lora_{''.join(pair)} without its other half")
         a, b = pair["A"], pair["B"]
-        parts = FUSED_TARGETS.get(target, (target,))
-        fan_in, fan_out = checkpoint_shapes(config, target)
+        parts = projections(target)
+        fan_in, fan_out = target_shapes(config, target)
         module = f"model.layers.{layer}.{'mlp' if parts[0] in MLP_TARGETS else 'self_attn'}.{target}"
         rank = pattern_value(ranks, module, rank_default)
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):

@@ -87,11 +87,10 @@ def add_lora_routes(app: FastAPI, ctx) -> None:
         adapters = ctx.adapters
         if body.lora_name in adapters.requests or body.lora_name in adapters.base_names:
             raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
-        ctx.ready_engine()
         lora = adapters.add(body.lora_name, body.lora_path)
         try:
             await ctx.read_adapter(lora, param="lora_path")
-        except APIError:
+        except APIError:  # a bad adapter (400) or an engine not ready (503): not served
             adapters.requests.pop(body.lora_name, None)
             raise
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

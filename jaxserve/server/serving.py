@@ -94,19 +94,24 @@ class ServingContext:
         finds it read); 400 naming the problem (and `param`)."""
         if lora_request is None:
             return
-        engines = [replica.ready_engine() for replica in self.async_engine.replicas]
         try:
-            for llm_engine in engines:
+            for llm_engine in self.replica_engines():
                 await asyncio.to_thread(llm_engine.validate_lora, lora_request)
         except ValueError as err:
             raise bad_request(str(err), param=param) from None
 
     def forget_adapter(self, lora_request: LoRARequest) -> None:
         """Drops an unloaded adapter from every replica's host cache (requests running with it keep theirs)."""
-        for replica in self.async_engine.replicas:
-            adapters = replica.ready_engine().adapters
-            if adapters is not None:
-                adapters.remove(lora_request.lora_int_id)
+        for llm_engine in self.replica_engines():
+            if llm_engine.adapters is not None:
+                llm_engine.adapters.remove(lora_request.lora_int_id)
+
+    def replica_engines(self) -> list[LLMEngine]:
+        """Every replica's engine (one without data parallelism); 503 while one is unavailable."""
+        try:
+            return [replica.ready_engine() for replica in self.async_engine.replicas]
+        except EngineUnavailable as err:
+            raise unavailable(str(err)) from None
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
