@@ -1,5 +1,6 @@
 """The `jaxserve` command: `jaxserve demo` (one chat answer with the default model), `jaxserve serve` (the
-OpenAI-compatible server) and `jaxserve router` (one front for several servers) and `jaxserve bench` (serve | throughput | latency)."""
+OpenAI-compatible server), `jaxserve router` (one front for several servers), `jaxserve bench` (serve | throughput |
+latency) and `jaxserve compile` (every start-up step compiled for a GPU or TPU that is not attached)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from jaxserve.bench import bench_main
 
-    commands = {"demo": demo, "bench": bench_main}
+    from jaxserve.aot.cli import compile_main
+
+    commands = {"demo": demo, "bench": bench_main, "compile": compile_main}
     try:
         from jaxserve.router import router_main
         from jaxserve.server import serve_main

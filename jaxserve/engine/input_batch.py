@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from jaxserve.engine.steps import SlotState
@@ -76,7 +77,7 @@ class SlotSamplingParams:
 class InputBatch:
     """Host rows and device state of every slot; `sharding`: where the device state lives (replicated)."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, sharding, hybrid: bool = False):
+    def __init__(self, config: EngineConfig, vocab_size: int, sharding, allocator: Allocator, hybrid: bool = False):
         slots = config.max_num_seqs
         self.slot_of: dict[int, int] = {}  # seq id -> its slot
         self.seq_ids = np.full(slots, -1, np.int64)
@@ -92,10 +93,10 @@ class InputBatch:
         # LoRA: each slot's adapter slot in the device stack (-1: the base model); None without enable_lora
         self.lora_slots = np.full(slots, -1, np.int32) if config.enable_lora else None
         self.sampling = SlotSamplingParams(slots)
-        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, hybrid)
-        self.penalties = PenaltyState(prompt_mask=jnp.zeros((slots, vocab_size), bool, device=sharding),
-                                      output_counts=jnp.zeros((slots, vocab_size), jnp.int32, device=sharding),
-                                      min_tokens_ban=jnp.zeros((slots, vocab_size), bool, device=sharding))
+        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, allocator, hybrid)
+        self.penalties = PenaltyState(prompt_mask=allocator.full((slots, vocab_size), bool, sharding),
+                                      output_counts=allocator.full((slots, vocab_size), jnp.int32, sharding),
+                                      min_tokens_ban=allocator.full((slots, vocab_size), bool, sharding))
         self.sampling_table = None  # the device copy of `sampling`'s columns (the runner sends it)
 
     def apply(self, plan: SchedulerOutput) -> None:

@@ -11,6 +11,7 @@ import os
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.layers.attention import PagedAttention
 
@@ -18,18 +19,25 @@ DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACT
 CPU_POOL_BYTES = 4 * 2**30
 
 
-def kv_budget_bytes(device, config: ModelConfig, engine_config: EngineConfig) -> int | None:
-    """Bytes each device gives its KV pools (every device of the mesh holds the same share, so one `device`'s
-    memory decides): `kv_cache_memory_bytes` when set, else vLLM's `gpu_memory_utilization` on an accelerator;
-    None on a CPU, whose pool is sized by its slots."""
+def kv_budget_bytes(memory_stats: dict | None, platform: str, config: ModelConfig,
+                    engine_config: EngineConfig) -> int | None:
+    """Bytes each device gives its KV pools (every device of the mesh holds the same share, so one device's
+    `memory_stats` decide, taken with the weights in place): `kv_cache_memory_bytes` when set, else vLLM's
+    `gpu_memory_utilization` on an accelerator; None on a CPU, whose pool is sized by its slots."""
     if engine_config.kv_cache_memory_bytes is not None:
         return engine_config.kv_cache_memory_bytes
-    stats = device.memory_stats() or {}
-    if "bytes_limit" not in stats:
+    if "bytes_limit" not in (memory_stats or {}):
         return None
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
-    return accelerator_kv_bytes(stats, engine_config.gpu_memory_utilization, fraction,
+    return accelerator_kv_bytes(memory_stats, engine_config.gpu_memory_utilization, allocator_fraction(platform),
                                 activation_bytes(config, engine_config))
+
+
+def allocator_fraction(platform: str) -> float:
+    """The fraction of a device's memory jax's allocator reports as its `bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION
+    (0.75 unless set) on a GPU; a TPU's limit is its whole memory."""
+    if platform != "gpu":
+        return 1.0
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
 
 
 def kv_pages(budget_bytes: int | None, engine_config: EngineConfig, page_bytes: int, device_page_bytes: int) -> int:
@@ -115,13 +123,13 @@ def hybrid_pages(ec: EngineConfig, window: int, budget_bytes: int | None, full_p
 
 
 def empty_pool(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, num_pages: int, page_size: int,
-               dtype, window_pages: int | None = None) -> tuple[list, tuple[int, ...]]:
+               dtype, allocator: Allocator, window_pages: int | None = None) -> tuple[list, tuple[int, ...]]:
     """A model's page pool, one (K, V) pair per layer (arrays, or QuantizedPages: values + per-token scales for an
     int8/fp8 cache), and the shape of each full layer's; `window_pages`: the hybrid KV cache's sliding-window layers
     have pools of that many pages."""
     def pool(pages: int) -> tuple:
         shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
-        return tuple(backend.empty_pool(shape, dtype) for _ in "kv")
+        return tuple(backend.empty_pool(shape, dtype, allocator) for _ in "kv")
     windows = config.layer_sliding_windows
     pools = [pool(window_pages if window_pages is not None and window is not None else num_pages)
              for window in windows]

@@ -47,6 +47,7 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine import startup
+from jaxserve.engine.allocator import Allocator, DeviceAllocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import empty_pool, hybrid_pages, hybrid_window, kv_budget_bytes, kv_pages, page_bytes
@@ -76,8 +77,10 @@ class ModelRunner:
     by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
 
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
-                 mesh: Mesh | None = None, draft_config: ModelConfig | None = None):
+                 mesh: Mesh | None = None, draft_config: ModelConfig | None = None,
+                 allocator: Allocator | None = None):
         self.config = config
+        self.allocator = allocator or DeviceAllocator()  # `jaxserve compile`'s makes abstract arrays
         self.engine_config = engine_config
         self.eos_token_ids = eos_token_ids
         self.dtype = engine_config.jax_dtype
@@ -91,18 +94,26 @@ class ModelRunner:
         if engine_config.enable_lora:
             shapes = stack_shapes(config, self.tp, engine_config.max_loras, engine_config.max_lora_rank, self.dtype)
             self.lora_stack = empty_stack(shapes, param_shardings({"lora": shapes}, config, self.tp,
-                                                                  self.mesh)["lora"])
+                                                                  self.mesh)["lora"], self.allocator)
         replicated = NamedSharding(self.mesh, REPLICATED)
         vocab = config.vocab_size
         self.window = hybrid_window(config, engine_config)  # the hybrid KV cache's window pool, or None: one pool
         self.hybrid = self.window is not None
         self.num_window_layers = sum(w is not None for w in config.layer_sliding_windows) if self.hybrid else 0
-        self.batch = InputBatch(engine_config, vocab, replicated, self.hybrid)
+        self.batch = InputBatch(engine_config, vocab, replicated, self.allocator, self.hybrid)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
         self.spec_counters = self.speculator.counters if self.speculator is not None else SpecDecodeCounters(0)
-        budget = None if engine_config.num_kv_pages else kv_budget_bytes(self.mesh.local_devices[0], config,
-                                                                          engine_config)
+        self.batch.sampling_table = self.allocator.put(self.batch.sampling.table(), replicated)
+        # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
+        self.all_allowed = {rows: self.allocator.full((rows, bitmask_words(vocab)), jnp.int32, replicated, -1)
+                            for rows in startup.sampler_rows(engine_config)}
+        self.kv_cache = None  # the page pools, sized by what the rest leaves
+        budget = None  # the KV pools' bytes per device, decided with everything else in place
+        if not engine_config.num_kv_pages:
+            device = self.mesh.local_devices[0]
+            budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
+                                     config, engine_config)
         self.num_window_pages = 0
         if self.hybrid:
             self.num_pages, self.num_window_pages = hybrid_pages(
@@ -113,11 +124,8 @@ class ModelRunner:
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.allocate_pool(self.num_pages)
         self.kv_cache, pool_shape = empty_pool(config, self.tp, self.backend, self.num_pages, self.page_size,
-                                                self.dtype, self.num_window_pages if self.hybrid else None)
-        self.batch.sampling_table = jax.device_put(self.batch.sampling.table(), replicated)
-        # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
-        self.all_allowed = {rows: jnp.full((rows, bitmask_words(vocab)), -1, jnp.int32, device=replicated)
-                             for rows in startup.sampler_rows(engine_config)}
+                                                self.dtype, self.allocator,
+                                                self.num_window_pages if self.hybrid else None)
         self.steps = StepRegistry()
         self.steps.add(startup.runner_steps(self) + (self.speculator.steps() if self.speculator is not None else []))
         if self.lora_stack is not None:
@@ -137,6 +145,13 @@ class ModelRunner:
                         "tokens: every sequence's window and step), the other %d layers the pool above",
                         self.num_window_layers, self.window, self.num_window_pages, self.window_capacity_tokens,
                         config.num_layers - self.num_window_layers)
+
+    def resident_state(self) -> tuple:
+        """Every array the runner keeps on its devices between steps (the KV pools once they exist)."""
+        draft = self.speculator.draft if self.speculator is not None else None
+        return (self.params, self.lora_stack, self.kv_cache, self.batch.slot_state,
+                self.batch.penalties, self.batch.sampling_table, self.all_allowed,
+                None if draft is None else (draft.params, draft.kv_cache, draft.slot_state))
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""

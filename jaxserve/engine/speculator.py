@@ -17,6 +17,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.kv_budget import empty_pool, page_bytes
 from jaxserve.engine.scheduler_output import ScheduledDecode
 from jaxserve.engine.stats import SpecDecodeCounters
@@ -27,7 +28,6 @@ from jaxserve.engine.steps import (PrefillBatch, SlotState, VerifyBatch, VerifyS
                                    verify_sample_step, verify_step)
 from jaxserve.layers.attention import PagedAttention
 from jaxserve.layers.sampler import SampleResult
-from jaxserve.loading import load_model
 from jaxserve.loading.placement import serving_params
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import ProposeInputs, propose_step
@@ -38,15 +38,16 @@ class DraftModel:
     same page tables) and the slot state its prefill writes (never read)."""
 
     def __init__(self, spec: SpeculativeConfig, config: ModelConfig, dtype, mesh: Mesh, backend: PagedAttention,
-                 page_size: int, slots: int, pages_per_seq: int):
+                 page_size: int, slots: int, pages_per_seq: int, allocator: Allocator):
         self.config = config
         self.tp = TensorParallel(mesh.size)
         self.tp.check(config)
-        self.params = serving_params(load_model(spec.model, dtype, mesh=mesh).params, config, self.tp, mesh, dtype,
-                                     None)
+        self.allocator = allocator
+        self.params = serving_params(allocator.weights(spec.model, config, dtype, mesh), config, self.tp, mesh,
+                                     dtype, None)
         self.backend, self.dtype, self.page_size = backend, dtype, page_size
         self.kv_cache = None
-        self.slot_state = SlotState.empty(slots, pages_per_seq, NamedSharding(mesh, REPLICATED))
+        self.slot_state = SlotState.empty(slots, pages_per_seq, NamedSharding(mesh, REPLICATED), allocator)
 
     @property
     def page_bytes(self) -> int:
@@ -54,7 +55,8 @@ class DraftModel:
         return page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype)
 
     def allocate_pool(self, num_pages: int) -> None:
-        self.kv_cache, _ = empty_pool(self.config, self.tp, self.backend, num_pages, self.page_size, self.dtype)
+        self.kv_cache, _ = empty_pool(self.config, self.tp, self.backend, num_pages, self.page_size, self.dtype,
+                                      self.allocator)
 
     def jitted(self, mesh: Mesh) -> tuple:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
@@ -81,7 +83,8 @@ class Speculator:
         self.runner = runner
         self.k = ec.num_speculative_tokens
         self.draft = (DraftModel(spec, draft_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
-                                 ec.max_num_seqs, ec.pages_per_seq) if spec.method == "draft_model" else None)
+                                 ec.max_num_seqs, ec.pages_per_seq, runner.allocator)
+                      if spec.method == "draft_model" else None)
         self.counters = SpecDecodeCounters(self.k)
 
     def steps(self) -> list[Step]:
@@ -158,7 +161,7 @@ class Speculator:
     # -- warm-up examples: every batch bucket's shapes -------------------------------------------------------
 
     def _zeros_on_device(self, shape: tuple[int, ...], dtype) -> jax.Array:
-        return jnp.zeros(shape, dtype, device=NamedSharding(self.runner.mesh, REPLICATED))
+        return self.runner.allocator.full(shape, dtype, NamedSharding(self.runner.mesh, REPLICATED))
 
     def _drafts(self, rows: int):
         """Example drafts: a draft model's come from its proposal, on the device."""

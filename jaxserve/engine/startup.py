@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings
 
+from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.input_batch import SlotSamplingParams
 from jaxserve.engine.step_inputs import empty_prefill
@@ -42,7 +43,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
         Step("score", jit_step(functools.partial(prompt_scores_step, runner.config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),
              lambda: (runner.params,), assign(runner), functools.partial(
-                 score_examples, ec, runner.config.hidden_size, runner.dtype, replicated),
+                 score_examples, ec, runner.config.hidden_size, runner.dtype, replicated, runner.allocator),
              forwarded=("hidden",)),
         Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
              functools.partial(decode_examples, ec, runner.hybrid, ec.enable_lora), forwards=("logits",)),
@@ -50,7 +51,8 @@ def runner_steps(runner: RunnerState) -> list[Step]:
              assign(runner.batch, "sampling_table"), functools.partial(table_examples, ec)),
         Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
              runner.sampler_state, runner.keep_sampler_state, functools.partial(
-                 sample_examples, ec, vocab, runner.all_allowed, replicated), forwarded=("logits",)),
+                 sample_examples, ec, vocab, runner.all_allowed, replicated, runner.allocator),
+             forwarded=("logits",)),
         Step("reset", jit_step(functools.partial(reset_penalties_step, vocab), **on_every_device), *penalties,
              functools.partial(reset_examples, ec)),
         Step("ban", jit_step(functools.partial(ban_step, vocab), **on_every_device), *penalties,
@@ -73,11 +75,12 @@ def prefill_examples(ec: EngineConfig, hybrid: bool = False, lora: bool = False)
         yield empty_prefill(rows, tokens, ec.pages_per_seq, hybrid, lora)
 
 
-def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding) -> Iterator[ScoreInputs]:
+def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocator: Allocator
+                   ) -> Iterator[ScoreInputs]:
     """A scoring call's last-layer output is a prefill's, on the device."""
     for rows, tokens in ec.prefill_shapes:
         zeros = np.zeros(rows, np.int32)
-        yield ScoreInputs(jnp.zeros((rows, tokens, hidden_size), dtype, device=sharding),
+        yield ScoreInputs(allocator.full((rows, tokens, hidden_size), dtype, sharding),
                           np.zeros((rows, tokens), np.int32), zeros, zeros)
 
 
@@ -92,13 +95,14 @@ def table_examples(ec: EngineConfig) -> Iterator[SamplingBatch]:
     yield SlotSamplingParams(ec.max_num_seqs).table()
 
 
-def sample_examples(ec: EngineConfig, vocab_size: int, all_allowed: dict, sharding) -> Iterator[SamplerInputs]:
+def sample_examples(ec: EngineConfig, vocab_size: int, all_allowed: dict, sharding, allocator: Allocator
+                    ) -> Iterator[SamplerInputs]:
     """A sampler's logits are a forward's, on the device; its bitmask the all-allowed one of its row count, kept on
     the device, or a host array (constrained rows' masks, and every mask a multi-host follower is sent)."""
     for rows in sampler_rows(ec):
         zeros = np.zeros(rows, np.int32)
-        logits = jnp.zeros((rows, vocab_size), jnp.float32, device=sharding)
-        for bitmask in (all_allowed[rows], np.asarray(all_allowed[rows])):
+        logits = allocator.full((rows, vocab_size), jnp.float32, sharding)
+        for bitmask in (all_allowed[rows], np.full(all_allowed[rows].shape, -1, np.int32)):
             yield SamplerInputs(logits, zeros, zeros, np.zeros(rows, bool), bitmask)
 
 

@@ -26,6 +26,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.distributed.wire import Call
+from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.steps import SlotState
@@ -82,6 +83,7 @@ class RunnerState(Protocol):
     params: dict
     batch: InputBatch  # each slot's rows, slot state, penalty state and device sampling table
     all_allowed: dict[int, jax.Array]  # a sampler call's bitmask without constrained rows, per row count
+    allocator: Allocator  # where its device state and its steps' device-side examples come from
     steps: StepRegistry
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable: ...

@@ -25,6 +25,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from jaxserve.engine.allocator import Allocator
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.prompt_logprobs import score_next_tokens
 from jaxserve.layers.sampler import PenaltyState, SampleResult, SamplingBatch, argmax, sample
@@ -39,9 +40,10 @@ class SlotState:
     window_page_tables: jax.Array | None = None  # hybrid KV cache: the sliding-window layers' (same shape)
 
     @classmethod
-    def empty(cls, slots: int, pages_per_seq: int, sharding, hybrid: bool = False) -> "SlotState":
-        tables = lambda: jnp.zeros((slots, pages_per_seq), jnp.int32, device=sharding)  # noqa: E731
-        return cls(tokens=jnp.zeros((slots,), jnp.int32, device=sharding), page_tables=tables(),
+    def empty(cls, slots: int, pages_per_seq: int, sharding, allocator: Allocator, hybrid: bool = False
+              ) -> "SlotState":
+        tables = lambda: allocator.full((slots, pages_per_seq), jnp.int32, sharding)  # noqa: E731
+        return cls(tokens=allocator.full((slots,), jnp.int32, sharding), page_tables=tables(),
                    window_page_tables=tables() if hybrid else None)
 
 

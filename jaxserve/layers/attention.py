@@ -115,16 +115,17 @@ class PagedAttention:
         """The `PartitionSpec` tree of one K (or V) pool: split on the heads, scales like their values."""
         return QuantizedPages(KV_POOL, KV_SCALES) if self.quantized else KV_POOL
 
-    def empty_pool(self, shape: tuple[int, ...], model_dtype):
-        """One zeroed K (or V) pool of `pool_shape` `shape`, placed on the mesh as `pool_specs` says."""
+    def empty_pool(self, shape: tuple[int, ...], model_dtype, allocator):
+        """One zeroed K (or V) pool of `pool_shape` `shape`, placed on the mesh as `pool_specs` says, made by
+        `allocator` (`engine/allocator.py`)."""
         if self.mesh is None:
             sharding = lambda spec: None  # noqa: E731 (default device)
         else:
             sharding = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
-        values = jnp.zeros(shape, self.storage_dtype(model_dtype), device=sharding(KV_POOL))
+        values = allocator.full(shape, self.storage_dtype(model_dtype), sharding(KV_POOL))
         if not self.quantized:
             return values
-        return QuantizedPages(values, jnp.zeros(shape[:3], jnp.float32, device=sharding(KV_SCALES)))
+        return QuantizedPages(values, allocator.full(shape[:3], jnp.float32, sharding(KV_SCALES)))
 
     def pool_shardings(self):
         """The `NamedSharding` tree of one pool (for jit's in/out shardings); needs `mesh`."""

@@ -33,7 +33,8 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
                    quantization: str | None) -> dict:
     """The serving-layout params on `mesh` from the checkpoint-layout tree `params` (numpy or jax arrays, placed
     anywhere; consumed group by group, so the device never holds both copies): floats cast to `dtype`, each
-    layer's projections fused on its own devices, and weights quantized as `quantization` says."""
+    layer's projections fused on its own devices, and weights quantized as `quantization` says. A tree of
+    `jax.ShapeDtypeStruct`s (`jaxserve compile`: no weights) gives the serving layout's, with their shardings."""
     def to_serving(layer: bool, group: dict) -> dict:
         group = cast_floats(group, dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
         group = fuse_layer(group, config, tp) if layer else group
@@ -44,10 +45,16 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
     serving = {}
     for name in list(params):
         group = params.pop(name)
+        convert = functools.partial(to_serving, name.startswith("layers_"))
+        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(group)):
+            out = jax.eval_shape(convert, group)
+            serving[name] = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                                     sharding=sharding),
+                                         out, param_shardings({name: out}, config, tp, mesh)[name])
+            continue
         group = jax.device_put(group, param_shardings({name: group}, config, tp, mesh)[name])
         kind = group_kind(name, config)
         if kind not in converters:
-            convert = functools.partial(to_serving, name.startswith("layers_"))
             out = jax.eval_shape(convert, group)
             converters[kind] = jax.jit(convert,
                                        out_shardings=param_shardings({name: out}, config, tp, mesh)[name])

@@ -1,0 +1,156 @@
+"""`compile_engine`: every step an engine would compile at start-up, compiled for a target that is not attached,
+with the memory plan the engine would make there.
+
+The engine's own code builds everything: `EngineConfig.resolve` for the target's platform (its attention backend
+and dtype defaults), the model registry's shapes and the sharding table for the params (`ShapeDtypeStruct`s: no
+weights are read, so a model directory holding only config.json is enough), a `ModelRunner` whose allocator makes
+abstract arrays on the target's compile-only devices (`aot/abstract.py`), and that runner's step registry, whose
+every example shape is lowered and compiled here, in turn, as warm-up would compile it. What comes back per step is
+the compiler's verdict, its seconds on this machine, its memory per device and, on TPU, the compiler's roofline
+estimate of its run time (`optimal_seconds`); a step that fails carries the compiler's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+
+from jaxserve.aot.abstract import AbstractAllocator, abstract_weights, device_bytes
+from jaxserve.aot.targets import Target, compiling_for, target
+from jaxserve.distributed.tensor_parallel import make_mesh
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.model_runner import ModelRunner
+from jaxserve.engine.step_registry import StepRegistry, shape_key
+from jaxserve.loading import model_config, resolve_model
+from jaxserve.spec_decode.draft import draft_model_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCompile:
+    """One compiled shape of one step."""
+
+    name: str
+    shape: str  # its inputs' leading shapes, e.g. "rows=4 tokens=128"
+    compiled: bool
+    seconds: float  # compiling on this machine (lowering included)
+    argument_bytes: int = 0  # per device, as the compiler plans them
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs that reuse donated arguments (the pools, the slot state)
+    temp_bytes: int = 0
+    peak_bytes: int = 0  # per device: everything the engine holds, plus this step's temporaries and new outputs
+    estimated_seconds: float | None = None  # TPU: the compiler's roofline estimate of one run (not a measurement)
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """What the engine would hold on each device of `target`, before any step runs."""
+
+    target: Target
+    config: EngineConfig  # resolved for the target
+    num_devices: int  # the engine's (tensor_parallel_size), of the target's
+    usable_bytes: int  # per device: gpu_memory_utilization of its memory
+    weights_bytes: int  # per device
+    resident_bytes: int  # per device: weights, KV pools, slot, penalty and LoRA state
+    kv_cache_bytes: int  # per device
+    kv_cache_tokens: int
+    problem: str | None = None  # why the plan does not fit before any step is compiled
+
+
+def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, ModelRunner | None]:
+    """The runner `config` would build on `target_name` (with abstract arrays) and its memory plan. The runner is
+    None when the weights alone leave no room (the plan says why). ValueError for a config the engine refuses."""
+    t = target(target_name)
+    with compiling_for(target_name) as devices:
+        model = model_config(resolve_model(config.model))
+        config = config.resolve(model.max_position_embeddings, platform=t.platform)
+        if config.tensor_parallel_size > len(devices):
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs {config.tensor_parallel_size} "
+                             f"devices, but target {t.name} has {len(devices)}")
+        spec = config.speculative_config
+        draft = (draft_model_config(spec, model, config.max_model_len)
+                 if spec is not None and spec.method == "draft_model" else None)
+        mesh = make_mesh(config.tensor_parallel_size, list(devices))
+        allocator = AbstractAllocator(t, config.gpu_memory_utilization)
+        params = abstract_weights(model, config.jax_dtype, mesh, config.enable_expert_parallel)
+        usable = int(t.chip.hbm_bytes * config.gpu_memory_utilization)
+        weights = device_bytes(params)
+        base = dict(target=t, config=config, num_devices=mesh.size, usable_bytes=usable, weights_bytes=weights)
+        if weights >= usable:
+            return EnginePlan(**base, resident_bytes=weights, kv_cache_bytes=0, kv_cache_tokens=0, problem=(
+                f"the weights need {gib(weights)} per device, more than {config.gpu_memory_utilization:g} of "
+                f"{t.name}'s {gib(t.chip.hbm_bytes)}: use more devices (-tp), a smaller dtype or --quantization")), None
+        runner = ModelRunner(model, params, config, set(model.eos_token_ids), mesh, draft, allocator)
+        kv_bytes = device_bytes(runner.kv_cache)
+        problem = None
+        if runner.num_pages - 1 < config.pages_per_seq:
+            problem = (f"the KV pool holds {runner.kv_capacity_tokens} tokens per device set, less than one sequence "
+                       f"of max_model_len {config.max_model_len}: {gib(weights)} of weights leave too little of "
+                       f"{gib(usable)}")
+        return EnginePlan(**base, resident_bytes=device_bytes(runner.resident_state()), kv_cache_bytes=kv_bytes,
+                          kv_cache_tokens=runner.kv_capacity_tokens, problem=problem), runner
+
+
+def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int,
+                  names: set[str] | None = None) -> list[StepCompile]:
+    """Every shape of every step in `steps` (or of those `names`), lowered and compiled for `target_name`, one after
+    another."""
+    results, seen = [], set()
+    with compiling_for(target_name):
+        for name, inputs in steps.examples():
+            key = (name, shape_key(inputs))
+            if key in seen or (names is not None and name not in names):
+                continue
+            seen.add(key)
+            step = steps[name]
+            started = time.perf_counter()
+            try:
+                compiled = step.fn.lower(*step.state(), inputs).compile()
+            except Exception as err:  # the compilers raise JaxRuntimeError, ValueError, NotImplementedError, ...
+                results.append(StepCompile(name, describe(inputs), False, time.perf_counter() - started,
+                                           error=compiler_message(err)))
+                continue
+            results.append(step_compile(name, describe(inputs), compiled, time.perf_counter() - started,
+                                        resident_bytes))
+            logger.info("compiled %s %s in %.1fs", name, results[-1].shape, results[-1].seconds)
+    return results
+
+
+def step_compile(name: str, shape: str, compiled: Any, seconds: float, resident_bytes: int) -> StepCompile:
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    estimate = (cost or {}).get("optimal_seconds")
+    new_outputs = max(0, memory.output_size_in_bytes - memory.alias_size_in_bytes)
+    return StepCompile(name, shape, True, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                       memory.alias_size_in_bytes, memory.temp_size_in_bytes,
+                       resident_bytes + memory.temp_size_in_bytes + new_outputs,
+                       float(estimate) if estimate is not None and estimate > 0 else None)
+
+
+def describe(inputs: Any) -> str:
+    """A step's example as its row count and (prefill) tokens per row: the shape a user chooses buckets by."""
+    leaves = [leaf for leaf in jax.tree.leaves(inputs) if len(getattr(leaf, "shape", ())) >= 1]
+    if not leaves:
+        return "-"
+    widest = max(leaves, key=lambda leaf: len(leaf.shape))
+    if hasattr(inputs, "token_ids") and getattr(inputs.token_ids, "ndim", 0) == 2:
+        return f"rows={inputs.token_ids.shape[0]} tokens={inputs.token_ids.shape[1]}"
+    return f"rows={widest.shape[0]}"
+
+
+def compiler_message(err: Exception) -> str:
+    """The compiler's own words, on one line: its message's first lines, without jax's traceback hints."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    message = " ".join(lines[:3]) if lines else type(err).__name__
+    return f"{type(err).__name__}: {message}"[:600]
+
+
+def gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"

@@ -1,0 +1,106 @@
+"""What `jaxserve compile` prints and writes: the steps' table, the memory plan, and the JSON result (`result`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.aot.compile import EnginePlan, StepCompile, gib
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    plan: EnginePlan
+    steps: list[StepCompile]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most any step needs per device (the resident state alone when no step compiled)."""
+        return max([step.peak_bytes for step in self.steps if step.compiled] or [self.plan.resident_bytes])
+
+    @property
+    def failed(self) -> list[StepCompile]:
+        return [step for step in self.steps if not step.compiled]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.problem is None and self.peak_bytes <= self.plan.usable_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.fits and not self.failed
+
+    def verdict(self) -> str:
+        """One line: all compiled and fit, or the first failure with the compiler's message, or what does not fit."""
+        plan = self.plan
+        if plan.problem is not None:
+            return f"does not fit on {plan.target.name}: {plan.problem}"
+        if self.failed:
+            step = self.failed[0]
+            more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+            return f"step {step.name} ({step.shape}) failed to compile for {plan.target.name}{more}: {step.error}"
+        if not self.fits:
+            worst = max(self.steps, key=lambda step: step.peak_bytes)
+            return (f"does not fit on {plan.target.name}: step {worst.name} ({worst.shape}) needs {gib(worst.peak_bytes)} "
+                    f"per device with the engine's state, over {gib(plan.usable_bytes)} "
+                    f"(gpu_memory_utilization {plan.config.gpu_memory_utilization:g}); its temporaries take "
+                    f"{gib(worst.temp_bytes)}")
+        return (f"all {len(self.steps)} step shapes compile for {plan.target.name} and fit "
+                f"({gib(self.peak_bytes)} of {gib(plan.usable_bytes)} per device at the largest step)")
+
+
+def table(result: CompileResult) -> str:
+    """The steps' table: one line per compiled shape."""
+    lines = [f"{'step':<14} {'shape':<22} {'ok':<3} {'compile s':>9} {'args GiB':>9} {'temp GiB':>9} "
+             f"{'out GiB':>8} {'est. ms':>8}"]
+    for step in result.steps:
+        estimate = f"{step.estimated_seconds * 1e3:8.3f}" if step.estimated_seconds is not None else f"{'-':>8}"
+        lines.append(f"{step.name:<14} {step.shape:<22} {'yes' if step.compiled else 'NO':<3} {step.seconds:9.2f} "
+                     f"{step.argument_bytes / 2**30:9.3f} {step.temp_bytes / 2**30:9.3f} "
+                     f"{step.output_bytes / 2**30:8.3f} {estimate}")
+        if step.error:
+            lines.append(f"    {step.error}")
+    return "\n".join(lines)
+
+
+def memory_plan(result: CompileResult) -> str:
+    plan, config = result.plan, result.plan.config
+    chip = plan.target.chip
+    return "\n".join([
+        f"target {plan.target.name}: {plan.num_devices} of its {plan.target.num_devices} {chip.kind} devices, "
+        f"{gib(chip.hbm_bytes)} each; attention {config.attention_backend}, dtype {config.dtype}, "
+        f"kv_cache_dtype {config.kv_cache_dtype}",
+        f"per device: usable {gib(plan.usable_bytes)} (gpu_memory_utilization {config.gpu_memory_utilization:g}), "
+        f"weights {gib(plan.weights_bytes)}, KV cache {gib(plan.kv_cache_bytes)} ({plan.kv_cache_tokens} tokens, "
+        f"page size {config.page_size}), resident {gib(plan.resident_bytes)}, peak of the largest step "
+        f"{gib(result.peak_bytes)}: {'fits' if result.fits else 'DOES NOT FIT'}",
+        f"compile seconds on this machine: {sum(step.seconds for step in result.steps):.1f} for "
+        f"{len(result.steps)} shapes (what a cold start pays, compiling one at a time)",
+    ])
+
+
+def result_json(result: CompileResult) -> dict[str, Any]:
+    plan = result.plan
+    return {
+        "target": plan.target.name,
+        "platform": plan.target.platform,
+        "num_devices": plan.num_devices,
+        "attention_backend": plan.config.attention_backend,
+        "dtype": plan.config.dtype,
+        "kv_cache_dtype": plan.config.kv_cache_dtype,
+        "max_num_seqs": plan.config.max_num_seqs,
+        "max_model_len": plan.config.max_model_len,
+        "max_num_batched_tokens": plan.config.max_num_batched_tokens,
+        "steps": [{key: value for key, value in dataclasses.asdict(step).items()
+                   if value is not None or key == "error"} for step in result.steps],
+        "compile_seconds": sum(step.seconds for step in result.steps),
+        "hbm_bytes_per_device": plan.target.chip.hbm_bytes,
+        "usable_bytes_per_device": plan.usable_bytes,
+        "weights_bytes_per_device": plan.weights_bytes,
+        "kv_cache_bytes_per_device": plan.kv_cache_bytes,
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "peak_bytes_per_device": result.peak_bytes,
+        "fits": result.fits,
+        "ok": result.ok,
+        "verdict": result.verdict(),
+    }
