@@ -15,6 +15,7 @@ import transformers
 
 from jaxserve import LLM, Logprob, SamplingParams
 from jaxserve.sampling_params import MAX_LOGPROBS, RequestOutputKind
+from jaxserve.engine.steps import SCORE_POSITIONS
 from tests.conftest import random_prompts
 
 CHUNKED = dict(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=16)  # 16-token chunks
@@ -69,6 +70,18 @@ def test_prompt_logprobs_equal_a_full_forward_across_chunks(chunked_llm, hf_mode
         assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), k)
         decoded = chunked_llm.get_tokenizer().decode([prompt[-1]])
         assert len(prompt) == 1 or out.prompt_logprobs[-1][prompt[-1]].decoded_token == decoded
+
+
+def test_prompt_logprobs_of_prefill_calls_larger_than_one_scoring_chunk(tiny_llama_dir, hf_model):
+    """A 512-token prefill call (one prompt, or four packed) is scored SCORE_POSITIONS positions at a time."""
+    assert 512 > SCORE_POSITIONS
+    llm = LLM(tiny_llama_dir, enable_prefix_caching=False, max_num_seqs=8, max_model_len=512, page_size=16,
+              max_num_batched_tokens=512)
+    prompts = random_prompts(1, 500, 400, 400, seed=30) + random_prompts(4, 500, 100, 120, seed=31)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), 2)
 
 
 def test_requests_without_prompt_logprobs_get_none_and_k_zero_gives_the_prompt_token_only(chunked_llm, hf_model):

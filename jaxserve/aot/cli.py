@@ -36,29 +36,24 @@ def compile_main(argv: list[str]) -> None:
     # allocator as `jaxserve serve` sets it, which the memory plan follows
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.gpu_memory_utilization))
     import jax
+    from jax._src import xla_bridge
 
-    jax.config.update("jax_platforms", "cpu")
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
     for noisy in ("jaxserve.engine.model_runner", "jaxserve.engine.config"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from jaxserve.aot.compile import compile_steps, plan_engine
-    from jaxserve.aot.report import CompileResult, memory_plan, result_json, table
+    from jaxserve.aot.compile import compile_engine
+    from jaxserve.aot.report import memory_plan, result_json, table
     from jaxserve.aot.targets import CompilerMissing
     from jaxserve.server.cli_args import engine_config
 
     try:
-        plan, runner = plan_engine(engine_config(args), args.target)
+        result = compile_engine(engine_config(args), args.target,
+                                set(args.steps.split(",")) if args.steps else None)
     except (ValueError, CompilerMissing) as err:
         print(f"jaxserve compile: {err}", file=sys.stderr)
         sys.exit(1 if isinstance(err, CompilerMissing) else 2)
-    steps = []
-    if runner is not None:
-        names = set(args.steps.split(",")) if args.steps else None
-        if names is not None and not names <= set(runner.steps.steps):
-            print(f"jaxserve compile: unknown steps {sorted(names - set(runner.steps.steps))}; this engine has "
-                  f"{sorted(runner.steps.steps)}", file=sys.stderr)
-            sys.exit(2)
-        steps = compile_steps(runner.steps, args.target, plan.resident_bytes, names)
-    result = CompileResult(plan, steps)
+    steps = result.steps
     if steps:
         print(table(result))
     print(memory_plan(result))

@@ -21,6 +21,7 @@ import jax
 
 from jaxserve.aot.abstract import AbstractAllocator, abstract_weights, device_bytes
 from jaxserve.aot.targets import Target, compiling_for, target
+from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.model_runner import ModelRunner
@@ -53,6 +54,7 @@ class EnginePlan:
     """What the engine would hold on each device of `target`, before any step runs."""
 
     target: Target
+    model: ModelConfig
     config: EngineConfig  # resolved for the target
     num_devices: int  # the engine's (tensor_parallel_size), of the target's
     usable_bytes: int  # per device: gpu_memory_utilization of its memory
@@ -61,6 +63,47 @@ class EnginePlan:
     kv_cache_bytes: int  # per device
     kv_cache_tokens: int
     problem: str | None = None  # why the plan does not fit before any step is compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    plan: EnginePlan
+    steps: list[StepCompile]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most any step needs per device (the resident state alone when no step compiled)."""
+        return max([step.peak_bytes for step in self.steps if step.compiled] or [self.plan.resident_bytes])
+
+    @property
+    def failed(self) -> list[StepCompile]:
+        return [step for step in self.steps if not step.compiled]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.problem is None and self.peak_bytes <= self.plan.usable_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.fits and not self.failed
+
+    def verdict(self) -> str:
+        """One line: all compiled and fit, or the first failure with the compiler's message, or what does not fit."""
+        plan = self.plan
+        if plan.problem is not None:
+            return f"does not fit on {plan.target.name}: {plan.problem}"
+        if self.failed:
+            step = self.failed[0]
+            more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+            return f"step {step.name} ({step.shape}) failed to compile for {plan.target.name}{more}: {step.error}"
+        if not self.fits:
+            worst = max(self.steps, key=lambda step: step.peak_bytes)
+            return (f"does not fit on {plan.target.name}: step {worst.name} ({worst.shape}) needs {gib(worst.peak_bytes)} "
+                    f"per device with the engine's state, over {gib(plan.usable_bytes)} "
+                    f"(gpu_memory_utilization {plan.config.gpu_memory_utilization:g}); its temporaries take "
+                    f"{gib(worst.temp_bytes)}")
+        return (f"all {len(self.steps)} step shapes compile for {plan.target.name} and fit "
+                f"({gib(self.peak_bytes)} of {gib(plan.usable_bytes)} per device at the largest step)")
 
 
 def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, ModelRunner | None]:
@@ -81,7 +124,7 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         params = abstract_weights(model, config.jax_dtype, mesh, config.enable_expert_parallel)
         usable = int(t.chip.hbm_bytes * config.gpu_memory_utilization)
         weights = device_bytes(params)
-        base = dict(target=t, config=config, num_devices=mesh.size, usable_bytes=usable, weights_bytes=weights)
+        base = dict(target=t, model=model, config=config, num_devices=mesh.size, usable_bytes=usable, weights_bytes=weights)
         if weights >= usable:
             return EnginePlan(**base, resident_bytes=weights, kv_cache_bytes=0, kv_cache_tokens=0, problem=(
                 f"the weights need {gib(weights)} per device, more than {config.gpu_memory_utilization:g} of "
@@ -120,6 +163,17 @@ def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int,
                                         resident_bytes))
             logger.info("compiled %s %s in %.1fs", name, results[-1].shape, results[-1].seconds)
     return results
+
+
+def compile_engine(config: EngineConfig, target_name: str, names: set[str] | None = None) -> CompileResult:
+    """`config`'s engine planned for `target_name` and its steps (or those `names`) compiled there."""
+    plan, runner = plan_engine(config, target_name)
+    if runner is None:
+        return CompileResult(plan, [])
+    if names is not None and not names <= set(runner.steps.steps):
+        raise ValueError(f"unknown steps {sorted(names - set(runner.steps.steps))}; this engine has "
+                         f"{sorted(runner.steps.steps)}")
+    return CompileResult(plan, compile_steps(runner.steps, target_name, plan.resident_bytes, names))
 
 
 def step_compile(name: str, shape: str, compiled: Any, seconds: float, resident_bytes: int) -> StepCompile:

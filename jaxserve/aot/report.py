@@ -5,48 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.aot.compile import EnginePlan, StepCompile, gib
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileResult:
-    plan: EnginePlan
-    steps: list[StepCompile]
-
-    @property
-    def peak_bytes(self) -> int:
-        """The most any step needs per device (the resident state alone when no step compiled)."""
-        return max([step.peak_bytes for step in self.steps if step.compiled] or [self.plan.resident_bytes])
-
-    @property
-    def failed(self) -> list[StepCompile]:
-        return [step for step in self.steps if not step.compiled]
-
-    @property
-    def fits(self) -> bool:
-        return self.plan.problem is None and self.peak_bytes <= self.plan.usable_bytes
-
-    @property
-    def ok(self) -> bool:
-        return self.fits and not self.failed
-
-    def verdict(self) -> str:
-        """One line: all compiled and fit, or the first failure with the compiler's message, or what does not fit."""
-        plan = self.plan
-        if plan.problem is not None:
-            return f"does not fit on {plan.target.name}: {plan.problem}"
-        if self.failed:
-            step = self.failed[0]
-            more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
-            return f"step {step.name} ({step.shape}) failed to compile for {plan.target.name}{more}: {step.error}"
-        if not self.fits:
-            worst = max(self.steps, key=lambda step: step.peak_bytes)
-            return (f"does not fit on {plan.target.name}: step {worst.name} ({worst.shape}) needs {gib(worst.peak_bytes)} "
-                    f"per device with the engine's state, over {gib(plan.usable_bytes)} "
-                    f"(gpu_memory_utilization {plan.config.gpu_memory_utilization:g}); its temporaries take "
-                    f"{gib(worst.temp_bytes)}")
-        return (f"all {len(self.steps)} step shapes compile for {plan.target.name} and fit "
-                f"({gib(self.peak_bytes)} of {gib(plan.usable_bytes)} per device at the largest step)")
+from jaxserve.aot.compile import CompileResult, gib
 
 
 def table(result: CompileResult) -> str:

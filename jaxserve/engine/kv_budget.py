@@ -17,6 +17,7 @@ from jaxserve.layers.attention import PagedAttention
 
 DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
 CPU_POOL_BYTES = 4 * 2**30
+MIN_ACTIVATION_BYTES = 64 * 2**20
 
 
 def kv_budget_bytes(memory_stats: dict | None, platform: str, config: ModelConfig,
@@ -51,13 +52,15 @@ def kv_pages(budget_bytes: int | None, engine_config: EngineConfig, page_bytes: 
 
 def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
     """A bound on one step's live activations: the widest layer's for the largest prefill, plus logits and the
-    sampler's float32 copies of them for the largest batch."""
+    sampler's float32 copies of them for the largest batch, and no less than `MIN_ACTIVATION_BYTES` (a small
+    model's steps hold buffers this formula does not count: rope tables, the executable itself). `jaxserve compile`
+    checks it against each step's compiled temporaries (tests/test_compile_targets.py)."""
     ec = engine_config
     width = config.hidden_size * 4 + config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
     if config.moe is not None:  # each token's top_k rows: their inputs, SwiGLU and outputs
         width += config.moe.top_k * (3 * config.moe.intermediate_size + 2 * config.hidden_size)
     rows = max(max(ec.decode_batch_buckets), max(r for r, _ in ec.prefill_shapes))
-    return 4 * (ec.max_num_batched_tokens * width + 4 * rows * config.vocab_size)
+    return max(MIN_ACTIVATION_BYTES, 4 * (ec.max_num_batched_tokens * width + 4 * rows * config.vocab_size))
 
 
 def accelerator_kv_bytes(memory_stats: dict, utilization: float, allocator_fraction: float,

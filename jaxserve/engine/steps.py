@@ -33,6 +33,9 @@ from jaxserve.models import forward, head_logits
 from jaxserve.spec_decode.verify import draft_positions, verify_greedy, verify_sample
 
 
+SCORE_POSITIONS = 256  # prompt positions whose logits `prompt_scores_step` holds at once
+
+
 @flax.struct.dataclass
 class SlotState:
     tokens: jax.Array  # int32 [slots]: the latest token sampled for the slot's sequence
@@ -194,12 +197,21 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
 def prompt_scores_step(config, tp, dtype, params, inputs: ScoreInputs):
     """The `PromptScores` of a prefill call's every position (`hidden`: its last-layer output): each scores the
     chunk's next token, its last position `next_tokens`, the next chunk's first (a final chunk's last position
-    predicts an output token: that score is unused). No state."""
+    predicts an output token: that score is unused). Positions are scored `SCORE_POSITIONS` at a time, so the
+    float32 logits held at once stay `SCORE_POSITIONS x vocab` whatever the prefill's size. No state."""
     token_ids = inputs.token_ids
+    rows, tokens = token_ids.shape
     shifted = jnp.concatenate([token_ids[:, 1:], jnp.zeros_like(token_ids[:, :1])], axis=1)
-    last = jnp.arange(token_ids.shape[1])[None, :] == (inputs.num_tokens - 1)[:, None]
-    logits = head_logits(params, config, inputs.hidden, dtype, tp)
-    return score_next_tokens(logits, jnp.where(last, inputs.next_tokens[:, None], shifted)), ()
+    last = jnp.arange(tokens)[None, :] == (inputs.num_tokens - 1)[:, None]
+    next_ids = jnp.where(last, inputs.next_tokens[:, None], shifted)
+    size = min(rows * tokens, SCORE_POSITIONS)  # token buckets are powers of two, so it divides rows * tokens
+    hidden = inputs.hidden.reshape(-1, 1, size, inputs.hidden.shape[-1])
+
+    def score(chunk):
+        chunk_hidden, chunk_ids = chunk
+        return score_next_tokens(head_logits(params, config, chunk_hidden, dtype, tp), chunk_ids)
+    scores = jax.lax.map(score, (hidden, next_ids.reshape(-1, 1, size)))
+    return jax.tree.map(lambda leaf: leaf.reshape(rows, tokens, *leaf.shape[3:]), scores), ()
 
 
 def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: DecodeBatch):

@@ -1,0 +1,163 @@
+"""`jaxserve compile`: the engine's own steps compiled for TPU and NVIDIA targets that are not attached, and the
+memory plan that comes with them (jaxserve/aot/).
+
+Each model here is a directory holding only a config.json (no weights: the command's promise), with small shapes
+but real head sizes (64, 128, 256) so the kernels meet the tiling the accelerators impose. Every step of every
+family compiles for a TPU (v6e) and an H200 with the backend that platform gets by default (Mosaic TPU, Pallas on
+GPU); LoRA, speculation, quantized weights and pages, tensor and expert parallelism compile on multi-device
+targets; a model too large for its target is refused with one line; a step that cannot compile is reported with
+the compiler's message. Compile only: nothing runs, so no numerics are checked here (the interpreters do that in
+tests/test_tpu_kernels.py and tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.aot.cli import compile_main
+from jaxserve.aot.compile import compile_engine, compile_steps
+from jaxserve.aot.targets import CompilerMissing, TARGETS, target_devices
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_budget import activation_bytes
+from jaxserve.engine.step_registry import Step, StepRegistry, assign
+from tests.conftest import TINY_FAMILIES, tiny_hf_config
+
+
+def compilers_present() -> bool:
+    try:
+        target_devices("v6e-1"), target_devices("h200")
+    except CompilerMissing:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not compilers_present(), reason="the target compilers (the [aot] extra: libtpu, "
+                                                                  "jax-cuda13-plugin) are not installed")
+SMALL = dict(max_num_seqs=4, decode_batch_buckets=(4,), max_model_len=128, max_num_batched_tokens=16)
+HEAD_DIMS = {"gemma2": 256, "gemma3_text": 128, "gpt_oss": 64, "qwen3": 128, "qwen3_moe": 128}  # the others: 64
+
+
+@pytest.fixture(scope="module")
+def config_dirs(tmp_path_factory) -> dict[str, str]:
+    """Directories holding only the config.json of a small model of each family (4 query, 2 KV heads)."""
+    root = tmp_path_factory.mktemp("configs")
+    dirs = {}
+    for family in TINY_FAMILIES:
+        config = tiny_hf_config(family, hidden_size=256, intermediate_size=256)
+        config.head_dim = HEAD_DIMS.get(family, 64)
+        config.save_pretrained(root / family)
+        dirs[family] = str(root / family)
+    return dirs
+
+
+def assert_compiles_and_fits(result) -> None:
+    assert not result.failed, result.verdict()
+    assert result.fits, result.verdict()
+    limit = activation_bytes(result.plan.model, result.plan.config)
+    for step in result.steps:  # the engine's reserve for a step's activations holds what the compiler planned
+        assert step.temp_bytes + max(0, step.output_bytes - step.alias_bytes) <= limit, (step, limit)
+
+
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_each_family_forward_compiles_and_fits(config_dirs, family, target):
+    result = compile_engine(EngineConfig(model=config_dirs[family], **SMALL), target, {"prefill", "decode"})
+    assert result.plan.config.attention_backend == {"v6e-1": "pallas-tpu", "h200": "pallas"}[target]
+    assert result.plan.config.dtype == "bfloat16"
+    assert {step.name for step in result.steps} == {"prefill", "decode"}
+    assert_compiles_and_fits(result)
+    if target == "v6e-1":  # the TPU compiler's roofline estimate counts our kernels' cost estimates
+        assert all(step.estimated_seconds for step in result.steps)
+
+
+@pytest.mark.parametrize("target", ["v5e-1", "h200"])
+def test_every_step_with_lora_speculation_and_quantization(config_dirs, target):
+    config = EngineConfig(model=config_dirs["llama"], enable_lora=True, max_loras=2, max_lora_rank=8,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                          quantization="int8", kv_cache_dtype="int8", **SMALL)
+    result = compile_engine(config, target)
+    names = {step.name for step in result.steps}
+    assert {"prefill", "decode", "verify", "verify_sample", "sample", "score", "lora", "reset", "ban"} <= names
+    assert_compiles_and_fits(result)
+
+
+def test_a_draft_model_compiles_from_its_config_alone(config_dirs):
+    config = EngineConfig(model=config_dirs["llama"], kv_cache_dtype="fp8",
+                          speculative_config={"model": config_dirs["llama"], "num_speculative_tokens": 2}, **SMALL)
+    result = compile_engine(config, "h200", {"draft_prefill", "propose", "verify"})
+    assert {step.name for step in result.steps} == {"draft_prefill", "propose", "verify"}
+    assert_compiles_and_fits(result)
+
+
+@pytest.mark.parametrize("target, family, options", [
+    ("v6e-4", "qwen3_moe", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
+    ("v6e-4", "llama", dict(tensor_parallel_size=4)),  # 2 KV heads: each replicated on 2 devices
+    ("h100x8", "mixtral", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
+    ("h100x8", "gemma2", dict(tensor_parallel_size=2)),
+])
+def test_tensor_and_expert_parallel(config_dirs, target, family, options):
+    result = compile_engine(EngineConfig(model=config_dirs[family], **options, **SMALL), target,
+                            {"prefill", "decode"})
+    assert result.plan.num_devices == options["tensor_parallel_size"]
+    assert_compiles_and_fits(result)
+
+
+def test_too_large_a_model_is_refused_in_one_line(tmp_path, capsys):
+    from benchmarks.random_model import write_config
+
+    model = write_config(tmp_path / "llama-8b", "llama-3.1-8b")  # 16 GB of bfloat16 weights on a 16 GiB chip
+    with pytest.raises(SystemExit) as exit_:
+        compile_main(["--target", "v5e-1", "--model", model, "--output-json", str(tmp_path / "r.json")])
+    assert exit_.value.code == 1
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("does not fit on v5e-1: the weights need 14.96 GiB per device"), verdict
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["fits"] is False and written["steps"] == [] and written["weights_bytes_per_device"] > 15e9
+
+
+def test_the_command_writes_its_plan(config_dirs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compile_main(["--target", "v6e-1", "--model", config_dirs["qwen3"], "--max-num-seqs", "4",
+                      "--max-model-len", "128", "--max-num-batched-tokens", "16", "--steps", "decode,sample",
+                      "--output-json", str(tmp_path / "r.json")])
+    assert exit_.value.code == 0, capsys.readouterr().out
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert {"target", "num_devices", "attention_backend", "steps", "hbm_bytes_per_device", "weights_bytes_per_device",
+            "kv_cache_bytes_per_device", "kv_cache_tokens", "peak_bytes_per_device", "fits"} <= set(written)
+    assert written["target"] == "v6e-1" and written["attention_backend"] == "pallas-tpu" and written["fits"]
+    assert written["kv_cache_tokens"] > 0 and written["kv_cache_bytes_per_device"] > 0.8 * 32 * 2**30
+    step = written["steps"][0]
+    assert {"name", "shape", "compiled", "seconds", "peak_bytes", "estimated_seconds"} <= set(step)
+
+
+def test_a_step_that_cannot_compile_is_reported_with_the_compilers_message():
+    devices = target_devices("v6e-1")
+    mesh = Mesh(np.array(devices), ("model",))
+    replicated = NamedSharding(mesh, P())
+
+    def copy_block(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def too_large(inputs):  # one 256 MiB block: far over a TPU core's VMEM
+        return pl.pallas_call(copy_block, out_shape=jax.ShapeDtypeStruct(inputs.shape, inputs.dtype))(inputs), ()
+
+    steps = StepRegistry()
+    steps.add([Step("huge", jax.jit(too_large), lambda: (), assign(None),
+                    lambda: [jax.ShapeDtypeStruct((8192, 8192), jnp.float32, sharding=replicated)])])
+    [step] = compile_steps(steps, "v6e-1", 0)
+    assert not step.compiled and step.name == "huge"
+    assert "vmem" in step.error.lower(), step.error
+
+
+def test_targets_are_known():
+    assert {"h100", "h200", "h100x8", "h200x8", "b200", "v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8",
+            "v4-8"} <= set(TARGETS)
+    with pytest.raises(ValueError, match="unknown target 'v9'"):
+        target_devices("v9")
