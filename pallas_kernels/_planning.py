@@ -24,6 +24,10 @@ MASK_VALUE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Triton's tl.dot needs every tile dimension to be >= 16.
 MIN_TILE: int = 16
 
+# Bytes of one float32 K (or V) tile by default: Triton stages float32 tiles in shared memory, and a 64-token
+# tile at head_dim 256 (64 KiB) asked H200's compiler for 272 KiB of its 227 KiB.
+MAX_F32_TILE_BYTES: int = 32 * 1024
+
 # Page dtypes that come with per-token float32 scales (k = k_pages * k_scales); the kernels convert
 # each KV tile to the compute dtype and apply the scales to the logits and probabilities.
 SCALED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
@@ -105,6 +109,11 @@ def validate_decode_request(batch: int, lengths: jax.Array, page_indices: jax.Ar
         raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
 
 
+def f32_block_tokens(target: int, head_dim: int) -> int:
+    """A float32 KV tile's tokens: ``target``, at most ``MAX_F32_TILE_BYTES`` of K (and >= MIN_TILE)."""
+    return max(MIN_TILE, min(target, MAX_F32_TILE_BYTES // (4 * head_dim)))
+
+
 def pages_per_kv_block(
     page_size: int, pages_per_seq: int, requested: int | None, target_tokens: int
 ) -> int:
@@ -181,18 +190,20 @@ def plan_decode(
     pages_per_compute_block: int | None,
     num_splits: int | None,
     kv_itemsize: int = 2,
+    head_dim: int = 128,
 ) -> DecodePlan:
     """Chooses tiles and the split-K factor for a decode call.
 
     The default KV tile is 128 tokens for 1- and 2-byte K/V and 64 for float32
-    (about the same bytes in registers).  With ``num_splits=None`` every split
+    (about the same bytes in registers), fewer for float32 at head_dim > 128
+    (``MAX_F32_TILE_BYTES``).  With ``num_splits=None`` every split
     walks ``DEFAULT_BLOCKS_PER_SPLIT`` KV tiles of the page table, so the plan
     is a function of the static page-table width (``pages_per_seq``), page size
     and dtype only: it takes no batch size, so a row's tiling, and with it the
     order of its reduction, cannot depend on what else is in the batch.
     """
     group_size = num_q_heads // num_kv_heads
-    target_block_tokens = 128 if kv_itemsize <= 2 else 64
+    target_block_tokens = 128 if kv_itemsize <= 2 else f32_block_tokens(64, head_dim)
     pages_per_block = pages_per_kv_block(
         page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
     )
@@ -275,6 +286,8 @@ def plan_ragged(
     pages_per_compute_block: int | None,
     target_tile_rows: int = 64,
     target_block_tokens: int = 64,
+    kv_itemsize: int = 2,
+    head_dim: int = 128,
 ) -> RaggedPlan:
     """Chooses tiles for a ragged call; only ``num_tiles`` depends on ``num_tokens``.
 
@@ -289,6 +302,8 @@ def plan_ragged(
     # which query rows share a tile (and the shape of its dot products) must
     # not change with the other sequences in the call.  At least 16 rows for tl.dot.
     tokens_per_tile = max(1, target_tile_rows // group_padded, cdiv(MIN_TILE, group_padded))
+    if kv_itemsize > 2:
+        target_block_tokens = f32_block_tokens(target_block_tokens, head_dim)
     pages_per_block = pages_per_kv_block(
         page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
     )

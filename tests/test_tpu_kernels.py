@@ -152,21 +152,53 @@ def test_ragged_has_no_races():
     assert_matches(out, reference(q, contexts, q_lens, kv, "float32", None), q_lens, "float32", "races")
 
 
-def make_write(rng, slots, *, kv_heads=2, num_pages=6, page_size=4, head_dim=64):
-    pools = (rng.standard_normal((kv_heads, num_pages, page_size, head_dim)).astype(np.float32),
-             rng.integers(-127, 128, (kv_heads, num_pages, page_size, head_dim)).astype(np.int8),
-             rng.uniform(0, 1, (kv_heads, num_pages, page_size)).astype(np.float32))
+def make_write(rng, slots, *, kv_heads=2, num_pages=6, page_size=4, head_dim=64, dtypes=("float32", "int8")):
+    """Pools of random data (each 8-bit pool followed by its float32 scales) and new tokens for `slots`."""
+    pools = []
+    for dtype in dtypes:
+        shape = (kv_heads, num_pages, page_size, head_dim)
+        if dtype == "int8":
+            pools.append(rng.integers(-127, 128, shape).astype(np.int8))
+        else:
+            pools.append(np.asarray(rng.uniform(-100, 100, shape), jnp.dtype(dtype)))
+        if jnp.dtype(dtype).itemsize == 1:
+            pools.append(rng.uniform(0, 1, shape[:3]).astype(np.float32))
     new = tuple(np.asarray(rng.uniform(-100, 100, (kv_heads, len(slots), *pool.shape[3:])), pool.dtype)
                 for pool in pools)
-    return pools, new, np.asarray(slots, np.int32)
+    return tuple(pools), new, np.asarray(slots, np.int32)
+
+
+def expected_writes(pools, new, slots):
+    """The pools after writing every token outside page 0, in numpy."""
+    out = []
+    for pool, tokens in zip(pools, new):
+        page_size = pool.shape[2]
+        expected = pool.copy()
+        for t, slot in enumerate(slots):
+            if slot >= page_size:
+                expected[:, slot // page_size, slot % page_size] = tokens[:, t]
+        out.append(expected)
+    return out
+
+
+def assert_bits_equal(got, expected):
+    """Bitwise equality (fp8 and bfloat16 compared by their bytes)."""
+    got = np.asarray(got)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+def write(pools, new, slots, params=INTERPRET):
+    return write_to_pages(tuple(jnp.asarray(p) for p in pools), tuple(jnp.asarray(n) for n in new),
+                          jnp.asarray(slots), interpret=params)
 
 
 WRITE_TOKENS = 160  # two grid cells of the write kernel, one per simulated core
 
 
-def padded_slots(real: dict[int, int]) -> list[int]:
-    """`WRITE_TOKENS` slots: `real[token]` for the given tokens, the scratch page's slots 0-3 for the rest."""
-    return [real.get(t, t % 4) for t in range(WRITE_TOKENS)]
+def padded_slots(real: dict[int, int], tokens: int = WRITE_TOKENS) -> list[int]:
+    """`tokens` slots: `real[token]` for the given tokens, the scratch page's slots 0-3 for the rest."""
+    return [real.get(t, t % 4) for t in range(tokens)]
 
 
 def test_write_to_pages_writes_only_real_slots_without_races():
@@ -178,25 +210,36 @@ def test_write_to_pages_writes_only_real_slots_without_races():
                           159: 4 * page_size})
     pools, new, slots = make_write(rng, slots, page_size=page_size)
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
-    written, raced = run_detecting_races(lambda: write_to_pages(
-        tuple(jnp.asarray(p) for p in pools), tuple(jnp.asarray(n) for n in new), jnp.asarray(slots),
-        interpret=params))
+    written, raced = run_detecting_races(lambda: write(pools, new, slots, params))
     assert not raced
-    for pool, tokens, got in zip(pools, new, written):
-        expected = pool.copy()
-        for t, slot in enumerate(slots):
-            if slot >= page_size:
-                expected[:, slot // page_size, slot % page_size] = tokens[:, t]
-        np.testing.assert_array_equal(np.asarray(got), expected)
+    for got, expected in zip(written, expected_writes(pools, new, slots)):
+        assert_bits_equal(got, expected)
+
+
+# slots of a pool of 8 pages of 8 rows: row groups are 2 rows (bfloat16) or 4 (int8, fp8), a scales group a page row
+DECODE_SLOTS = {2: 8 + 1, 5: 3 * 8 + 6, 6: 7 * 8 + 3, 9: 5 * 8}  # lone tokens at odd rows; others keep their rows
+PREFILL_SLOTS = {t: 2 * 8 + 3 + t for t in range(14)} | {20: 6 * 8 + 7, 21: 7 * 8}  # runs across groups, pages
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("slots", [DECODE_SLOTS, PREFILL_SLOTS], ids=["decode", "prefill"])
+def test_write_to_pages_unaligned_rows_keep_their_group(dtype, slots):
+    """Tokens at offsets inside a row group (a 32-bit word's 2 or 4 rows, a scales page row) are written exactly,
+    in any order, and the group's other rows (earlier tokens of the sequence) keep their contents; padding in
+    page 0 is skipped."""
+    rng = np.random.default_rng(list(slots))
+    order = rng.permutation(24)  # tokens come in any order, padding among them
+    slots = [padded_slots(slots, 24)[t] for t in order]
+    pools, new, slots = make_write(rng, slots, num_pages=8, page_size=8, dtypes=(dtype,))
+    for got, expected in zip(write(pools, new, slots), expected_writes(pools, new, slots)):
+        assert_bits_equal(got, expected)
 
 
 def test_write_to_pages_race_detector_sees_a_shared_slot():
     """The detector is live: two tokens sent to one real slot from cells on two cores are a race."""
-    pools, new, slots = make_write(np.random.default_rng(4), padded_slots({0: 9, 150: 9}))
+    pools, new, slots = make_write(np.random.default_rng(4), padded_slots({0: 9, 150: 9}), dtypes=("float32",))
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
-    _, raced = run_detecting_races(lambda: write_to_pages(
-        tuple(jnp.asarray(p) for p in pools), tuple(jnp.asarray(n) for n in new), jnp.asarray(slots),
-        interpret=params))
+    _, raced = run_detecting_races(lambda: write(pools, new, slots, params))
     assert raced
 
 

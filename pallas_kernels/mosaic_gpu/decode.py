@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _planning as planning
+from pallas_kernels._cost import attention_cost, kv_bytes_per_key, nbytes, visible_keys
 from pallas_kernels.mosaic_gpu._limits import ROWS, STAGES, SWIZZLE_BYTES, check_tile, validate
 
 def _smem_transforms(dtype: Any, swizzle: int = SWIZZLE_BYTES) -> tuple[Any, ...]:
@@ -274,26 +275,31 @@ def paged_attention(
 
     splits = plan.num_splits
     params = _interpret_params() if interpret is True else (interpret or None)
-    kernel = plgpu.kernel(
-        functools.partial(
-            _decode_kernel, plan=plan, page_size=page_size, head_dim=head_dim, sm_scale=scale,
-            sliding_window=sliding_window, interpret=params is not None, quantized=quantized,
-        ),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32),
-        ),
-        grid=(batch, kv_heads, splits),
-        grid_names=("batch", "kv_head", "split"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=params,
-    )
     inputs = [lengths, table, q_tiles, k_pages, v_pages]
     if quantized:
         tiles = plan.table_width // plan.pages_per_block
         for scales in (k_scales, v_scales):  # [kv_heads, batch, tiles, tile], per row's page table
             gathered = scales.astype(jnp.float32)[:, table]
             inputs.append(gathered.reshape(kv_heads, batch, tiles, plan.pages_per_block * page_size))
+    out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32))
+    keys = visible_keys(plan.table_width * page_size, sliding_window, 1, plan.pages_per_block * page_size)
+    cost = attention_cost(query_rows=batch * kv_heads * ROWS, keys=keys, head_dim=head_dim,
+                          kv_bytes_per_key=kv_bytes_per_key(head_dim, k_pages.dtype, quantized),
+                          kv_reads=batch * kv_heads * keys, io_bytes=nbytes(q_tiles, table, *out_type))
+    # pl.kernel with plgpu's mesh is what plgpu.kernel builds, and it takes a cost estimate
+    kernel = pl.kernel(
+        functools.partial(
+            _decode_kernel, plan=plan, page_size=page_size, head_dim=head_dim, sm_scale=scale,
+            sliding_window=sliding_window, interpret=params is not None, quantized=quantized,
+        ),
+        out_type=out_type,
+        mesh=plgpu.Mesh(grid=(batch, kv_heads, splits), grid_names=("batch", "kv_head", "split")),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        cost_estimate=cost,
+        interpret=params,
+        name="jaxserve_mosaic_gpu_paged_decode",
+    )
     partial_out, partial_lse = kernel(*inputs)
     sink_logits = None if sinks is None else planning.group_sinks(sinks, num_q_heads, kv_heads, group)
     out = planning.merge_split_results(partial_out[..., :group, :], partial_lse[..., :group], sink_logits)

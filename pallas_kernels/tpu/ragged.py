@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._cost import attention_cost, kv_bytes_per_key, nbytes, visible_keys
 from pallas_kernels._planning import cdiv, default_sm_scale, group_sinks, sanitize_page_indices, validate_paged_kv
 
 TARGET_BLOCK_TOKENS = 128  # keys per KV block (one 128-row tile of K and of V per block)
@@ -63,13 +64,29 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
             tile = pl.ds(p * page_size, page_size)
             out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, tile], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, tile], sems.at[1, slot]))
-            if quantized:
-                one = pl.ds(page, 1)  # [1, page_size]: the scales lie along the lanes, as the keys do in scores
-                out.append(pltpu.make_async_copy(k_scales_hbm.at[head, one], ks_buf.at[slot, :, tile],
+            if quantized:  # a page's [1, page_size] scales into sublane row p (Mosaic copies no lane slices)
+                one, row_p = pl.ds(page, 1), pl.ds(p, 1)
+                out.append(pltpu.make_async_copy(k_scales_hbm.at[head, one], ks_buf.at[slot, row_p],
                                                  sems.at[2, slot]))
-                out.append(pltpu.make_async_copy(v_scales_hbm.at[head, one], vs_buf.at[slot, :, tile],
+                out.append(pltpu.make_async_copy(v_scales_hbm.at[head, one], vs_buf.at[slot, row_p],
                                                  sems.at[3, slot]))
         return out
+
+    def key_row(scales, block):
+        """A block's scales `[pages_per_block, page_size]` (0 past the context: unowned slots may hold NaN) as the
+        `[1, block_tokens]` row of its keys, by an exact 0/1 selection matmul (Mosaic has no such reshape)."""
+        page = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0)
+        offset = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 1)
+        scales = jnp.where(block * block_tokens + page * page_size + offset < context, scales, 0.0)
+        if pages_per_block == 1:
+            return scales
+        lane = jax.lax.broadcasted_iota(jnp.int32, (page_size, block_tokens), 1)
+        select = (lane % page_size == jax.lax.broadcasted_iota(jnp.int32, (page_size, block_tokens), 0))
+        spread = jax.lax.dot(scales, select.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)  # [pages, block_tokens]: page p's scales, tiled
+        mine = jax.lax.broadcasted_iota(jnp.int32, spread.shape, 1) // page_size == jax.lax.broadcasted_iota(
+            jnp.int32, spread.shape, 0)
+        return jnp.sum(jnp.where(mine, spread, 0.0), axis=0, keepdims=True)
 
     @pl.when((first_token < query_len) & (context > 0))
     def _attend():
@@ -111,7 +128,7 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
             scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             scores = scores * sm_scale
             if quantized:
-                scores = scores * ks_buf[slot]
+                scores = scores * key_row(ks_buf[slot], block)
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             visible = (key_pos <= q_pos) & in_context & real
@@ -124,7 +141,7 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
             rescale = jnp.exp(running_max - safe_max)
             denominator = denominator * rescale + jnp.sum(probs, axis=1, keepdims=True)
             if quantized:
-                probs = probs * jnp.where(in_context, vs_buf[slot], 0.0)
+                probs = probs * key_row(vs_buf[slot], block)
             accumulator = accumulator * rescale + jax.lax.dot(
                 probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
             return new_max, denominator, accumulator
@@ -210,7 +227,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if quantized:
         in_specs += [hbm, hbm]
         operands += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
-        scratch += [pltpu.VMEM((2, 1, block_tokens), jnp.float32)] * 2
+        scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
     if sinks is not None:
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda b, h, i, *_: (h, 0, 0)))
         operands.append(group_sinks(sinks, q_heads, kv_heads, group, repeats=query_tokens)[..., None])
@@ -220,6 +237,11 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         query_tokens=query_tokens,
         page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized,
         has_sinks=sinks is not None)
+    cells = batch * kv_heads * (num_tokens // query_tokens)
+    keys = visible_keys(width * page_size, sliding_window, query_tokens, block_tokens)
+    cost = attention_cost(query_rows=batch * num_tokens * q_heads, keys=keys, head_dim=head_dim,
+                          kv_bytes_per_key=kv_bytes_per_key(head_dim, k_pages.dtype, quantized),
+                          kv_reads=cells * keys, io_bytes=2 * nbytes(q) + 4 * table.size, soft_cap=soft_cap is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -227,6 +249,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             out_specs=out_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
     )(context_lens, query_lens, table.reshape(-1), *operands)
     out = out.reshape(batch, kv_heads, num_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)

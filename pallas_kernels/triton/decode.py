@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _planning as planning
+from pallas_kernels._cost import attention_cost, kv_bytes_per_key, nbytes, visible_keys
 from pallas_kernels.triton import _common as common
 
 
@@ -149,6 +150,7 @@ def paged_attention(
         pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits,
         kv_itemsize=k_pages.dtype.itemsize,
+        head_dim=head_dim,
     )
     scale = planning.default_sm_scale(head_dim) if sm_scale is None else float(sm_scale)
 
@@ -211,6 +213,11 @@ def paged_attention(
         has_sinks=sinks is not None,
         num_aliased=num_aliased,
     )
+    keys = visible_keys(plan.table_width * page_size, sliding_window, 1, plan.pages_per_block * page_size)
+    cost = attention_cost(query_rows=batch * num_kv_heads * rows, keys=keys, head_dim=head_dim,
+                          kv_bytes_per_key=kv_bytes_per_key(head_dim, k_pages.dtype, quantized),
+                          kv_reads=batch * num_kv_heads * keys, io_bytes=nbytes(q_tiles, page_table, *out_shapes),
+                          soft_cap=soft_cap is not None)
     results = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, plan.num_splits),
@@ -219,6 +226,7 @@ def paged_attention(
         out_shape=out_shapes,
         input_output_aliases=aliases,
         compiler_params=common.compiler_params(num_warps, num_stages),
+        cost_estimate=cost,
         interpret=interpret,
         name=f"jaxserve_paged_decode_r{rows}_p{plan.pages_per_block}x{page_size}_s{plan.num_splits}",
     )(*inputs)

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _planning as planning
+from pallas_kernels._cost import attention_cost, kv_bytes_per_key, nbytes, visible_keys
 from pallas_kernels.triton import _common as common
 
 
@@ -174,6 +175,8 @@ def ragged_paged_attention(
         page_size,
         pages_per_seq,
         pages_per_compute_block=pages_per_compute_block,
+        kv_itemsize=k_pages.dtype.itemsize,
+        head_dim=head_dim,
     )
     scale = planning.default_sm_scale(head_dim) if sm_scale is None else float(sm_scale)
 
@@ -228,6 +231,12 @@ def ragged_paged_attention(
         has_sinks=sinks is not None,
         num_aliased=num_aliased,
     )
+    # every tile of the static work list counted busy, each as far into its sequence as the table reaches
+    keys = visible_keys(width * page_size, sliding_window, tokens, plan.pages_per_block * page_size)
+    cost = attention_cost(query_rows=plan.num_tiles * num_kv_heads * plan.tile_rows, keys=keys, head_dim=head_dim,
+                          kv_bytes_per_key=kv_bytes_per_key(head_dim, k_pages.dtype, quantized),
+                          kv_reads=plan.num_tiles * num_kv_heads * keys,
+                          io_bytes=2 * nbytes(q_rows) + nbytes(page_table, *work), soft_cap=soft_cap is not None)
     out = pl.pallas_call(
         kernel,
         grid=(plan.num_tiles, num_kv_heads),
@@ -236,6 +245,7 @@ def ragged_paged_attention(
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=common.compiler_params(num_warps, num_stages),
+        cost_estimate=cost,
         interpret=interpret,
         name=f"jaxserve_ragged_paged_r{plan.tile_rows}_p{plan.pages_per_block}x{page_size}",
     )(*inputs)
