@@ -148,8 +148,13 @@ def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, sinks, *, backend, 
 
 def attend(backend: str, step: Step, sliding_window: int | None = None, soft_cap: float | None = None,
            sinks: np.ndarray | None = None) -> np.ndarray:
-    """write_kv then attend, jitted together as in the model; returns float64 [B, T, q_heads, D]."""
-    out = _write_and_attend(jnp.asarray(step.q), jnp.asarray(step.k_pool), jnp.asarray(step.v_pool),
+    """write_kv then attend, jitted together as in the model; returns float64 [B, T, q_heads, D]. A backend that
+    stores heads padded (Mosaic TPU: to 128) gets its pools so, zeros past the model's head size, as the engine's
+    pools are (fresh pools are zeros, and every write pads with zeros)."""
+    head_dim = step.q.shape[-1]
+    pad = [(0, 0)] * 3 + [(0, make_attention_backend(backend).stored_head_dim(head_dim) - head_dim)]
+    out = _write_and_attend(jnp.asarray(step.q), jnp.asarray(np.pad(step.k_pool, pad)),
+                            jnp.asarray(np.pad(step.v_pool, pad)),
                             jnp.asarray(step.k_new), jnp.asarray(step.v_new), step.meta(),
                             None if sinks is None else jnp.asarray(sinks), backend=backend,
                             sliding_window=sliding_window, soft_cap=soft_cap)

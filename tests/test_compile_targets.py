@@ -73,15 +73,15 @@ def test_each_family_forward_compiles_and_fits(config_dirs, family, target):
     assert result.plan.config.dtype == "bfloat16"
     assert {step.name for step in result.steps} == {"prefill", "decode"}
     assert_compiles_and_fits(result)
-    if target == "v6e-1":  # the TPU compiler's roofline estimate counts our kernels' cost estimates
-        assert all(step.estimated_seconds for step in result.steps)
+    if target == "v6e-1" and result.plan.model.moe is None:  # the TPU compiler's roofline estimate (none for the
+        assert all(step.estimated_seconds for step in result.steps)  # experts' data-dependent loops)
 
 
-@pytest.mark.parametrize("target", ["v5e-1", "h200"])
-def test_every_step_with_lora_speculation_and_quantization(config_dirs, target):
+@pytest.mark.parametrize("target, page_size", [("v5e-1", 128), ("h200", 16)])
+def test_every_step_with_lora_speculation_and_quantization(config_dirs, target, page_size):
     config = EngineConfig(model=config_dirs["llama"], enable_lora=True, max_loras=2, max_lora_rank=8,
                           speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-                          quantization="int8", kv_cache_dtype="int8", **SMALL)
+                          quantization="int8", kv_cache_dtype="int8", page_size=page_size, **SMALL)
     result = compile_engine(config, target)
     names = {step.name for step in result.steps}
     assert {"prefill", "decode", "verify", "verify_sample", "sample", "score", "lora", "reset", "ban"} <= names
@@ -107,6 +107,14 @@ def test_tensor_and_expert_parallel(config_dirs, target, family, options):
                             {"prefill", "decode"})
     assert result.plan.num_devices == options["tensor_parallel_size"]
     assert_compiles_and_fits(result)
+
+
+@pytest.mark.parametrize("options, least", [(dict(dtype="bfloat16", page_size=8), 16),
+                                            (dict(kv_cache_dtype="fp8", page_size=64), 128)])
+def test_a_page_the_tpu_would_store_transposed_is_refused(config_dirs, options, least):
+    with pytest.raises(ValueError, match=f"page_size .--block-size. {options['page_size']} is too small for the "
+                                         f"pallas-tpu attention backend .* use {least} or more"):
+        compile_engine(EngineConfig(model=config_dirs["llama"], **{**SMALL, **options}), "v6e-1", {"decode"})
 
 
 def test_too_large_a_model_is_refused_in_one_line(tmp_path, capsys):

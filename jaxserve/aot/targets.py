@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from typing import Iterator
 
 import jax
@@ -139,6 +140,9 @@ def target_devices(name: str) -> tuple:
     t = target(name)
     from jax.experimental import topologies
 
+    # libtpu takes a lockfile so that two processes never drive one chip; compiling drives none, and two processes
+    # compiling at once (the test suite's workers, a compile beside a server) must not refuse each other
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         if t.platform == "tpu":
             topology = topologies.get_topology_desc(topology_name=t.topology, platform="tpu")

@@ -89,6 +89,7 @@ class ModelRunner:
         self.tp.check(config)
         self.backend = make_attention_backend(engine_config.attention_backend, self.mesh, engine_config.kv_cache_dtype)
         self.page_size = engine_config.page_size
+        self.backend.check_page_size(self.page_size, self.dtype)
         self.params = serving_params(params, config, self.tp, self.mesh, self.dtype, engine_config.quantization)
         self.lora_stack = None  # LoRA: the adapters' device stack (`lora/weights.py`), read by every forward
         if engine_config.enable_lora:

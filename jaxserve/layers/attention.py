@@ -41,7 +41,8 @@ __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "Paged
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """One device's paged attention: `write_kv` then `attend`, on that device's heads of the pool."""
+    """One device's paged attention: `write_kv` then `attend`, on that device's heads of the pool. A backend
+    whose pools need the head size padded says so with a class attribute `head_dim_multiple` (default 1)."""
 
     @property
     def name(self) -> str: ...
@@ -88,8 +89,6 @@ class PagedAttention:
     mesh: Mesh | None = None  # tensor parallelism: the pool and the heads are split over its model axis
     kv_cache_dtype: str = "auto"  # "auto" (pages in the model dtype), "int8" or "fp8" (QuantizedPages)
 
-    pool_shape = staticmethod(pool_shape)
-
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
@@ -106,10 +105,31 @@ class PagedAttention:
         """The dtype the pages' values are stored in."""
         return QUANTIZED_KV[self.kv_cache_dtype][0] if self.quantized else jnp.dtype(model_dtype)
 
+    def stored_head_dim(self, head_dim: int) -> int:
+        """The head size the pools store: the model's, rounded up to the backend's `head_dim_multiple` (Mosaic
+        TPU: 128 lanes; with fewer, a TPU lays the pool out transposed and each step copies it whole to give the
+        kernels the layout they read)."""
+        multiple = getattr(self.backend, "head_dim_multiple", 1)
+        return -(-head_dim // multiple) * multiple
+
+    def check_page_size(self, page_size: int, model_dtype) -> None:
+        """ValueError when the backend cannot keep pages of `page_size` tokens in the layout its kernels read (the
+        backend's `min_page_size(storage_dtype, quantized)`, if it has one)."""
+        least = getattr(self.backend, "min_page_size", lambda *_: 1)(self.storage_dtype(model_dtype), self.quantized)
+        if page_size < least:
+            dtype = jnp.dtype(self.storage_dtype(model_dtype)).name
+            raise ValueError(f"page_size (--block-size) {page_size} is too small for the {self.name} attention backend "
+                             f"with {dtype} pages{' and per-token scales' if self.quantized else ''}: use {least} or "
+                             "more")
+
+    def pool_shape(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one K (or V) pool of heads of `head_dim` (stored as `stored_head_dim`)."""
+        return pool_shape(num_pages, page_size, num_kv_heads, self.stored_head_dim(head_dim))
+
     def token_bytes(self, head_dim: int, model_dtype) -> int:
         """Bytes one token takes in one head's K (or V) pool, its scale included."""
         scale_bytes = KV_SCALE_BYTES if self.quantized else 0
-        return head_dim * jnp.dtype(self.storage_dtype(model_dtype)).itemsize + scale_bytes
+        return self.stored_head_dim(head_dim) * jnp.dtype(self.storage_dtype(model_dtype)).itemsize + scale_bytes
 
     def pool_specs(self):
         """The `PartitionSpec` tree of one K (or V) pool: split on the heads, scales like their values."""
@@ -144,7 +164,7 @@ class PagedAttention:
         pool = self.pool_specs()
         write = functools.partial(self.backend.write_kv, kv_cache_dtype=self.kv_cache_dtype)
         write = self.per_device(write, (pool, pool, HEADS, HEADS, REPLICATED), (pool, pool))
-        return write(k_pool, v_pool, k, v, slot_mapping)
+        return write(k_pool, v_pool, self._stored(k), self._stored(v), slot_mapping)
 
     def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None
@@ -158,4 +178,10 @@ class PagedAttention:
         pool = self.pool_specs()
         sinks = None if sinks is None else sinks.astype(jnp.float32)
         specs = (HEADS, pool, pool, REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: its spec unused
-        return self.per_device(attend, specs, HEADS)(q, k_pool, v_pool, meta, sinks)
+        out = self.per_device(attend, specs, HEADS)(self._stored(q), k_pool, v_pool, meta, sinks)
+        return out[..., :q.shape[-1]]
+
+    def _stored(self, x: jax.Array) -> jax.Array:
+        """`x [..., head_dim]` zero-padded to the stored head size (zeros change no score, value or scale)."""
+        pad = self.stored_head_dim(x.shape[-1]) - x.shape[-1]
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x

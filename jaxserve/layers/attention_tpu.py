@@ -12,8 +12,10 @@ kernels take no attention-logit soft-cap yet, so a soft-capped model is refused 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.layers.paged_kv import AttentionMetadata, QuantizedPages, quantize_kv, split_quantized
@@ -25,10 +27,20 @@ class MosaicTpuAttention:
     """Our Mosaic TPU kernels; `interpret` runs them in Pallas' TPU interpreter. One device's heads per call."""
 
     interpret: bool = False
+    head_dim_multiple: ClassVar[int] = 128  # pools store heads padded to whole lanes (`PagedAttention.stored_head_dim`)
 
     @property
     def name(self) -> str:
         return "pallas-tpu-interpret" if self.interpret else "pallas-tpu"
+
+    def min_page_size(self, storage_dtype, quantized: bool) -> int:
+        """The smallest page a TPU keeps in the row-major layout the kernels read: a whole sublane tile of the pages'
+        dtype (8 rows of 32 bits, 16 of 16, 32 of 8), and 128 with per-token scales, which lie along the lanes.
+        Below it XLA lays the pool out transposed, and every step copies it whole into the kernels' layout. The
+        interpreter, on a CPU, takes any page."""
+        if self.interpret:
+            return 1
+        return 128 if quantized else 8 * 4 // jnp.dtype(storage_dtype).itemsize
 
     def interpret_params(self) -> pltpu.InterpretParams | None:
         """`InterpretParams` for the interpreted backend, None (compile with Mosaic) otherwise."""
