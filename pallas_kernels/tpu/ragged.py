@@ -8,7 +8,9 @@ write zeros. A cell walks the row's page table (a scalar-prefetch argument) a bl
 copying each page's `[page_size, head_dim]` tile HBM -> VMEM with `make_async_copy` into one of two
 buffers, so block `j + 1` is in flight while block `j` is computed (online softmax in float32). It reads
 only the blocks its causal (and sliding-window) range needs. Int8/fp8 pages come with float32 per-token
-scales, copied alongside their page and applied to the scores and probabilities. Attention sinks (one logit per
+scales: each page's `[1, page_size]` row is copied alongside the page into its own sublane row of a
+`[pages_per_block, page_size]` buffer (Mosaic copies no row into a lane slice), spread along the keys by an exact
+selection matmul and applied to the scores and probabilities. Attention sinks (one logit per
 query head, gpt-oss) start each row's online softmax as a key of that logit with no value.
 
 Each copy lands in a slice of the VMEM buffer; no DMA'd ref is reshaped or bitcast, so the same code runs in
@@ -74,7 +76,8 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
 
     def key_row(scales, block):
         """A block's scales `[pages_per_block, page_size]` (0 past the context: unowned slots may hold NaN) as the
-        `[1, block_tokens]` row of its keys, by an exact 0/1 selection matmul (Mosaic has no such reshape)."""
+        `[1, block_tokens]` row of its keys, by an exact 0/1 selection matmul (Mosaic refuses the reshape:
+        "unsupported shape cast")."""
         page = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0)
         offset = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 1)
         scales = jnp.where(block * block_tokens + page * page_size + offset < context, scales, 0.0)
