@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, choices=sorted(TARGETS), metavar="TARGET",
                         help=f"the accelerator: {', '.join(TARGETS)}")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="write the result as JSON")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="threads compiling at once (default: one per core, as the server's warm-up)")
     parser.add_argument("--steps", default=None, metavar="NAMES",
                         help="only these steps, comma-separated (prefill, decode, sample, ...; default: all)")
     add_engine_args(parser)
@@ -49,7 +51,7 @@ def compile_main(argv: list[str]) -> None:
 
     try:
         result = compile_engine(engine_config(args), args.target,
-                                set(args.steps.split(",")) if args.steps else None)
+                                set(args.steps.split(",")) if args.steps else None, max(1, args.jobs))
     except (ValueError, CompilerMissing) as err:
         print(f"jaxserve compile: {err}", file=sys.stderr)
         sys.exit(1 if isinstance(err, CompilerMissing) else 2)

@@ -12,6 +12,7 @@ estimate of its run time (`optimal_seconds`); a step that fails carries the comp
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -69,6 +70,7 @@ class EnginePlan:
 class CompileResult:
     plan: EnginePlan
     steps: list[StepCompile]
+    wall_seconds: float = 0.0  # compiling them all, on `jobs` threads
 
     @property
     def peak_bytes(self) -> int:
@@ -140,32 +142,52 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
                           kv_cache_tokens=runner.kv_capacity_tokens, problem=problem), runner
 
 
-def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int,
-                  names: set[str] | None = None) -> list[StepCompile]:
-    """Every shape of every step in `steps` (or of those `names`), lowered and compiled for `target_name`, one after
-    another."""
-    results, seen = [], set()
-    with compiling_for(target_name):
+def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, names: set[str] | None = None,
+                  jobs: int = 1) -> list[StepCompile]:
+    """Every shape of every step in `steps` (or of those `names`), lowered and compiled for `target_name`: lowered
+    in turn, compiled by `jobs` threads (warm-up compiles in a pool of one thread per core; compiling frees the
+    GIL). Each step's seconds are its lowering and its compiling. Lowering stays in this thread: the default
+    device Pallas' TPU lowering reads is this thread's."""
+    with compiling_for(target_name), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures, seen = [], set()
         for name, inputs in steps.examples():
             key = (name, shape_key(inputs))
             if key in seen or (names is not None and name not in names):
                 continue
             seen.add(key)
-            step = steps[name]
-            started = time.perf_counter()
+            step, started = steps[name], time.perf_counter()
             try:
-                compiled = step.fn.lower(*step.state(), inputs).compile()
-            except Exception as err:  # the compilers raise JaxRuntimeError, ValueError, NotImplementedError, ...
-                results.append(StepCompile(name, describe(inputs), False, time.perf_counter() - started,
-                                           error=compiler_message(err)))
+                lowered = step.fn.lower(*step.state(), inputs)
+            except Exception as err:  # a kernel's own checks (ValueError) or Mosaic's (while lowering)
+                futures.append(failed(name, describe(inputs), started, err))
                 continue
-            results.append(step_compile(name, describe(inputs), compiled, time.perf_counter() - started,
-                                        resident_bytes))
-            logger.info("compiled %s %s in %.1fs", name, results[-1].shape, results[-1].seconds)
-    return results
+            futures.append(pool.submit(compile_lowered, name, describe(inputs), lowered,
+                                       time.perf_counter() - started, resident_bytes))
+        return [future.result() for future in futures]
 
 
-def compile_engine(config: EngineConfig, target_name: str, names: set[str] | None = None) -> CompileResult:
+def failed(name: str, shape: str, started: float, err: Exception) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(StepCompile(name, shape, False, time.perf_counter() - started, error=compiler_message(err)))
+    return future
+
+
+def compile_lowered(name: str, shape: str, lowered: Any, lowering_seconds: float,
+                    resident_bytes: int) -> StepCompile:
+    """One lowered step shape compiled."""
+    started = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # the compilers raise JaxRuntimeError, ValueError, NotImplementedError, ...
+        return StepCompile(name, shape, False, lowering_seconds + time.perf_counter() - started,
+                           error=compiler_message(err))
+    seconds = lowering_seconds + time.perf_counter() - started
+    logger.info("compiled %s %s in %.1fs", name, shape, seconds)
+    return step_compile(name, shape, compiled, seconds, resident_bytes)
+
+
+def compile_engine(config: EngineConfig, target_name: str, names: set[str] | None = None,
+                   jobs: int = 1) -> CompileResult:
     """`config`'s engine planned for `target_name` and its steps (or those `names`) compiled there."""
     plan, runner = plan_engine(config, target_name)
     if runner is None:
@@ -173,7 +195,9 @@ def compile_engine(config: EngineConfig, target_name: str, names: set[str] | Non
     if names is not None and not names <= set(runner.steps.steps):
         raise ValueError(f"unknown steps {sorted(names - set(runner.steps.steps))}; this engine has "
                          f"{sorted(runner.steps.steps)}")
-    return CompileResult(plan, compile_steps(runner.steps, target_name, plan.resident_bytes, names))
+    started = time.perf_counter()
+    steps = compile_steps(runner.steps, target_name, plan.resident_bytes, names, jobs)
+    return CompileResult(plan, steps, time.perf_counter() - started)
 
 
 def step_compile(name: str, shape: str, compiled: Any, seconds: float, resident_bytes: int) -> StepCompile:
