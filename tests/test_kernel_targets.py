@@ -132,6 +132,14 @@ def test_ragged_paged_attention_compiles_for_tpu(name, case):
     compile_for(name, call, *args)
 
 
+@pytest.mark.parametrize("name", TPU_TARGETS)
+def test_ragged_paged_attention_compiles_with_a_table_over_smem(name):
+    """512 decode rows of 1024 pages: 2 MiB of page table, which, scalar-prefetched whole, overflowed SMEM (1 MiB:
+    'would exceed memory ... space=smem')."""
+    call, args = ragged_call("bfloat16", None, 4, 128, 16, 512, 1, None, None, False, None, None, width=1024)
+    compile_for(name, call, *args)
+
+
 def test_tpu_kernels_copy_no_pool_in_row_major_layout():
     """With the pools in the row-major layout Mosaic reads (XLA's default TPU layout is not row-major for pools of
     head_dim < 128 or scales of page_size < 128, and then each call copies whole pools around the kernels), a step

@@ -4,7 +4,7 @@ Queries come in the engine's layout, `q: [B, T, q_heads, head_dim]` with row `b`
 `q[b, :query_lens[b]]` (a decode row has 1, a prefill chunk up to `T`). Each grid cell
 `(row, kv_head, query_block)` takes `query_block` tokens of one row together with the KV head's whole query
 group as the rows of its matmuls (`query_block * group` of them), and cells past a row's query length only
-write zeros. A cell walks the row's page table (a scalar-prefetch argument) a block of pages at a time,
+write zeros. A cell walks the row's page table (its row only, in SMEM) a block of pages at a time,
 copying each page's `[page_size, head_dim]` tile HBM -> VMEM with `make_async_copy` into one of two
 buffers, so block `j + 1` is in flight while block `j` is computed (online softmax in float32). It reads
 only the blocks its causal (and sliding-window) range needs. Int8/fp8 pages come with float32 per-token
@@ -42,8 +42,8 @@ def query_block_tokens(num_tokens: int, group: int) -> int:
     return tokens
 
 
-def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap,
-            group, query_tokens, page_size, pages_per_block, pages_per_row, quantized, has_sinks):
+def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap,
+            group, query_tokens, page_size, pages_per_block, quantized, has_sinks):
     sinks_ref = None
     if quantized:
         k_scales_hbm, v_scales_hbm, *rest = rest
@@ -62,7 +62,7 @@ def _kernel(context_lens, query_lens, page_table, q_ref, k_hbm, v_hbm, *rest, sm
         """The DMAs of KV block `block` into buffer `slot` (rebuilt identically to wait on them)."""
         out = []
         for p in range(pages_per_block):
-            page = page_table[row * pages_per_row + block * pages_per_block + p]
+            page = page_table[block * pages_per_block + p]
             tile = pl.ds(p * page_size, page_size)
             out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, tile], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, tile], sems.at[1, slot]))
@@ -216,15 +216,17 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     rows = query_tokens * group
     block_tokens = pages_per_block * page_size
 
-    def q_index(b, h, i, context_lens, query_lens, table):  # cells past a row's tokens keep the last block
+    def q_index(b, h, i, context_lens, query_lens):  # cells past a row's tokens keep the last block
         last = jnp.maximum(query_lens[b] - 1, 0) // query_tokens
         return b, h, jnp.minimum(i, last), 0
 
     row_spec = pl.BlockSpec((None, None, rows, head_dim), q_index)
     out_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, i, *_: (b, h, i, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [row_spec, hbm, hbm]
-    operands = [q_rows, k_pages, v_pages]
+    # one row of the table at a time: all of it, scalar-prefetched, overflowed SMEM (1 MiB) at 512 x 1024 pages
+    table_spec = pl.BlockSpec((None, None, width), lambda b, h, i, *_: (b, 0, 0), memory_space=pltpu.SMEM)
+    in_specs = [row_spec, table_spec, hbm, hbm]
+    operands = [q_rows, table[:, None], k_pages, v_pages]  # [B, 1, width]: blocks span whole trailing dims
     scratch = [pltpu.VMEM((2, block_tokens, head_dim), k_pages.dtype),
                pltpu.VMEM((2, block_tokens, head_dim), v_pages.dtype)]
     if quantized:
@@ -238,7 +240,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernel = functools.partial(
         _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         query_tokens=query_tokens,
-        page_size=page_size, pages_per_block=pages_per_block, pages_per_row=width, quantized=quantized,
+        page_size=page_size, pages_per_block=pages_per_block, quantized=quantized,
         has_sinks=sinks is not None)
     cells = batch * kv_heads * (num_tokens // query_tokens)
     keys = visible_keys(width * page_size, sliding_window, query_tokens, block_tokens)
@@ -248,12 +250,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(batch, kv_heads, num_tokens // query_tokens), in_specs=in_specs,
+            num_scalar_prefetch=2, grid=(batch, kv_heads, num_tokens // query_tokens), in_specs=in_specs,
             out_specs=out_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
-    )(context_lens, query_lens, table.reshape(-1), *operands)
+    )(context_lens, query_lens, *operands)
     out = out.reshape(batch, kv_heads, num_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch, num_tokens, q_heads, head_dim)
