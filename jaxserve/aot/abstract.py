@@ -35,6 +35,7 @@ def device_bytes(tree: Any) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
+        sharding = getattr(sharding, "sharding", sharding)  # a Format's
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
     return total

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format
 from jax.sharding import Mesh, Sharding
 
 from jaxserve.config import ModelConfig
 
 
 class Allocator(Protocol):
-    def full(self, shape: tuple[int, ...], dtype: Any, sharding: Sharding | None, fill: Any = 0) -> Any:
-        """An array of `shape` filled with `fill`, placed by `sharding` (None: the default device)."""
+    def full(self, shape: tuple[int, ...], dtype: Any, sharding: Sharding | Format | None, fill: Any = 0) -> Any:
+        """An array of `shape` filled with `fill`, placed by `sharding` (a `Format`: in its layout too; None: the
+        default device)."""
 
     def put(self, tree: Any, sharding: Sharding) -> Any:
         """Host arrays (a pytree) placed by `sharding`."""
@@ -35,7 +39,10 @@ class Allocator(Protocol):
 class DeviceAllocator:
     """Arrays on the devices: what serving runs with."""
 
-    def full(self, shape: tuple[int, ...], dtype: Any, sharding: Sharding | None, fill: Any = 0) -> jax.Array:
+    def full(self, shape: tuple[int, ...], dtype: Any, sharding: Sharding | Format | None, fill: Any = 0
+             ) -> jax.Array:
+        if isinstance(sharding, Format):  # made in its layout, never relaid (a pool may take most of the memory)
+            return jax.jit(functools.partial(jnp.full, shape, fill, dtype), out_shardings=sharding)()
         return jnp.full(shape, fill, dtype, device=sharding)
 
     def put(self, tree: Any, sharding: Sharding) -> Any:

@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED
@@ -42,7 +43,8 @@ __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "Paged
 @runtime_checkable
 class AttentionBackend(Protocol):
     """One device's paged attention: `write_kv` then `attend`, on that device's heads of the pool. A backend
-    whose pools need the head size padded says so with a class attribute `head_dim_multiple` (default 1)."""
+    whose pools need the head size padded says so with a class attribute `head_dim_multiple` (default 1), one whose
+    kernels read only row-major pools with `row_major_pools` (default False)."""
 
     @property
     def name(self) -> str: ...
@@ -136,21 +138,28 @@ class PagedAttention:
         return QuantizedPages(KV_POOL, KV_SCALES) if self.quantized else KV_POOL
 
     def empty_pool(self, shape: tuple[int, ...], model_dtype, allocator):
-        """One zeroed K (or V) pool of `pool_shape` `shape`, placed on the mesh as `pool_specs` says, made by
-        `allocator` (`engine/allocator.py`)."""
-        if self.mesh is None:
-            sharding = lambda spec: None  # noqa: E731 (default device)
-        else:
-            sharding = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
-        values = allocator.full(shape, self.storage_dtype(model_dtype), sharding(KV_POOL))
+        """One zeroed K (or V) pool of `pool_shape` `shape`, placed on the mesh as `pool_shardings` says (the
+        default device without a mesh), made by `allocator` (`engine/allocator.py`)."""
+        placed = self.pool_shardings() if self.mesh is not None else jax.tree.map(
+            lambda spec: None, self.pool_specs(), is_leaf=lambda x: isinstance(x, P))
         if not self.quantized:
-            return values
-        return QuantizedPages(values, allocator.full(shape[:3], jnp.float32, sharding(KV_SCALES)))
+            return allocator.full(shape, self.storage_dtype(model_dtype), placed)
+        return QuantizedPages(allocator.full(shape, self.storage_dtype(model_dtype), placed.values),
+                              allocator.full(shape[:3], jnp.float32, placed.scales))
 
     def pool_shardings(self):
-        """The `NamedSharding` tree of one pool (for jit's in/out shardings); needs `mesh`."""
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.pool_specs(),
-                            is_leaf=lambda x: isinstance(x, P))
+        """The sharding tree of one pool (for jit's in/out shardings and its allocation); needs `mesh`. A backend
+        with `row_major_pools` gets `Format`s that pin every pool array row-major, in and out of every step: its
+        kernels read only that layout, and a TPU's default layout for some pool shapes is another (a small leading
+        heads axis of the scales moved inward), which cost a copy of the array around each kernel call."""
+        def placed(spec: P, ndim: int):
+            sharding = NamedSharding(self.mesh, spec)
+            if not getattr(self.backend, "row_major_pools", False):
+                return sharding
+            return Format(Layout(major_to_minor=tuple(range(ndim))), sharding)
+        if self.quantized:
+            return QuantizedPages(placed(KV_POOL, 4), placed(KV_SCALES, 3))
+        return placed(KV_POOL, 4)
 
     def per_device(self, function, in_specs: tuple, out_specs):
         """`function` run on each device's heads when the heads are split, else as it is."""

@@ -30,6 +30,12 @@ class MosaicTpuAttention:
     head_dim_multiple: ClassVar[int] = 128  # pools store heads padded to whole lanes (`PagedAttention.stored_head_dim`)
 
     @property
+    def row_major_pools(self) -> bool:
+        """Mosaic reads its operands row-major (`PagedAttention.pool_shardings`); the interpreter, on a CPU, needs
+        no pinned layout."""
+        return not self.interpret
+
+    @property
     def name(self) -> str:
         return "pallas-tpu-interpret" if self.interpret else "pallas-tpu"
 
