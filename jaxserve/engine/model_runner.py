@@ -95,7 +95,7 @@ class ModelRunner:
         if engine_config.enable_lora:
             shapes = stack_shapes(config, self.tp, engine_config.max_loras, engine_config.max_lora_rank, self.dtype)
             self.lora_stack = empty_stack(shapes, param_shardings({"lora": shapes}, config, self.tp,
-                                                                  self.mesh)["lora"], self.allocator)
+                                                                  self.mesh)["lora"], self.allocator.full)
         replicated = NamedSharding(self.mesh, REPLICATED)
         vocab = config.vocab_size
         self.window = hybrid_window(config, engine_config)  # the hybrid KV cache's window pool, or None: one pool

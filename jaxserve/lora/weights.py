@@ -14,7 +14,7 @@ slot; `layers/lora.lora_variables` gives the forward the stack with every row's 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 import flax
 import jax
@@ -25,9 +25,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.lora.peft_format import AdapterWeights, module_shapes
 from jaxserve.models import fuse_layer
-
-if TYPE_CHECKING:
-    from jaxserve.engine.allocator import Allocator
 
 # serving linear -> (its group in a layer, the checkpoint projections in its lanes)
 LANES = {"qkv_proj": ("attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("attn", ("o_proj",)),
@@ -111,10 +108,10 @@ class SlotWeights:
     weights: dict
 
 
-def empty_stack(shapes: dict, shardings: dict, allocator: Allocator) -> dict:
-    """The device stack of `stack_shapes`, zeros (no adapter in any slot), placed by `shardings`."""
-    return jax.tree.map(lambda shape, sharding: allocator.full(shape.shape, shape.dtype, sharding), shapes,
-                        shardings)
+def empty_stack(shapes: dict, shardings: dict, full: Callable[..., Any]) -> dict:
+    """The device stack of `stack_shapes`, zeros (no adapter in any slot), placed by `shardings`; `full(shape,
+    dtype, sharding)` makes each array (the runner's allocator's)."""
+    return jax.tree.map(lambda shape, sharding: full(shape.shape, shape.dtype, sharding), shapes, shardings)
 
 
 def empty_adapter(stack: dict) -> dict:
