@@ -1,6 +1,14 @@
-"""The model runner's host-side arithmetic: how many KV pages an accelerator's memory holds."""
+"""The model runner's host-side arithmetic: how many KV pages an accelerator's memory holds; how its allocator
+makes arrays."""
 
-from jaxserve.engine.kv_budget import accelerator_kv_pages
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.layout import Format, Layout
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.engine.allocator import DeviceAllocator
+from jaxserve.engine.kv_budget import accelerator_kv_pages, allocator_fraction
 
 
 def test_kv_pages_follow_vllms_gpu_memory_utilization():
@@ -13,3 +21,25 @@ def test_kv_pages_follow_vllms_gpu_memory_utilization():
     assert accelerator_kv_pages(stats, 0.9, 0.75, 4 * gib, gib) == 40
     assert accelerator_kv_pages(stats, 0.9, 0.9, 4 * gib, gib) == 40  # `jaxserve serve`: allocator at 0.9
     assert accelerator_kv_pages({"bytes_limit": 60 * gib, "bytes_in_use": 59 * gib}, 0.9, 0.75, gib, gib) == 2
+
+
+def test_a_tpus_allocator_limit_is_its_memory_and_a_gpus_follows_the_allocator_fraction(monkeypatch):
+    """jax's XLA_PYTHON_CLIENT_MEM_FRACTION is the GPU allocator's: on a TPU, `bytes_limit` is the chip's memory,
+    and gpu_memory_utilization alone bounds the KV pool (it used to be read as 0.75 of it there too)."""
+    gib = 2**30
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert allocator_fraction("tpu") == 1.0 and allocator_fraction("gpu") == 0.75
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert allocator_fraction("gpu") == 0.9 and allocator_fraction("tpu") == 1.0
+    stats = {"bytes_limit": 32 * gib, "bytes_in_use": 16 * gib}  # a v6e chip holding an 8B model
+    assert accelerator_kv_pages(stats, 0.9, allocator_fraction("tpu"), gib, gib) == 11  # 28.8 - 16 - 1 GiB
+
+
+def test_the_device_allocator_makes_a_pinned_layout_in_place():
+    """A `Format` asks for the array in that layout from the start (a pool may take most of the memory, so it
+    is never made in another layout and relaid)."""
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("model",)), P())
+    pinned = Format(Layout(major_to_minor=(0, 1, 2)), sharding)
+    array = DeviceAllocator().full((2, 3, 4), jnp.int8, pinned, fill=-1)
+    assert array.format.layout.major_to_minor == (0, 1, 2) and array.sharding == sharding
+    assert array.dtype == jnp.int8 and int(array.sum()) == -24
