@@ -24,17 +24,21 @@ $(AOT_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench,aot]"
 	touch $(AOT_STAMP)
 
+# the CPU build's targets run on the CPU (after make test the venv also holds the [aot] extra's compilers, which
+# jax would otherwise try to start as devices); set JAX_PLATFORMS to choose
+CPU := JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu}
+
 demo: install
-	$(PY) -m jaxserve demo
+	$(CPU) $(PY) -m jaxserve demo
 
 test: install-aot
 	$(PY) tests/run_suite.py
 
 bench: install
-	$(PY) benchmarks/run_default_suite.py
+	$(CPU) $(PY) benchmarks/run_default_suite.py
 
 serve: install
-	$(PY) -m jaxserve serve
+	$(CPU) $(PY) -m jaxserve serve
 
 clean:
 	rm -rf $(VENV) checkpoints/*/ .pytest_cache

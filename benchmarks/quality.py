@@ -98,7 +98,8 @@ def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[i
     for tokens, start in zip(sequences, starts):
         pages = length // page_size
         shape = backend.pool_shape(pages + 1, page_size, runner.tp.pool_heads(cfg), cfg.head_dim)
-        cache = [tuple(backend.empty_pool(shape, runner.dtype) for _ in "kv") for _ in range(cfg.num_layers)]
+        cache = [tuple(backend.empty_pool(shape, runner.dtype, runner.allocator) for _ in "kv")
+                 for _ in range(cfg.num_layers)]
         ids = np.zeros(length, np.int32)
         ids[:len(tokens)] = tokens
         meta = AttentionMetadata(positions=jnp.arange(length, dtype=jnp.int32)[None],

@@ -32,7 +32,8 @@ def main() -> int:
     tests = Path(__file__).parent
     files = sorted(tests.glob("test_*.py"), key=lambda path: (-path.stat().st_size, path.name))  # longest first
     root = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
-    env = {**os.environ, "JAXSERVE_CACHE_ROOT": root}
+    # CPU only (as conftest sets it): with the [aot] extra's CUDA plugin and libtpu installed, jax would try both
+    env = {**os.environ, "JAXSERVE_CACHE_ROOT": root, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     try:  # the default model's converted store first, so the two never convert it at once
         subprocess.check_call([sys.executable, "-c", "from jaxserve.loading import load_model; load_model()"],
                               env=env, cwd=tests.parent)

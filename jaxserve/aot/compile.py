@@ -13,10 +13,11 @@ estimate of its run time (`optimal_seconds`); a step that fails carries the comp
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
@@ -148,7 +149,7 @@ def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, na
     in turn, compiled by `jobs` threads (warm-up compiles in a pool of one thread per core; compiling frees the
     GIL). Each step's seconds are its lowering and its compiling. Lowering stays in this thread: the default
     device Pallas' TPU lowering reads is this thread's."""
-    with compiling_for(target_name), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    with compiling_for(target_name), no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures, seen = [], set()
         for name, inputs in steps.examples():
             key = (name, shape_key(inputs))
@@ -164,6 +165,18 @@ def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, na
             futures.append(pool.submit(compile_lowered, name, describe(inputs), lowered,
                                        time.perf_counter() - started, resident_bytes))
         return [future.result() for future in futures]
+
+
+@contextlib.contextmanager
+def no_persistent_cache() -> Iterator[None]:
+    """jax's persistent compilation cache off meanwhile (for every thread): an engine that ran in this process
+    turns it on, and it cannot hold executables for devices that are not attached."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def failed(name: str, shape: str, started: float, err: Exception) -> concurrent.futures.Future:
