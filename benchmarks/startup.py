@@ -30,6 +30,7 @@ if __package__ in (None, ""):
 from benchmarks.common import REPO_ROOT, format_table, write_result  # noqa: E402
 
 POLL_SECONDS = 0.1
+PLATFORMS = os.environ.get("JAX_PLATFORMS", "cpu")  # the CPU unless set (the [aot] extra's plugins are not devices)
 
 
 def free_port() -> int:
@@ -41,7 +42,7 @@ def free_port() -> int:
 def time_to_healthy(cache_root: str, serve_args: Sequence[str], timeout: float) -> float:
     """Seconds from starting `jaxserve serve` to its first /health 200; the server is stopped after."""
     port = free_port()
-    env = {**os.environ, "JAXSERVE_CACHE_ROOT": cache_root, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env = {**os.environ, "JAXSERVE_CACHE_ROOT": cache_root, "JAX_PLATFORMS": PLATFORMS}
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *serve_args],
                               env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     subprocess.check_call([sys.executable, "-c", "from jaxserve.loading import load_model; load_model()"],
-                          cwd=REPO_ROOT)  # the default model's converted store, before any timing
+                          cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": PLATFORMS})  # the store, before timing
     cold, warm = [], []
     with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as root:
         for run in range(args.runs):
