@@ -77,3 +77,20 @@ def test_prefix_lookups_count_once_per_admission():
     _, _, admitted = run_step(scheduler)
     assert admitted == [waiting] and manager.num_prefix_queries == 62
 
+
+
+def test_prefill_buckets_start_at_64_tokens_on_an_accelerator():
+    """A forward of 64 tokens or fewer reads the weights as one of 16 does on a GPU or TPU: the smallest bucket
+    there is 64 (two fewer prefill shapes per halving to compile at start-up); 16 on a CPU; or as set."""
+    config = EngineConfig(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048)
+    assert config.resolve(4096, platform="gpu").prefill_buckets == (64, 128, 256, 512, 1024, 2048)
+    assert config.resolve(4096, platform="tpu").prefill_shapes[-1] == (4, 512)
+    assert config.resolve(4096, platform="cpu").prefill_buckets[0] == 16
+    explicit = EngineConfig(max_num_batched_tokens=64, smallest_prefill_bucket=32).resolve(4096, platform="tpu")
+    assert explicit.prefill_buckets == (32, 64) and explicit.resolve(4096).prefill_buckets == (32, 64)
+    try:
+        EngineConfig(smallest_prefill_bucket=48)
+    except ValueError as err:
+        assert "smallest_prefill_bucket must be a power of two, got 48" in str(err)
+    else:
+        raise AssertionError("48 accepted")

@@ -110,6 +110,10 @@ class EngineConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     decode_batch_buckets: tuple[int, ...] | None = None  # default: 1, 4, 8, 16, 32, 64, 128, 256 up to max_num_seqs
+    # the smallest prefill chunk bucket (then twice as many tokens, up to max_num_batched_tokens); default 16 on a
+    # CPU, 64 on an accelerator, where a forward of 64 tokens or fewer is bound by reading the weights and costs
+    # what one of 16 does, and each bucket is two shapes more to compile at start-up
+    smallest_prefill_bucket: int | None = None
     async_scheduling: bool = True  # dispatch step t+1 before reading step t's tokens (False: one step at a time)
     # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": K} (see spec_decode/config.py)
@@ -165,6 +169,10 @@ class EngineConfig:
             ("max_cpu_loras", self.max_cpu_loras is None or (_int_at_least(self.max_cpu_loras, 1)
                                                              and self.max_cpu_loras >= self.max_loras),
              f"must be an integer >= max_loras ({self.max_loras})"),
+            ("smallest_prefill_bucket", self.smallest_prefill_bucket is None
+             or (_int_at_least(self.smallest_prefill_bucket, 1)
+                 and self.smallest_prefill_bucket & (self.smallest_prefill_bucket - 1) == 0),
+             "must be a power of two"),
             ("decode_batch_buckets", self.decode_batch_buckets is None or max(self.decode_batch_buckets, default=0)
              >= self.max_num_seqs, f"must reach max_num_seqs ({self.max_num_seqs})"),
         ]
@@ -207,6 +215,7 @@ class EngineConfig:
             self, dtype=dtype, attention_backend=self.attention_backend or {"gpu": "pallas", "tpu": "pallas-tpu"}.get(
                 platform, "xla"), speculative_config=speculative, async_scheduling=async_scheduling,
             max_model_len=max_model_len, decode_batch_buckets=buckets, long_prefill_token_threshold=threshold,
+            smallest_prefill_bucket=self.smallest_prefill_bucket or (16 if platform == "cpu" else 64),
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
             quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
 
@@ -229,7 +238,8 @@ class EngineConfig:
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
-        return power_of_two_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        smallest = min(self.smallest_prefill_bucket or 16, self.max_num_batched_tokens)
+        return power_of_two_buckets(smallest, self.max_num_batched_tokens)
 
     @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
