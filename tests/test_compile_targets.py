@@ -88,6 +88,16 @@ def test_every_step_with_lora_speculation_and_quantization(config_dirs, target, 
     assert_compiles_and_fits(result)
 
 
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+def test_the_kv_tiers_copies_compile(config_dirs, target):
+    """The pages' copies to and from host memory (pinned host memory on an accelerator): a TPU's compiler refused
+    the restore while its pages were still in host memory inside the step ("Fusion must have backend config")."""
+    config = EngineConfig(model=config_dirs["llama"], kv_offloading_size=0.5, **SMALL)
+    result = compile_engine(config, target, {"kv_store", "kv_restore"})
+    assert {step.name for step in result.steps} == {"kv_store", "kv_restore"}
+    assert_compiles_and_fits(result)
+
+
 def test_a_draft_model_compiles_from_its_config_alone(config_dirs):
     config = EngineConfig(model=config_dirs["llama"], kv_cache_dtype="fp8",
                           speculative_config={"model": config_dirs["llama"], "num_speculative_tokens": 2}, **SMALL)

@@ -26,7 +26,9 @@ from jaxserve.aot.targets import Target, compiling_for, target
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
+from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_registry import StepRegistry, shape_key
 from jaxserve.loading import model_config, resolve_model
 from jaxserve.spec_decode.draft import draft_model_config
@@ -133,6 +135,9 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
                 f"the weights need {gib(weights)} per device, more than {config.gpu_memory_utilization:g} of "
                 f"{t.name}'s {gib(t.chip.hbm_bytes)}: use more devices (-tp), a smaller dtype or --quantization")), None
         runner = ModelRunner(model, params, config, set(model.eos_token_ids), mesh, draft, allocator)
+        if config.kv_tiers:  # their copies between the pool and host memory are steps too (no disk is touched)
+            runner.attach_tiers(KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None,
+                                        config.page_size, page_key))
         kv_bytes = device_bytes(runner.kv_cache)
         problem = None
         if runner.num_pages - 1 < config.pages_per_seq:

@@ -19,6 +19,7 @@ A step's pages travel in one call per direction (more than the largest bucket: o
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import threading
@@ -79,10 +80,13 @@ def store_step(kv_cache, inputs: StoreInputs):
                  for group in _groups(leaves)), ()
 
 
-def restore_step(kv_cache, inputs: RestoreInputs):
+def restore_step(device_sharding, kv_cache, inputs: RestoreInputs):
+    """The pages' arrays (in host memory when `device_sharding` is set) written into the pool; they are moved to
+    the device first, so no part of the step is left to the host (which a TPU's compiler refuses)."""
     leaves, treedef = jax.tree.flatten(kv_cache)
     new = list(leaves)
-    for group, data in zip(_groups(leaves), inputs.arrays):
+    arrays = inputs.arrays if device_sharding is None else jax.device_put(inputs.arrays, device_sharding)
+    for group, data in zip(_groups(leaves), arrays):
         for position, i in enumerate(group):
             new[i] = leaves[i].at[:, inputs.pages].set(jnp.swapaxes(data[:, position], 0, 1))
     return None, (jax.tree.unflatten(treedef, new),)
@@ -122,7 +126,9 @@ class KVTransfers:
         kv_in = [(pool, pool)] * runner.config.num_layers
         groups = (self.host_sharding,) * len(self.page_specs)
         store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(groups, ()))
-        restore = jax.jit(restore_step, in_shardings=(kv_in, RestoreInputs(replicated, groups)),
+        on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, KV_PAGES, memory_kind="device")
+        restore = jax.jit(functools.partial(restore_step, on_device),
+                          in_shardings=(kv_in, RestoreInputs(replicated, groups)),
                           out_shardings=(None, (kv_in,)), donate_argnums=(0,))
         state = lambda: (runner.kv_cache,)  # noqa: E731
         return [Step("kv_store", store, state, assign(runner), self._store_examples),
@@ -172,7 +178,7 @@ class KVTransfers:
         arrays = []
         for group, zeros in enumerate(self._zero_pages):  # padding rows are written to the scratch page
             arrays.append(np.stack([page.arrays[group] for _, page in part] + [zeros] * (bucket - len(part))))
-        return RestoreInputs(indices, tuple(jax.device_put(arrays, self.host_sharding)))
+        return RestoreInputs(indices, tuple(self.runner.allocator.put(arrays, self.host_sharding)))
 
     def flush(self) -> None:
         """Waits until every store started so far has reached the host tier and the disk tier's files."""
