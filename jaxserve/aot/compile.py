@@ -220,14 +220,30 @@ def compile_engine(config: EngineConfig, target_name: str, names: set[str] | Non
 
 def step_compile(name: str, shape: str, compiled: Any, seconds: float, resident_bytes: int) -> StepCompile:
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-    estimate = (cost or {}).get("optimal_seconds")
     new_outputs = max(0, memory.output_size_in_bytes - memory.alias_size_in_bytes)
     return StepCompile(name, shape, True, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                        memory.alias_size_in_bytes, memory.temp_size_in_bytes,
-                       resident_bytes + memory.temp_size_in_bytes + new_outputs,
-                       float(estimate) if estimate is not None and estimate > 0 else None)
+                       resident_bytes + memory.temp_size_in_bytes + new_outputs, estimated_seconds(compiled))
+
+
+# Custom calls the TPU compiler adds itself and its cost analysis leaves to XLA's HloCostAnalysis::HandleCustomCall,
+# which marks them "unknown": -1 second (and -1 flop, -1 byte) each, summed into `optimal_seconds` with the rest.
+# Neither costs anything: memory-space assignment joins the slices of a sliced prefetch into VMEM with a
+# ConcatBitcast and makes scratch buffers with AllocateBuffer.
+UNCOSTED_CUSTOM_CALLS = ("ConcatBitcast", "AllocateBuffer")
+
+
+def estimated_seconds(compiled: Any) -> float | None:
+    """The compiler's roofline estimate of one run (`optimal_seconds`) less its -1 per uncosted custom call; None
+    where there is none or what is left is not positive (a custom call of another kind)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    estimate = (cost or {}).get("optimal_seconds")
+    if estimate is None:
+        return None
+    text = compiled.as_text() or ""
+    estimate += sum(text.count(f'custom_call_target="{kind}"') for kind in UNCOSTED_CUSTOM_CALLS)
+    return float(estimate) if estimate > 0 else None
 
 
 def describe(inputs: Any) -> str:
