@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-30b-a3b", "gpt-oss-20b"])
     parser.add_argument("--targets", nargs="+", default=["h200", "v6e-8", "v5e-8"])
     parser.add_argument("--jobs", type=int, default=1, help="threads compiling at once (1: the sum is exact)")
-    parser.add_argument("--context", type=int, default=2048, help="tokens per row for the roofline")
+    parser.add_argument("--context", type=int, default=8192,
+                        help="tokens per row for the roofline (default max-model-len, as the kernels' estimates)")
     parser.add_argument("--result-file", default=None)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

@@ -18,6 +18,9 @@ from jaxserve.layers.attention import PagedAttention
 DEFAULT_ALLOCATOR_FRACTION = "0.75"  # jax's default XLA_PYTHON_CLIENT_MEM_FRACTION on GPU
 CPU_POOL_BYTES = 4 * 2**30
 MIN_ACTIVATION_BYTES = 64 * 2**20
+# float32 [rows, vocab] arrays the sampler holds at once (logits, probabilities, the sort's keys and indices, the
+# cumulative sum, ...), as jaxserve compile finds them on a TPU (benchmarks/RESULTS.md, issue 44)
+SAMPLER_COPIES = 10
 
 
 def kv_budget_bytes(memory_stats: dict | None, platform: str, config: ModelConfig,
@@ -60,7 +63,8 @@ def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
     if config.moe is not None:  # each token's top_k rows: their inputs, SwiGLU and outputs
         width += config.moe.top_k * (3 * config.moe.intermediate_size + 2 * config.hidden_size)
     rows = max(max(ec.decode_batch_buckets), max(r for r, _ in ec.prefill_shapes))
-    return max(MIN_ACTIVATION_BYTES, 4 * (ec.max_num_batched_tokens * width + 4 * rows * config.vocab_size))
+    return max(MIN_ACTIVATION_BYTES,
+               4 * (ec.max_num_batched_tokens * width + SAMPLER_COPIES * rows * config.vocab_size))
 
 
 def accelerator_kv_bytes(memory_stats: dict, utilization: float, allocator_fraction: float,
