@@ -41,7 +41,8 @@ def compile_plan(shape: str, target: str, folder: Path, jobs: int) -> dict:
                str(devices), "--jobs", str(jobs), "--output-json", str(out), *ENGINE]
     run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if not out.exists():
-        return {"shape": shape, "target": target, "error": (run.stderr.strip().splitlines() or ["?"])[-1]}
+        return {"shape": shape, "target": target, "error": f"exit {run.returncode}: "
+                + (run.stderr.strip().splitlines() or ["?"])[-1]}
     return {"shape": shape, **json.loads(out.read_text())}
 
 
@@ -57,7 +58,7 @@ def summary(plans: list[dict], context: int) -> list[list]:
     rows = []
     for plan in plans:
         if "error" in plan:
-            rows.append([plan["shape"], plan["target"], plan["error"]] + [None] * 8)
+            rows.append([plan["shape"], plan["target"], plan["error"]] + [None] * (7 + len(DECODE_ROWS)))
             continue
         per_token = plan["kv_cache_bytes_per_device"] / max(plan["kv_cache_tokens"], 1)
         decode = {step["shape"]: step for step in plan["steps"] if step["name"] == "decode"}
@@ -91,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 print(f"{shape} on {target}: {plans[-1].get('verdict', plans[-1].get('error'))}", flush=True)
     headers = ["shape", "target", "plan", "weights GiB", "KV GiB", "KV tokens", "peak GiB", "shapes", "compile s",
                "wall s", *(f"decode {b} est./roof ms" for b in DECODE_ROWS)]
-    print(format_table(headers, summary(plans, args.context)))
     write_result("compile_plans", {"engine": ENGINE, "context": args.context, "plans": plans}, args.result_file, argv)
+    print(format_table(headers, summary(plans, args.context)))
     return plans
 
 
