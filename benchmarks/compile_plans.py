@@ -30,15 +30,17 @@ DECODE_ROWS = (1, 64, 256)
 ENGINE = ["--max-num-seqs", "256", "--max-model-len", "8192", "--max-num-batched-tokens", "2048"]
 
 
-def compile_plan(shape: str, target: str, folder: Path, jobs: int) -> dict:
-    """`jaxserve compile`'s JSON for the shape on the target, TP over all of its devices."""
+def compile_plan(shape: str, target: str, folder: Path, jobs: int, steps: str | None = None) -> dict:
+    """`jaxserve compile`'s JSON for the shape on the target, TP over all of its devices (only `steps`, comma-
+    separated, when given)."""
     from jaxserve.aot.targets import target as target_named
 
     model = write_config(folder / shape, shape)
     out = folder / f"{shape}_{target}.json"
     devices = target_named(target).num_devices
     command = [sys.executable, "-m", "jaxserve", "compile", "--target", target, "--model", model, "-tp",
-               str(devices), "--jobs", str(jobs), "--output-json", str(out), *ENGINE]
+               str(devices), "--jobs", str(jobs), "--output-json", str(out), *ENGINE,
+               *(["--steps", steps] if steps else [])]
     run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if not out.exists():
         return {"shape": shape, "target": target, "error": f"exit {run.returncode}: "
@@ -81,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--jobs", type=int, default=1, help="threads compiling at once (1: the sum is exact)")
     parser.add_argument("--context", type=int, default=8192,
                         help="tokens per row for the roofline (default max-model-len, as the kernels' estimates)")
+    parser.add_argument("--steps", default=None, metavar="NAMES",
+                        help="only these steps, comma-separated (default: all; the plan's peak then covers these)")
     parser.add_argument("--result-file", default=None)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -88,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="jaxserve-plans-") as folder:
         for shape in args.shapes:
             for target in args.targets:
-                plans.append(compile_plan(shape, target, Path(folder), args.jobs))
+                plans.append(compile_plan(shape, target, Path(folder), args.jobs, args.steps))
                 print(f"{shape} on {target}: {plans[-1].get('verdict', plans[-1].get('error'))}", flush=True)
     headers = ["shape", "target", "plan", "weights GiB", "KV GiB", "KV tokens", "peak GiB", "shapes", "compile s",
                "wall s", *(f"decode {b} est./roof ms" for b in DECODE_ROWS)]

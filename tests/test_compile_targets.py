@@ -206,3 +206,16 @@ def test_targets_are_known():
             "v4-8"} <= set(TARGETS)
     with pytest.raises(ValueError, match="unknown target 'v9'"):
         target_devices("v9")
+
+
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+def test_a_target_is_traced_with_its_own_matmuls(target):
+    """Compiling for a target from a CPU process traces the target's matmuls, not the CPU's blocked loops (the
+    experts' tile loop was compiled for TPUs and GPUs while jax's backend, the CPU, chose it)."""
+    from jaxserve.aot.targets import compiling_for
+    from jaxserve.layers import matmul_blocks
+
+    assert matmul_blocks.blocked_matmuls()
+    with compiling_for(target):
+        assert matmul_blocks.lowering_platform() == TARGETS[target].platform
+        assert not matmul_blocks.blocked_matmuls()

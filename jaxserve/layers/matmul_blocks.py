@@ -14,10 +14,17 @@ BLOCK_BYTES = (256 << 10, 1 << 20)  # float bytes of one converted block in the 
 MAX_BLOCKS = 64  # more iterations than this cost more in loop overhead than the blocks save
 
 
+def lowering_platform() -> str:
+    """The platform a step being traced now will run on: the default device's (`jaxserve compile` makes a target's
+    device the default, with jax's backend still the CPU), else jax's backend."""
+    device = jax.config.jax_default_device
+    return getattr(device, "platform", device) or jax.default_backend()
+
+
 def blocked_matmuls() -> bool:
     """Whether weight matmuls that XLA would not fuse run as a loop over blocks: on XLA:CPU, which fuses neither a
     convert nor a dynamic slice into a dot (and lowers `ragged_dot` densely)."""
-    return jax.default_backend() == "cpu"
+    return lowering_platform() == "cpu"
 
 
 def block_budget(rows: int) -> int:
