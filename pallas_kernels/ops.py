@@ -1,4 +1,4 @@
-"""Public entry points of the paged-attention kernels.
+"""Public entry points of the GPU kernels: paged attention and the grouped (mixture-of-experts) matmul.
 
 Each function forwards to the backend module that
 implements it (today only Pallas' Triton backend, ``pallas_kernels.triton``);
@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.triton import decode as _triton_decode
+from pallas_kernels.triton import grouped_matmul as _triton_grouped_matmul
 from pallas_kernels.triton import ragged as _triton_ragged
 
 
@@ -154,3 +155,27 @@ def ragged_paged_attention(
         pages_per_compute_block=pages_per_compute_block,
         interpret=interpret,
     )
+
+
+def grouped_matmul(
+    x: jax.Array,
+    kernel: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Each group of rows times its own kernel (the mixture-of-experts' expert linears).
+
+    Args:
+      x: [R, K], float; rows sorted by group: group ``g`` is rows
+        ``[start_g, end_g)`` with ``end = cumsum(group_sizes)``.
+      kernel: [G, K, N], float (converted to x's dtype) or int8 (converted
+        exactly; the caller applies its scales).
+      group_sizes: int32[G], each group's rows, summing to at most R.
+      interpret: run the Pallas kernel in interpret mode (needed on CPU).
+
+    Returns:
+      float32 [R, N]; rows past ``sum(group_sizes)`` are 0.  The work grows
+      with R, not with G (one tile per block of rows a group overlaps).
+    """
+    return _triton_grouped_matmul.grouped_matmul(x, kernel, group_sizes, interpret=interpret)

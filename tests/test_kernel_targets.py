@@ -236,3 +236,28 @@ def test_gpu_kernel_over_shared_memory_fails_with_the_compilers_message():
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         compile_for("h200", pallas_kernels.paged_attention, q, kv, kv, spec((4,), jnp.int32), table,
                     pages_per_compute_block=4)
+
+
+MOE_SHAPES = {"qwen3-30b-a3b-prefill": (16384, 128, 2048, 1536), "qwen3-30b-a3b-decode": (64, 128, 2048, 1536),
+              "gpt-oss-down-decode": (32, 32, 2880, 2880)}  # rows (tokens x top_k), experts, K, N
+
+
+@pytest.mark.parametrize("kernel_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("shape", MOE_SHAPES.values(), ids=MOE_SHAPES.keys())
+def test_grouped_matmul_compiles_for_h200_without_dense_temporaries(shape, kernel_dtype):
+    """XLA's GPU `ragged_dot` is dense: 8 GiB of temporaries at Qwen3-30B-A3B's prefill shape (`[R, G*K]` masked
+    copies of x and the kernel reshaped to `[G*K, N]`). The Triton kernel keeps only the schedule."""
+    rows, groups, fan_in, fan_out = shape
+    compiled = compile_for("h200", pallas_kernels.ops.grouped_matmul, spec((rows, fan_in), "bfloat16"),
+                           spec((groups, fan_in, fan_out), kernel_dtype), spec((groups,), jnp.int32))
+    assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20
+
+
+def test_moe_grouped_matmul_for_h200_is_the_triton_kernel():
+    """`jaxserve.layers.moe.grouped_matmul` traced for a GPU target takes the kernel, not `ragged_dot`."""
+    from jaxserve.layers.moe import grouped_matmul
+
+    compiled = compile_for("h200", grouped_matmul, spec((4096, 2048), "bfloat16"), spec((128, 2048, 768), "int8"),
+                           spec((128,), jnp.int32))
+    assert "jaxserve_grouped_matmul" in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20

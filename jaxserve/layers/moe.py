@@ -4,11 +4,11 @@ Flax `MoE` block a decoder layer calls instead of its dense MLP.
 Each token's `top_k` (token, expert) pairs become rows; the rows are sorted by expert, so each expert's rows are
 one contiguous group, and every expert linear is one grouped matmul over the groups (`grouped_matmul`). The work
 grows with the number of rows (tokens x top_k), never with the number of experts: no token is dropped and no
-expert computes a row that is not routed to it. On TPU and GPU the grouped matmul is `jax.lax.ragged_dot` (a
-native instruction on TPU; cuDNN's grouped GEMM through XLA on NVIDIA GPUs). On CPU jax lowers `ragged_dot` to a
-dense dot of every row with every expert (its FLOPs grow with the expert count), so there it is a loop over tiles
-of `tile_rows` rows, each tile inside one expert's group (`tile_schedule`), as Megablox schedules its grouped
-matmul.
+expert computes a row that is not routed to it. On TPU the grouped matmul is `jax.lax.ragged_dot` (a native
+instruction). XLA lowers `ragged_dot` densely on CPU and on NVIDIA GPUs (every row times every expert: FLOPs and
+temporaries grow with the expert count), so on GPU it is our Triton kernel (`pallas_kernels.ops.grouped_matmul`)
+and on CPU a loop over tiles of `tile_rows` rows; both take their tiles, each inside one expert's group, from
+`tile_schedule`, as Megablox schedules its grouped matmul.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED, TensorP
 from jaxserve.layers import matmul_blocks
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.quant_dense import Linear
+from pallas_kernels import ops
+from pallas_kernels.triton.grouped_matmul import tile_rows, tile_schedule
 
-MAX_TILE_ROWS = 128
 EXPERT_BLOCK_BYTES = 1 << 20  # float bytes of one expert-kernel block in the CPU loop (benchmarks/RESULTS.md)
 # where the experts' parameters live (`shardings.SPEC_KINDS`; part of each MoE family's table, read here too for
 # the shard_map): split inside each expert like the dense MLP, or by expert under expert parallelism
@@ -50,30 +51,6 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Ar
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
-
-
-def tile_rows(num_rows: int, num_groups: int) -> int:
-    """The rows of one tile of the CPU grouped matmul: about a group's mean size (a power of two, 8 to 128), so a
-    decode step's few rows per expert are few tiles and a prefill's many rows are big ones."""
-    mean = max(1, num_rows // num_groups)
-    return min(MAX_TILE_ROWS, max(8, 1 << (mean - 1).bit_length()))
-
-
-def tile_schedule(group_sizes: jax.Array, num_rows: int, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(num_tiles, tile_group [max_tiles], tile_block [max_tiles])`: the tiles of `rows` rows that cover each group
-    of sorted rows (group g is rows `[start_g, end_g)`), one tile per block of `rows` rows a group overlaps. A block
-    shared by two groups is two tiles, each keeping its own group's rows. `num_tiles` <= ceil(num_rows / rows) +
-    (non-empty groups) - 1; tiles past `num_tiles` are padding."""
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    first, last = starts // rows, (ends - 1) // rows
-    tiles = jnp.where(group_sizes > 0, last - first + 1, 0)
-    tile_ends = jnp.cumsum(tiles)
-    max_tiles = -(-num_rows // rows) + min(group_sizes.shape[0], num_rows) - 1
-    index = jnp.arange(max_tiles)
-    group = jnp.minimum(jnp.searchsorted(tile_ends, index, side="right"), group_sizes.shape[0] - 1)
-    block = first[group] + index - (tile_ends[group] - tiles[group])
-    return tile_ends[-1], group.astype(jnp.int32), block.astype(jnp.int32)
 
 
 def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -118,6 +95,8 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
     the caller's)."""
     if matmul_blocks.blocked_matmuls():
         return tiled_grouped_matmul(x, kernel, group_sizes)
+    if matmul_blocks.lowering_platform() == "gpu":
+        return ops.grouped_matmul(x, kernel, group_sizes)
     return jax.lax.ragged_dot(x, kernel.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
