@@ -229,9 +229,10 @@ def step_compile(name: str, shape: str, compiled: Any, seconds: float, resident_
 
 # Custom calls the TPU compiler adds itself and its cost analysis leaves to XLA's HloCostAnalysis::HandleCustomCall,
 # which marks them "unknown": -1 second (and -1 flop, -1 byte) each, summed into `optimal_seconds` with the rest.
-# Neither costs anything: memory-space assignment joins the slices of a sliced prefetch into VMEM with a
-# ConcatBitcast and makes scratch buffers with AllocateBuffer.
-UNCOSTED_CUSTOM_CALLS = ("ConcatBitcast", "AllocateBuffer")
+# None costs anything: memory-space assignment joins the slices of a sliced prefetch into VMEM with a
+# ConcatBitcast and makes scratch buffers with AllocateBuffer; a scatter offloaded to the SparseCore (the experts'
+# scatter-add) is bracketed by PrepareAsyncCallStart/Done, which take no operands.
+UNCOSTED_CUSTOM_CALLS = ("ConcatBitcast", "AllocateBuffer", "PrepareAsyncCallStart", "PrepareAsyncCallDone")
 
 
 def estimated_seconds(compiled: Any) -> float | None:
