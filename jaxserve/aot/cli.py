@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the accelerator: {', '.join(TARGETS)}")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="write the result as JSON")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="threads compiling at once (default: one per core, as the server's warm-up)")
+                        help="threads compiling at once (default: one per core, as the server's warm-up; "
+                             "one for a TPU target, whose compiler crashed on two)")
     parser.add_argument("--steps", default=None, metavar="NAMES",
                         help="only these steps, comma-separated (prefill, decode, sample, ...; default: all)")
     add_engine_args(parser)

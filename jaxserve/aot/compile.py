@@ -30,7 +30,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import page_key
-from jaxserve.engine.step_registry import StepRegistry, shape_key
+from jaxserve.engine.step_registry import StepRegistry, compile_threads, shape_key
 from jaxserve.loading import model_config, resolve_model
 from jaxserve.spec_decode.draft import draft_model_config
 
@@ -152,10 +152,11 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
 def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, names: set[str] | None = None,
                   jobs: int = 1) -> list[StepCompile]:
     """Every shape of every step in `steps` (or of those `names`), lowered and compiled for `target_name`: lowered
-    in turn, compiled by `jobs` threads (warm-up compiles in a pool of one thread per core; compiling frees the
-    GIL). Each step's seconds are its lowering and its compiling. Lowering stays in this thread: the default
-    device Pallas' TPU lowering reads is this thread's."""
-    with compiling_for(target_name), no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    in turn, compiled by `jobs` threads (as warm-up does: `compile_threads`, one for a TPU). Each step's seconds are
+    its lowering and its compiling. Lowering stays in this thread: the default device Pallas' TPU lowering reads
+    is this thread's."""
+    with compiling_for(target_name), no_persistent_cache(), \
+            concurrent.futures.ThreadPoolExecutor(compile_threads(jobs)) as pool:
         futures, seen = [], set()
         for name, inputs in steps.examples():
             key = (name, shape_key(inputs))

@@ -31,6 +31,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.steps import SlotState
 from jaxserve.layers.attention import PagedAttention
+from jaxserve.layers.matmul_blocks import lowering_platform
 from jaxserve.layers.sampler import PenaltyState
 
 logger = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class StepRegistry:
         first run is slower than later ones and would otherwise land on a request. Returns its seconds."""
         started = time.perf_counter()
         compiling = {}
-        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # compiling frees the GIL
+        with concurrent.futures.ThreadPoolExecutor(compile_threads()) as pool:
             for name, inputs in self.examples():
                 key = (name, shape_key(inputs))
                 if key not in compiling:
@@ -202,3 +203,12 @@ class StepRegistry:
         self._cache_sizes = {name: step.fn._cache_size() for name, step in self.steps.items()}
         self._warm = True
         return time.perf_counter() - started
+
+
+def compile_threads(jobs: int | None = None) -> int:
+    """Threads compiling steps at once (compiling frees the GIL): `jobs`, default one per core, but one on TPU,
+    whose compiler (libtpu 0.0.42) crashed the process (SIGSEGV) now and then compiling gpt-oss-20b's steps on
+    two threads for v6e targets, never on one (`jaxserve compile`)."""
+    if lowering_platform() == "tpu":
+        return 1
+    return max(1, jobs or os.cpu_count() or 1)
