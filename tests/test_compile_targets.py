@@ -221,3 +221,16 @@ def test_a_target_is_traced_with_its_own_matmuls(target):
         assert not matmul_blocks.blocked_matmuls()
         # libtpu crashed now and then compiling gpt-oss-20b's steps on two threads: a TPU compiles on one
         assert compile_threads(4) == {"tpu": 1, "gpu": 4}[TARGETS[target].platform]
+
+
+def test_a_tpu_looks_the_embedding_up_in_place(tmp_path):
+    """A hidden size that is not a multiple of 128 (gpt-oss's 2880) makes a TPU's default layout of the embedding
+    table column-major, and looking up 8 tokens then copied the whole table in every step (1.08 GiB for
+    gpt-oss-20b on one v6e). Pinned row-major, no step holds a copy of it."""
+    config = tiny_hf_config("llama", hidden_size=320, intermediate_size=256, vocab_size=262144, head_dim=64)
+    config.save_pretrained(tmp_path)
+    result = compile_engine(EngineConfig(model=str(tmp_path), **{**SMALL, "max_num_seqs": 8,
+                                                                 "decode_batch_buckets": (8,)}), "v6e-1", {"decode"})
+    assert_compiles_and_fits(result)
+    table = 262144 * 320 * 2  # over the chip's VMEM, where a smaller table's copy goes unseen
+    assert all(step.temp_bytes < table for step in result.steps), [step.temp_bytes for step in result.steps]

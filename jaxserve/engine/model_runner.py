@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
-from jaxserve.models import param_shardings
+from jaxserve.models import param_shardings, serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine import startup
 from jaxserve.engine.allocator import Allocator, DeviceAllocator
@@ -163,7 +163,7 @@ class ModelRunner:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
         pool = self.backend.pool_shardings()
         kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(self.mesh, REPLICATED)
-        params_in = param_shardings(self.forward_params, self.config, self.tp, self.mesh)
+        params_in = serving_shardings(self.forward_params, self.config, self.tp, self.mesh)
         static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
         return jit_step(functools.partial(step_fn, *static, **options), self.mesh, (params_in, kv_in, replicated),
                         (kv_in, replicated), donate=(1, 2))

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
-from jaxserve.models import param_shardings
+from jaxserve.models import serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.kv_budget import empty_pool, page_bytes
@@ -62,7 +62,7 @@ class DraftModel:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
         with the drafts' distributions), jitted for `mesh`."""
         pool = self.backend.pool_shardings()
-        params_in = param_shardings(self.params, self.config, self.tp, mesh)
+        params_in = serving_shardings(self.params, self.config, self.tp, mesh)
         kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(mesh, REPLICATED)
         static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
         prefill = jit_step(functools.partial(prefill_step, *static), mesh, (params_in, kv_in, replicated),

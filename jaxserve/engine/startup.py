@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxserve.distributed.shardings import REPLICATED
-from jaxserve.models import param_shardings
+from jaxserve.models import serving_shardings
 
 from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
@@ -32,7 +32,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
     penalty state, slot state and device sampling table (`forward_state`, `sampler_state`)."""
     ec, mesh, replicated = runner.engine_config, runner.mesh, NamedSharding(runner.mesh, REPLICATED)
     vocab = runner.config.vocab_size
-    params_in = param_shardings(runner.params, runner.config, runner.tp, mesh)
+    params_in = serving_shardings(runner.params, runner.config, runner.tp, mesh)
     penalties = (lambda: (runner.batch.penalties,)), assign(runner.batch, "penalties")
     on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
                            donate=(0,))

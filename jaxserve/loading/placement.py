@@ -16,7 +16,7 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.layers.quant_dense import cast_floats, serving_weights
-from jaxserve.models import checkpoint_shapes, fuse_layer, group_kind, param_shardings
+from jaxserve.models import checkpoint_shapes, fuse_layer, group_kind, param_shardings, serving_shardings
 
 
 def checkpoint_shardings(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None,
@@ -50,14 +50,14 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
             out = jax.eval_shape(convert, group)
             serving[name] = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                                                                      sharding=sharding),
-                                         out, param_shardings({name: out}, config, tp, mesh)[name])
+                                         out, serving_shardings({name: out}, config, tp, mesh)[name])
             continue
         group = jax.device_put(group, param_shardings({name: group}, config, tp, mesh)[name])
         kind = group_kind(name, config)
         if kind not in converters:
             out = jax.eval_shape(convert, group)
             converters[kind] = jax.jit(convert,
-                                       out_shardings=param_shardings({name: out}, config, tp, mesh)[name])
+                                       out_shardings=serving_shardings({name: out}, config, tp, mesh)[name])
         serving[name] = converters[kind](group)
         del group  # freed before the next group is placed
     return serving

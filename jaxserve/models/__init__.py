@@ -3,9 +3,11 @@ engine jits, a pure function of (params, token ids, KV pools, attention metadata
 
 from jaxserve.models.registry import (SUPPORTED_MODEL_TYPES, KVCache, checkpoint_shapes, checkpoint_sources,
                                       config_from_hf, dummy_fan_in, forward, fuse_layer, fuse_params, group_kind,
-                                      head_logits, model_spec, param_shardings, param_specs)
+                                      head_logits, model_spec, param_shardings, param_specs,
+                                      serving_shardings)
 from jaxserve.models.spec import ModelSpec, TensorSource
 
 __all__ = ["KVCache", "ModelSpec", "SUPPORTED_MODEL_TYPES", "TensorSource", "checkpoint_shapes", "checkpoint_sources",
            "config_from_hf", "dummy_fan_in", "forward", "fuse_layer", "fuse_params", "group_kind", "head_logits",
-           "model_spec", "param_shardings", "param_specs"]
+           "model_spec", "param_shardings", "param_specs",
+           "serving_shardings"]
