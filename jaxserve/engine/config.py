@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.layers.paged_kv import KV_CACHE_DTYPES
 from jaxserve.loading.awq import check_quantization
 from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.spec_decode.config import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
@@ -23,7 +24,6 @@ logger = logging.getLogger(__name__)
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = (None, "int8", "awq")  # awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # int8: per-token scales; fp8: e4m3 with per-token scales
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 LONG_PREFILL_FRACTION = 0.04  # vLLM's default long_prefill_token_threshold, of max_model_len
 

@@ -55,13 +55,6 @@ class SchedulerStats:
     lora_slot_loads: int = 0
     lora_adapter_reads: int = 0
 
-    @property
-    def spec_decode_acceptance_rate(self) -> float | None:
-        """Accepted over proposed draft tokens; None before any draft."""
-        if not self.spec_decode_num_draft_tokens:
-            return None
-        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
-
     def finished(self, reason: str) -> int:
         return dict(self.request_success).get(reason, 0)
 

@@ -31,11 +31,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED
 from jaxserve.layers.attention_xla import XlaAttention
-from jaxserve.layers.paged_kv import (HEADS, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV, AttentionMetadata,
-                                      QuantizedPages, pool_shape)
+from jaxserve.layers.paged_kv import (HEADS, KV_CACHE_DTYPES, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV,
+                                      AttentionMetadata, QuantizedPages, pool_shape)
 
 ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret", "pallas-tpu", "pallas-tpu-interpret")
-KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV)
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "PagedAttention", "make_attention_backend"]
 

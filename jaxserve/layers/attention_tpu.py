@@ -2,11 +2,12 @@
 default on TPU; `pallas-tpu-interpret` runs the same kernels in Pallas' TPU interpreter (`pltpu.InterpretParams()`),
 which works on a CPU.
 
-`write_kv` writes a step's new K/V with per-token DMAs; `attend` runs one ragged paged attention call over the
-step's rows (the engine's prefill and decode steps are separate calls, each through this one kernel). The kernel
-reads the pool layout all backends share: one page of one head is a contiguous `[page_size, head_dim]` tile, its
-unit of DMA, lane-dense at head_dim 128; quantized pools keep their `[kv_heads, num_pages, page_size]` scales. The
-kernels take no attention-logit soft-cap yet, so a soft-capped model is refused when its step is traced.
+`write_kv` writes a step's new K/V with DMAs of whole row groups (`pallas_kernels/tpu/kv_write.py`); `attend` runs
+one ragged paged attention call over the step's rows (the engine's prefill and decode steps are separate calls,
+each through this one kernel), with sliding windows, attention-logit soft-caps and sinks. The kernels read the
+pool layout all backends share: one page of one head is a contiguous `[page_size, head_dim]` tile, its unit of
+DMA, lane-dense at head_dim 128 (the heads are stored padded to it); quantized pools keep their
+`[kv_heads, num_pages, page_size]` scales.
 """
 
 from __future__ import annotations

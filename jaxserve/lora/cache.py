@@ -142,8 +142,3 @@ class AdapterSlots:
         for name, pins in zip(self.names, self.pins):
             running[name] += pins
         return tuple(sorted(name for name, num in self._unfinished.items() if num > running[name]))
-
-    @property
-    def num_active(self) -> int:
-        """Slots that running sequences use."""
-        return sum(pins > 0 for pins in self.pins)
