@@ -34,16 +34,16 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
 
 
 class InputProcessor:
-    """`texts_in_process`: the completions' text comes from a detokenizer process (`DetokenizedText` mirrors)
+    """`detokenizer_process`: the completions' text comes from a detokenizer process (`DetokenizedText` mirrors)
     instead of an `IncrementalDetokenizer` each."""
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, grammars: GrammarCompiler,
-                 texts_in_process: bool = False, adapters: AdapterCache | None = None):
+                 detokenizer_process: bool = False, adapters: AdapterCache | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = grammars
-        self.texts_in_process = texts_in_process
+        self.detokenizer_process = detokenizer_process
         self.adapters = adapters  # LoRA: the host cache (None: enable_lora is off)
         self._ids_lock = threading.Lock()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished
@@ -79,7 +79,7 @@ class InputProcessor:
                 seq.grammar = grammar.deep_copy()
             seq.lora = adapter
             seqs.append(seq)
-            texts.append(DetokenizedText(params.stop) if self.texts_in_process else
+            texts.append(DetokenizedText(params.stop) if self.detokenizer_process else
                          IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                 params.include_stop_str_in_output))
         return Request(request_id, prompt_text, token_ids, params, seqs, texts, arrival_time)

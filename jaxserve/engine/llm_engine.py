@@ -91,13 +91,14 @@ class LLMEngine:
                                         tiers=_kv_tiers(self.config, runner), window=window)
         self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
-        in_process = self.config.detokenizer_process and self.tokenizer is not None
+        detokenizer_process = self.config.detokenizer_process and self.tokenizer is not None
         self.adapters = (AdapterCache(loaded_config, runner.tp, self.config.max_lora_rank,
                                       self.config.max_cpu_loras or self.config.max_loras)
                          if self.config.enable_lora else None)
-        self.inputs = InputProcessor(self.config, self.tokenizer, loaded_config.vocab_size, self.grammars, in_process,
-                                     self.adapters)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.inputs.release, in_process)
+        self.inputs = InputProcessor(self.config, self.tokenizer, loaded_config.vocab_size, self.grammars,
+                                     detokenizer_process, self.adapters)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.inputs.release,
+                                       detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._new_commands = threading.Event()
         self._prompt_tokens = self._steps = 0
