@@ -111,7 +111,7 @@ def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_d
             assert list(rows.page_tables[slot, :rows.num_pages[slot]]) == seq.page_table
             assert not rows.page_tables[slot, rows.num_pages[slot]:].any()
             rows_checked.append(seq_id)
-        assert all(plain_data(record) for record in (plan.finished_seq_ids, plan.new_seqs, plan.cached_seqs,
+        assert all(plain_data(record) for record in (plan.left_seq_ids, plan.new_seqs, plan.cached_seqs,
                                                       plan.prefills, plan.decodes))
         return step
 

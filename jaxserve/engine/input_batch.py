@@ -101,7 +101,7 @@ class InputBatch:
 
     def apply(self, plan: SchedulerOutput) -> None:
         """Applies a scheduler output's diff to the rows: left, admitted, then what running sequences gained."""
-        for seq_id in plan.finished_seq_ids:
+        for seq_id in plan.left_seq_ids:
             slot = self.slot_of.pop(seq_id, None)
             if slot is not None and self.seq_ids[slot] == seq_id:
                 self.seq_ids[slot] = -1

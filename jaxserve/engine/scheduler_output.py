@@ -75,7 +75,7 @@ class ScheduledDecode(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-    finished_seq_ids: tuple[int, ...]  # left their slots since the last output (finished or preempted)
+    left_seq_ids: tuple[int, ...]  # left their slots since the last output (finished or preempted)
     new_seqs: tuple[NewSequence, ...]
     cached_seqs: tuple[CachedSequence, ...]
     prefills: tuple[ScheduledChunk, ...]
