@@ -133,13 +133,14 @@ loaded = load_model(model, jnp.bfloat16, mesh=mesh)
 jax.block_until_ready(loaded.params)
 seconds = time.perf_counter() - started
 leaves = jax.tree.leaves(loaded.params)
+rss_after = status("VmRSS")  # read once: jax's threads may still fault pages in between two reads
 print(json.dumps({
     "model_bytes": sum(leaf.size * leaf.dtype.itemsize for leaf in leaves),
     "placed_bytes": sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards),
     "parameters": sum(leaf.size for leaf in leaves),
-    "baseline_rss": baseline, "peak_rss": max(status("VmHWM"), status("VmRSS")),  # the mark lags by a few pages
+    "baseline_rss": baseline, "peak_rss": max(status("VmHWM"), rss_after),  # the mark lags by a few pages
     "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    "rss_after": status("VmRSS"), "rss_anon_after": status("RssAnon"), "rss_file_after": status("RssFile"),
+    "rss_after": rss_after, "rss_anon_after": status("RssAnon"), "rss_file_after": status("RssFile"),
     "seconds": seconds, "devices": mesh.size,
 }))
 """
