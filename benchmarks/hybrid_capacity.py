@@ -70,8 +70,10 @@ def run(path: str, hybrid: bool, args: argparse.Namespace) -> dict[str, Any]:
             if output.finished:
                 outputs[int(output.request_id)] = list(output.outputs[0].token_ids)
         most = max(most, sum(not seq.is_prefilling for seq in engine.scheduler.running))
-    result = {"hybrid": runner.hybrid, "full_pages": runner.num_pages, "window_pages": runner.num_window_pages,
-              "pool_bytes": runner.kv_pool_bytes, "most_decoding_at_once": most,
+    plan = runner.kv_plan
+    result = {"hybrid": len(plan.groups) > 1, "full_pages": plan.num_pages,
+              "window_pages": sum(group.num_pages for group in plan.window_groups), "pool_bytes": plan.pool_bytes,
+              "most_decoding_at_once": most,
               "preemptions": engine.scheduler.num_preemptions, "seconds": time.perf_counter() - started,
               "outputs": [outputs[i] for i in range(args.num_requests)]}
     del llm, engine, runner

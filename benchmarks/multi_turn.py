@@ -95,7 +95,7 @@ def run_mode(mode: str, directory: str, args: argparse.Namespace) -> dict[str, A
               "ttft_all_p50_ms": 1000 * percentile([t for ts in ttft.values() for t in ts], 50),
               "ttft_first_turn_p50_ms": 1000 * percentile(ttft[0], 50),
               "prefill_tokens_later": sum(computed[turn] for turn in range(1, args.turns)),
-              "prefill_tokens_all": sum(computed.values()), "num_pages": engine.runner.num_pages,
+              "prefill_tokens_all": sum(computed.values()), "num_pages": engine.runner.kv_plan.num_pages,
               "device_hits": stats.prefix_cache_hits, "max_disk_write_lag_s": (
                   engine.page_manager.tiers.disk.max_write_lag if mode != "off" and engine.page_manager.tiers.disk
                   else None), "tiers": [list(t) for t in stats.external_prefix_cache],

@@ -194,8 +194,9 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     if not 1 <= context <= config.max_model_len:
         raise ValueError(f"context {context} must be in [1, max_model_len={config.max_model_len}]")
     pages_per_seq = -(-context // config.page_size)
-    if batch * pages_per_seq > runner.num_pages - 1:
-        raise ValueError(f"batch {batch} x {pages_per_seq} pages exceeds the pool ({runner.num_pages - 1} pages)")
+    if batch * pages_per_seq > runner.kv_plan.num_pages - 1:
+        raise ValueError(f"batch {batch} x {pages_per_seq} pages exceeds the pool ({runner.kv_plan.num_pages - 1} "
+                         "pages)")
     rows = bucket_for(batch, config.decode_batch_buckets)
     page_tables = np.zeros((rows, config.pages_per_seq), np.int32)
     for row in range(batch):
@@ -208,8 +209,9 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
         runner.batch.sampling.set(int(slot), SamplingParams(temperature=0), seed=0)
     state = runner.batch.slot_state  # the device keeps each slot's page table and input token
     runner.batch.slot_state = state.replace(tokens=state.tokens.at[slots].set(tokens),
-                                      page_tables=state.page_tables.at[slots].set(page_tables))
-    pages = page_tables[np.arange(rows), (context - 1) // config.page_size]
+                                      page_tables=state.page_tables.at[:, slots].set(page_tables))
+    groups = state.page_tables.shape[0]  # every KV cache group gets the same pages (its pool is as large here)
+    pages = np.tile(page_tables[np.arange(rows), (context - 1) // config.page_size], (groups, 1))
     # no host sequences: the step is timed alone, and every slot is a plain greedy one (the forward's argmax)
     inputs = DecodeInputs([], [], DecodeBatch(slots, positions, pages, active), np.zeros(rows, np.int32))
     timing = time_fn(lambda: runner.decode(inputs), warmup=2, repeats=repeats, min_sample_s=0.02)

@@ -37,7 +37,7 @@ def run(llm: LLM) -> tuple[list, int]:
 def uniform(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["gemma3_text"], **OPTIONS, kv_cache_memory_bytes=300_000,
               disable_hybrid_kv_cache_manager=True)
-    assert not llm.llm_engine.runner.hybrid
+    assert len(llm.llm_engine.runner.kv_plan.groups) == 1
     return run(llm)
 
 
@@ -45,14 +45,15 @@ def test_the_same_bytes_hold_more_long_sequences_with_the_same_outputs(tiny_mode
     expected, uniform_most = uniform
     llm = LLM(tiny_model_dirs["gemma3_text"], **OPTIONS, kv_cache_memory_bytes=300_000)
     runner = llm.llm_engine.runner
-    assert runner.hybrid and runner.num_window_layers == 2 and runner.kv_pool_bytes <= 300_000
+    plan = runner.kv_plan
+    assert len(plan.groups) == 2 and len(plan.groups[1].layers) == 2 and plan.pool_bytes <= 300_000
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         outputs, most = run(llm)
     assert [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()] == []
     assert outputs == expected
     assert most >= 2 * uniform_most  # (preemption under the hybrid cache: tests/test_model.py's engine test)
     stats = llm.llm_engine.stats()
-    assert stats.kv_cache_window_capacity_tokens == runner.window_capacity_tokens > 0
+    assert stats.kv_cache_window_capacity_tokens == plan.groups[1].capacity_tokens > 0
 
 
 def test_two_devices_and_ngram_speculation(tiny_model_dirs, uniform):
@@ -60,7 +61,7 @@ def test_two_devices_and_ngram_speculation(tiny_model_dirs, uniform):
     for options in ({"tensor_parallel_size": 2},
                     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
         llm = LLM(tiny_model_dirs["gemma3_text"], **OPTIONS, kv_cache_memory_bytes=300_000, **options)
-        assert llm.llm_engine.runner.hybrid
+        assert len(llm.llm_engine.runner.kv_plan.groups) == 2
         assert run(llm)[0] == expected, options
 
 

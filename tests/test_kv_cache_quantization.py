@@ -198,18 +198,20 @@ def test_page_budget_counts_the_quantized_page_and_shows_it(tiny_llama_dir, monk
     runner = llm.llm_engine.runner
     head_dim, itemsize = 16, {"float32": 4, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1}[storage]
     token_bytes = head_dim * itemsize + (4 if kv_cache_dtype != "auto" else 0)
-    assert runner.page_bytes == 2 * 2 * 8 * 2 * token_bytes
-    assert runner.num_pages == budget // runner.page_bytes  # 64 (float32), 128 (bf16), 204 (int8 / fp8)
+    plan = runner.kv_plan
+    assert plan.groups[0].page_bytes == 2 * 2 * 8 * 2 * token_bytes
+    assert plan.num_pages == budget // plan.groups[0].page_bytes  # 64 (float32), 128 (bf16), 204 (int8 / fp8)
     leaves = jax.tree.leaves(runner.kv_cache)
-    assert sum(leaf.nbytes for leaf in leaves) == runner.kv_pool_bytes  # what is allocated is what was counted
+    assert sum(leaf.nbytes for leaf in leaves) == plan.pool_bytes  # what is allocated is what was counted
     assert {leaf.dtype.name for leaf in leaves} == ({storage, "float32"} if kv_cache_dtype != "auto" else {storage})
     assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids  # it serves
     stats = llm.llm_engine.stats()
-    capacity = (runner.num_pages - 1) * 8
+    capacity = (plan.num_pages - 1) * 8
     assert (stats.kv_cache_capacity_tokens, stats.kv_cache_dtype, stats.kv_cache_storage_dtype) == (
         capacity, kv_cache_dtype, storage)
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:"))
-    assert f"({capacity} usable tokens)" in line and f"kv_cache_dtype {kv_cache_dtype}: {storage} pages" in line
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("KV pools:", "KV cache group"))]
+    assert f"kv_cache_dtype {kv_cache_dtype}: {storage} pages" in lines[0] and len(lines) == 2
+    assert f"({capacity} usable tokens)" in lines[1]
     samples = {(family.name, tuple(sorted(sample.labels.items()))): sample.value
                for family in EngineCollector([llm.llm_engine.stats], "tiny").collect() for sample in family.samples}
     labels = (("kv_cache_dtype", kv_cache_dtype), ("model_name", "tiny"), ("storage_dtype", storage))

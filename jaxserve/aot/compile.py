@@ -141,12 +141,12 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
                                         config.page_size, page_key))
         kv_bytes = device_bytes(runner.kv_cache)
         problem = None
-        if runner.num_pages - 1 < config.pages_per_seq:
-            problem = (f"the KV pool holds {runner.kv_capacity_tokens} tokens per device set, less than one sequence "
-                       f"of max_model_len {config.max_model_len}: {gib(weights)} of weights leave too little of "
-                       f"{gib(usable)}")
+        try:
+            check_plan(runner.kv_plan, config)
+        except ValueError as error:
+            problem = f"{error} ({gib(weights)} of weights leave too little of {gib(usable)})"
         return EnginePlan(**base, resident_bytes=device_bytes(runner.resident_state()), kv_cache_bytes=kv_bytes,
-                          kv_cache_tokens=runner.kv_capacity_tokens, problem=problem), runner
+                          kv_cache_tokens=runner.kv_plan.capacity_tokens, problem=problem), runner
 
 
 def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, names: set[str] | None = None,

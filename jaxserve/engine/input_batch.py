@@ -77,23 +77,22 @@ class SlotSamplingParams:
 class InputBatch:
     """Host rows and device state of every slot; `sharding`: where the device state lives (replicated)."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, sharding, allocator: Allocator, hybrid: bool = False):
+    def __init__(self, config: EngineConfig, vocab_size: int, sharding, allocator: Allocator, groups: int = 1):
         slots = config.max_num_seqs
         self.slot_of: dict[int, int] = {}  # seq id -> its slot
         self.seq_ids = np.full(slots, -1, np.int64)
         self.token_ids: list[list[int]] = [[] for _ in range(slots)]  # what the host has read of each sequence
         self.num_prompt_tokens = np.zeros(slots, np.int32)
-        self.page_tables = np.zeros((slots, config.pages_per_seq), np.int32)
+        # each KV cache group's page tables (`engine/kv_plan.py`); group 0's hold num_pages pages
+        self.page_tables = np.zeros((groups, slots, config.pages_per_seq), np.int32)
         self.num_pages = np.zeros(slots, np.int32)
-        # hybrid KV cache: the sliding-window layers' page tables (None: every layer reads page_tables)
-        self.window_page_tables = np.zeros((slots, config.pages_per_seq), np.int32) if hybrid else None
         self.num_logprobs = np.full(slots, -1, np.int32)  # -1: the sequence asked for none
         self.num_prompt_logprobs = np.zeros(slots, np.int32)
         self.guided = np.zeros(slots, bool)  # constrained decoding: the sampler waits for a token mask
         # LoRA: each slot's adapter slot in the device stack (-1: the base model); None without enable_lora
         self.lora_slots = np.full(slots, -1, np.int32) if config.enable_lora else None
         self.sampling = SlotSamplingParams(slots)
-        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, allocator, hybrid)
+        self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, allocator, groups)
         self.penalties = PenaltyState(prompt_mask=allocator.full((slots, vocab_size), bool, sharding),
                                       output_counts=allocator.full((slots, vocab_size), jnp.int32, sharding),
                                       min_tokens_ban=allocator.full((slots, vocab_size), bool, sharding))
@@ -113,8 +112,9 @@ class InputBatch:
             self.token_ids[slot] += cached.new_token_ids
             if cached.page_ids or cached.first_page != self.num_pages[slot]:  # most steps: a token, no page
                 self._set_pages(slot, cached.first_page, cached.page_ids)
-            if self.window_page_tables is not None:
-                self._set_window_pages(slot, cached.window_first_page, cached.window_page_ids)
+            for group, change in enumerate(cached.window_tables, 1):
+                if change is not None:
+                    self._set_table(group, slot, *change)
 
     def _add(self, new: NewSequence) -> None:
         slot, params = new.slot, new.params
@@ -123,8 +123,8 @@ class InputBatch:
         self.token_ids[slot] = list(new.token_ids)
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self._set_pages(slot, 0, new.page_ids)
-        if self.window_page_tables is not None:
-            self._set_window_pages(slot, 0, new.window_page_ids)
+        for group, table in enumerate(new.window_tables, 1):
+            self._set_table(group, slot, *table)
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[slot] = params.prompt_logprobs or 0
         self.guided[slot] = params.guided_decoding is not None
@@ -133,15 +133,14 @@ class InputBatch:
         self.sampling.set(slot, params, new.seed)
 
     def _set_pages(self, slot: int, first: int, page_ids: tuple[int, ...]) -> None:
-        end = first + len(page_ids)
-        self.page_tables[slot, first:end] = page_ids
-        self.page_tables[slot, end:] = 0
-        self.num_pages[slot] = end
+        self.num_pages[slot] = self._set_table(0, slot, first, page_ids)
 
-    def _set_window_pages(self, slot: int, first: int, page_ids: tuple[int, ...]) -> None:
+    def _set_table(self, group: int, slot: int, first: int, page_ids: tuple[int, ...]) -> int:
+        """A group's table of `slot` from index `first` on (scratch pages after); returns its length."""
         end = first + len(page_ids)
-        self.window_page_tables[slot, first:end] = page_ids
-        self.window_page_tables[slot, end:] = 0
+        self.page_tables[group, slot, first:end] = page_ids
+        self.page_tables[group, slot, end:] = 0
+        return end
 
     def logprobs_of(self, slot: int) -> int | None:
         """The top logprobs a slot's sequence asked for (None: no logprobs)."""

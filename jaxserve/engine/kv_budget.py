@@ -1,9 +1,6 @@
-"""How many pages the KV pool gets: vLLM's `gpu_memory_utilization` on an accelerator, enough pages for every
-slot (up to a fixed budget) on a CPU; what one page takes, and the pool itself.
-
-Under the hybrid KV cache (`engine/window_pages.py`) the sliding-window layers have a pool of their own, sized
-for every slot's window (`window_pages_per_seq`: a window plus the largest step's tokens), and the full-attention
-layers get the rest of the budget (`hybrid_pages`)."""
+"""How many bytes each device gives its KV pools: `kv_cache_memory_bytes`, or vLLM's `gpu_memory_utilization` on an
+accelerator (None on a CPU, whose pools are sized by their slots), and what one page takes. The KV plan
+(`engine/kv_plan.py`) turns the budget into each KV cache group's pages."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ import os
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
-from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.layers.attention import PagedAttention
 
@@ -44,13 +40,10 @@ def allocator_fraction(platform: str) -> float:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_ALLOCATOR_FRACTION))
 
 
-def kv_pages(budget_bytes: int | None, engine_config: EngineConfig, page_bytes: int, device_page_bytes: int) -> int:
-    """Pages for a pool whose page takes `page_bytes` in all and `device_page_bytes` on each device: the budget's
-    worth, or (no budget: a CPU) enough for every slot up to a fixed size."""
-    if budget_bytes is not None:
-        return max(2, budget_bytes // device_page_bytes)
+def cpu_pool_pages(engine_config: EngineConfig, page_bytes: int) -> int:
+    """Pages of `page_bytes` for a pool without a byte budget (a CPU): enough for every slot, up to a fixed size."""
     enough_for_all_slots = engine_config.max_num_seqs * engine_config.pages_per_seq + 1
-    return max(2, min(enough_for_all_slots, CPU_POOL_BYTES // page_bytes))
+    return max(2, min(enough_for_all_slots, CPU_POOL_BYTES // max(page_bytes, 1)))
 
 
 def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
@@ -78,66 +71,9 @@ def accelerator_kv_bytes(memory_stats: dict, utilization: float, allocator_fract
     return int(budget - activation_bytes)
 
 
-def accelerator_kv_pages(memory_stats: dict, utilization: float, allocator_fraction: float,
-                         activation_bytes: int, page_bytes: int) -> int:
-    """`accelerator_kv_bytes` in pages of `page_bytes` (at least 2)."""
-    return max(2, accelerator_kv_bytes(memory_stats, utilization, allocator_fraction, activation_bytes) // page_bytes)
-
-
 def page_bytes(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, page_size: int, dtype,
                num_layers: int | None = None) -> int:
     """Bytes of one page of a model's pool over all layers (or `num_layers` of them) and all devices (K and V; a
     quantized cache's scales included)."""
     layers = config.num_layers if num_layers is None else num_layers
     return 2 * layers * page_size * tp.pool_heads(config) * backend.token_bytes(config.head_dim, dtype)
-
-
-def hybrid_window(config: ModelConfig, engine_config: EngineConfig) -> int | None:
-    """The window of the hybrid KV cache's window pool (the largest of the layers'), or None for one pool: no
-    layer has a window, the hybrid cache is disabled (or off for the KV tiers or a draft model, which copy or share
-    the whole pool by page), or a window pool would hold as many pages per sequence as a full one."""
-    ec = engine_config
-    windows = [window for window in config.layer_sliding_windows if window is not None]
-    if (not windows or ec.disable_hybrid_kv_cache_manager or ec.kv_tiers
-            or (ec.speculative_config is not None and ec.speculative_config.method == "draft_model")):
-        return None
-    window = max(windows)
-    return window if window_pages_per_seq(ec, window) < ec.pages_per_seq else None
-
-
-def window_pages_per_seq(ec: EngineConfig, window: int) -> int:
-    """The most window pages a sequence holds at once: its next token's window and the largest step's tokens."""
-    step_tokens = max(ec.max_num_batched_tokens, ec.num_speculative_tokens + 1)
-    return -(-(window - 1 + step_tokens) // ec.page_size) + 1
-
-
-def hybrid_pages(ec: EngineConfig, window: int, budget_bytes: int | None, full_page_bytes: int,
-                 window_page_bytes: int) -> tuple[int, int]:
-    """(full pages, window pages) of the two pools, scratch pages included. Without a byte budget (a CPU, or
-    `num_kv_pages` set): the window pool holds every slot's window. With one: split so that the two run out together
-    for sequences of max_model_len, the window pool never more than every slot's window."""
-    per_seq = window_pages_per_seq(ec, window)
-    all_windows = ec.max_num_seqs * per_seq + 1
-    if budget_bytes is None:
-        full = ec.num_kv_pages or max(2, min(ec.max_num_seqs * ec.pages_per_seq + 1,
-                                             CPU_POOL_BYTES // max(full_page_bytes, 1)))
-        return full, all_windows
-    full_need, window_need = ec.pages_per_seq * full_page_bytes, per_seq * window_page_bytes
-    windows = max(2, min(all_windows, int(budget_bytes * window_need / (full_need + window_need)) // window_page_bytes))
-    if not full_page_bytes:  # every layer has a window: the full pool holds nothing, its pages are only ids
-        return ec.max_num_seqs * ec.pages_per_seq + 1, windows
-    return max(2, (budget_bytes - windows * window_page_bytes) // full_page_bytes), windows
-
-
-def empty_pool(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, num_pages: int, page_size: int,
-               dtype, allocator: Allocator, window_pages: int | None = None) -> tuple[list, tuple[int, ...]]:
-    """A model's page pool, one (K, V) pair per layer (arrays, or QuantizedPages: values + per-token scales for an
-    int8/fp8 cache), and the shape of each full layer's; `window_pages`: the hybrid KV cache's sliding-window layers
-    have pools of that many pages."""
-    def pool(pages: int) -> tuple:
-        shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
-        return tuple(backend.empty_pool(shape, dtype, allocator) for _ in "kv")
-    windows = config.layer_sliding_windows
-    pools = [pool(window_pages if window_pages is not None and window is not None else num_pages)
-             for window in windows]
-    return pools, backend.pool_shape(num_pages, page_size, tp.pool_heads(config), config.head_dim)

@@ -26,15 +26,15 @@ import jax
 from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
-from jaxserve.engine.kv_budget import window_pages_per_seq
 from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
+from jaxserve.engine.kv_plan import check_plan
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager, page_key
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.stats import IterationStats, SchedulerStats
-from jaxserve.engine.window_pages import WindowPages
+from jaxserve.engine.window_manager import WindowManager
 from jaxserve.engine.step_output import InFlightStep
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
 from jaxserve.lora.cache import AdapterCache
@@ -78,17 +78,12 @@ class LLMEngine:
                                   draft_config)
         self.model.params = None  # the runner holds the device copy
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
-        if self.runner.num_pages - 1 < self.config.pages_per_seq:
-            raise ValueError(f"num_kv_pages={self.runner.num_pages} cannot hold one sequence of max_model_len="
-                             f"{self.config.max_model_len} ({self.config.pages_per_seq} pages + 1 scratch page)")
-        runner = self.runner
-        if runner.hybrid and runner.num_window_pages - 1 < window_pages_per_seq(self.config, runner.window):
-            raise ValueError(f"the sliding-window layers' pool ({runner.num_window_pages} pages) cannot hold one "
-                             f"sequence's window and step ({window_pages_per_seq(self.config, runner.window)} pages "
-                             "+ 1 scratch page): raise kv_cache_memory_bytes or gpu_memory_utilization")
-        window = WindowPages(runner.num_window_pages, self.config.page_size, runner.window) if runner.hybrid else None
-        self.page_manager = PageManager(runner.num_pages, self.config.page_size, self.config.enable_prefix_caching,
-                                        tiers=_kv_tiers(self.config, runner), window=window)
+        runner, plan = self.runner, self.runner.kv_plan
+        check_plan(plan, self.config)
+        windows = tuple(WindowManager(group.num_pages, plan.page_size, group.spec.window, index)
+                        for index, group in enumerate(plan.window_groups, 1))
+        self.page_manager = PageManager(plan.num_pages, plan.page_size, self.config.enable_prefix_caching,
+                                        tiers=_kv_tiers(self.config, runner), windows=windows)
         self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
         detokenizer_process = self.config.detokenizer_process and self.tokenizer is not None
@@ -255,20 +250,20 @@ class LLMEngine:
             self.runner.transfers.close()
 
     def _snapshot(self) -> SchedulerStats:
-        manager, spec = self.page_manager, self.runner.spec_counters
+        manager, spec, plan = self.page_manager, self.runner.spec_counters, self.runner.kv_plan
         return SchedulerStats(
             num_running_seqs=self.scheduler.num_running, num_waiting_seqs=self.scheduler.num_waiting,
             kv_cache_usage=manager.usage, prefix_cache_queries=manager.num_prefix_queries,
             prefix_cache_hits=manager.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self.outputs.num_generation_tokens,
             request_success=tuple(sorted(self.outputs.finished_reasons.items())), num_steps=self._steps,
-            kv_cache_capacity_tokens=self.runner.kv_capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_capacity_tokens=plan.capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
             kv_cache_fragmentation=_fragmentation(self.scheduler.running, self.config.page_size),
-            kv_cache_window_capacity_tokens=self.runner.window_capacity_tokens,
-            kv_cache_window_usage=manager.window.usage if manager.window is not None else 0.0,
+            kv_cache_window_capacity_tokens=sum(group.capacity_tokens for group in plan.window_groups),
+            kv_cache_window_usage=_held(window.pool for window in manager.windows),
             request_slo=tuple((kind, checked, self.outputs.slo_met[kind])
                               for kind, checked in self.outputs.slo_checked.items()),
             **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}),
@@ -279,6 +274,15 @@ class LLMEngine:
         return dict(max_loras=self.config.max_loras, lora_running_adapters=slots.running_adapters(),
                     lora_waiting_adapters=slots.waiting_adapters(), lora_slot_loads=slots.num_loads,
                     lora_adapter_reads=self.adapters.num_reads)
+
+
+def _held(pools) -> float:
+    """Fraction of the pools' usable pages held (0 without pools)."""
+    usable = held = 0
+    for pool in pools:
+        usable += pool.num_usable_pages
+        held += pool.num_usable_pages - pool.num_free_pages
+    return held / usable if usable else 0.0
 
 
 def _fragmentation(running: list, page_size: int) -> float:

@@ -50,7 +50,8 @@ from jaxserve.engine import startup
 from jaxserve.engine.allocator import Allocator, DeviceAllocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
-from jaxserve.engine.kv_budget import empty_pool, hybrid_pages, hybrid_window, kv_budget_bytes, kv_pages, page_bytes
+from jaxserve.engine.kv_budget import kv_budget_bytes
+from jaxserve.engine.kv_plan import KVPlan, empty_pools, group_layers, layer_specs, plan_kv_cache
 from jaxserve.engine.kv_tiers import KVTiers
 from jaxserve.engine.kv_transfer import KVTransfers
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
@@ -98,10 +99,8 @@ class ModelRunner:
                                                                   self.mesh)["lora"], self.allocator.full)
         replicated = NamedSharding(self.mesh, REPLICATED)
         vocab = config.vocab_size
-        self.window = hybrid_window(config, engine_config)  # the hybrid KV cache's window pool, or None: one pool
-        self.hybrid = self.window is not None
-        self.num_window_layers = sum(w is not None for w in config.layer_sliding_windows) if self.hybrid else 0
-        self.batch = InputBatch(engine_config, vocab, replicated, self.allocator, self.hybrid)
+        num_groups = len(group_layers(layer_specs(config), engine_config))  # the KV cache groups (`kv_plan`)
+        self.batch = InputBatch(engine_config, vocab, replicated, self.allocator, num_groups)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
         self.spec_counters = self.speculator.counters if self.speculator is not None else SpecDecodeCounters(0)
@@ -115,37 +114,20 @@ class ModelRunner:
             device = self.mesh.local_devices[0]
             budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
                                      config, engine_config)
-        self.num_window_pages = 0
-        if self.hybrid:
-            self.num_pages, self.num_window_pages = hybrid_pages(
-                engine_config, self.window, budget, self.device_page_bytes, self.window_page_bytes // self.tp.size)
-        else:
-            self.num_pages = engine_config.num_kv_pages or kv_pages(budget, engine_config, self.page_bytes,
-                                                                     self.device_page_bytes)
-        if self.speculator is not None and self.speculator.draft is not None:
-            self.speculator.draft.allocate_pool(self.num_pages)
-        self.kv_cache, pool_shape = empty_pool(config, self.tp, self.backend, self.num_pages, self.page_size,
-                                                self.dtype, self.allocator,
-                                                self.num_window_pages if self.hybrid else None)
+        draft = self.speculator.draft if self.speculator is not None else None  # its pool has group 0's pages
+        self.kv_plan: KVPlan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
+                                             draft.page_bytes if draft is not None else 0)
+        if draft is not None:
+            draft.allocate_pool(self.kv_plan.num_pages)
+        self.kv_cache = empty_pools(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
+                                    self.dtype, self.allocator)
         self.steps = StepRegistry()
         self.steps.add(startup.runner_steps(self) + (self.speculator.steps() if self.speculator is not None else []))
         if self.lora_stack is not None:
             self.steps.add([self._lora_step()])
         self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
-        logger.info("KV pool: %d pages x %d tokens (%d usable tokens), %.1f MiB (kv_cache_dtype %s: %s pages%s, %s "
-                    "attention, per layer %s, split over %d devices)", self.num_pages, self.page_size,
-                    self.kv_capacity_tokens, self.kv_pool_bytes / 2**20, engine_config.kv_cache_dtype,
-                    self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
-                    self.backend.name, pool_shape, self.tp.size)
-        if not self.hybrid and any(w is not None for w in config.layer_sliding_windows):
-            logger.info("one KV pool for every layer, sliding-window ones included (the hybrid KV cache is off: "
-                        "disabled, KV tiers, a draft model, or a window near max_model_len)")
-        if self.hybrid:
-            logger.info("hybrid KV cache: %d sliding-window layers (window %d) hold %d pages of their own (%d "
-                        "tokens: every sequence's window and step), the other %d layers the pool above",
-                        self.num_window_layers, self.window, self.num_window_pages, self.window_capacity_tokens,
-                        config.num_layers - self.num_window_layers)
+        self._log_kv_plan()
 
     def resident_state(self) -> tuple:
         """Every array the runner keeps on its devices between steps (the KV pools once they exist)."""
@@ -165,6 +147,8 @@ class ModelRunner:
         kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(self.mesh, REPLICATED)
         params_in = serving_shardings(self.forward_params, self.config, self.tp, self.mesh)
         static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
+        if len(self.kv_plan.groups) > 1:
+            options["layer_groups"] = self.kv_plan.layer_groups
         return jit_step(functools.partial(step_fn, *static, **options), self.mesh, (params_in, kv_in, replicated),
                         (kv_in, replicated), donate=(1, 2))
 
@@ -199,42 +183,22 @@ class ModelRunner:
         return self.steps.warmup()
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes of one page over all layers and all devices (K and V; a quantized cache's scales included; a draft
-        model's page too)."""
-        draft = self.speculator.draft if self.speculator is not None else None  # its pool has as many pages
-        layers = self.config.num_layers - self.num_window_layers  # under the hybrid KV cache: the full layers'
-        return (page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype, layers)
-                + (draft.page_bytes if draft is not None else 0))
-
-    @property
-    def window_page_bytes(self) -> int:
-        """Bytes of one page of the hybrid KV cache's window pool, over its layers and all devices (0: none)."""
-        return page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype, self.num_window_layers)
-
-    @property
-    def window_capacity_tokens(self) -> int:
-        """Tokens the window pool holds (0: no hybrid KV cache)."""
-        return max(0, self.num_window_pages - 1) * self.page_size
-
-    @property
     def kv_storage_dtype(self) -> str:
         """The dtype the K/V pages hold ("float32", "bfloat16", "int8", "float8_e4m3fn")."""
         return jnp.dtype(self.backend.storage_dtype(self.dtype)).name
 
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Tokens the pool can hold for sequences (page 0 is the scratch page)."""
-        return (self.num_pages - 1) * self.page_size
-
-    @property
-    def device_page_bytes(self) -> int:
-        """Bytes of one page held by each device: its heads' share."""
-        return self.page_bytes // self.tp.size
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.num_window_pages * self.window_page_bytes
+    def _log_kv_plan(self) -> None:
+        plan = self.kv_plan
+        logger.info("KV pools: %.1f MiB over %d devices (kv_cache_dtype %s: %s pages%s, %s attention, page of %d "
+                    "tokens)", plan.pool_bytes / 2**20, self.tp.size, self.engine_config.kv_cache_dtype,
+                    self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
+                    self.backend.name, self.page_size)
+        for index, group in enumerate(plan.groups):
+            logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index, group.spec,
+                        len(group.layers), group.num_pages, group.capacity_tokens)
+        if len(plan.groups) == 1 and any(w is not None for w in self.config.layer_sliding_windows):
+            logger.info("one KV cache group for every layer, sliding-window ones included (the hybrid KV cache is "
+                        "off: disabled, KV tiers, a draft model, or a window near max_model_len)")
 
     # -- the step interface ------------------------------------------------------------------------------------
 

@@ -1,8 +1,7 @@
 """`PageManager`: the host's view of the KV page pool — free list, reference counts, page tables,
 and automatic prefix caching.
 
-Page 0 is the scratch page: padded tokens write there and unused page-table entries point there,
-so it is never handed out. A full page is keyed by sha256 over its parent page's key and its token
+The pages themselves are counted by a `PagePool` (page 0 is the scratch page). A full page is keyed by sha256 over its parent page's key and its token
 ids. Every hit is exact, whatever the hash does: a lookup follows the chain page by page and takes a
 cached page only if its token ids equal the sequence's and it was registered as the child of the
 very page matched one step before (each registration has a serial number that is never reused).
@@ -21,10 +20,11 @@ With KV tiers (`engine/kv_tiers.py`) a lookup that ends on the device continues 
 found there get newly allocated device pages, registered like computed ones, and the runner copies them in before
 the step's forwards (`restore`); every page newly registered from a computation is noted for the tiers to copy.
 
-Under the hybrid KV cache the sliding-window layers keep their pages in a second pool (`window`,
-`engine/window_pages.py`) by the same indices: allocation takes from both (short in either is short), freeing and
-trimming release both, a full page registers in both, and a prefix hit is only as long as the window pool still
-holds what its next token's window reads.
+This manager's pages are the full-attention KV cache group's (the first group of the KV plan, `engine/kv_plan.py`;
+its page indices name every group's). Each sliding-window group has its own manager (`windows`,
+`engine/window_manager.py`) by the same indices: allocation takes from every group (short in one is short),
+freeing and trimming release in all, a full page registers in all, and a prefix hit is only as long as every window
+group still holds what its next token's window reads.
 
 The manager owns the prefix-cache chain of every sequence holding pages (the key and registration serial of each
 of its full pages); a sequence's page table is the list it extends. Token counters are the scheduler's.
@@ -35,16 +35,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections import OrderedDict
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from jaxserve.engine.kv_tiers import KVTiers, TierPage
+from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.window_pages import WindowPages
-
-SCRATCH_PAGE = 0
+from jaxserve.engine.window_manager import WindowManager
 PageHash = Callable[[bytes, tuple[int, ...]], bytes]
 
 
@@ -79,18 +77,14 @@ class CachedPage:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None, window: WindowPages | None = None):
-        if num_pages < 2:
-            raise ValueError(f"num_kv_pages must be >= 2 (page 0 is scratch), got {num_pages}")
+                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None, windows: tuple[WindowManager, ...] = ()):
+        self.pool = PagePool(num_pages)
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.tiers = tiers
-        self.window = window  # the sliding-window layers' pool (hybrid KV cache), or None: every layer uses this one
-        self.ref_counts = [0] * num_pages
-        # free pages, least recently freed first; dict used as an ordered set
-        self.free_pages: OrderedDict[int, None] = OrderedDict((page, None) for page in range(1, num_pages))
+        self.windows = windows  # the sliding-window groups' managers (none: every layer reads this group's pages)
         self.cached: dict[int, CachedPage] = {}  # page -> its registration
         self.page_of_key: dict[bytes, int] = {}
         self._serials = itertools.count()
@@ -100,16 +94,16 @@ class PageManager:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self.free_pages)
+        return self.pool.num_free_pages
 
     @property
     def num_usable_pages(self) -> int:
-        return self.num_pages - 1
+        return self.pool.num_usable_pages
 
     @property
     def usage(self) -> float:
         """Fraction of usable pages held by running sequences (cached-but-free pages count as free)."""
-        return 1.0 - self.num_free_pages / self.num_usable_pages
+        return self.pool.usage
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages `seq` needs so that its first `num_tokens` tokens have a slot."""
@@ -126,8 +120,8 @@ class PageManager:
         max_pages = (len(seq.token_ids) - 1) // self.page_size
         pages = self._matching_pages(key_chain(seq.token_ids, self.page_size, self.hash_fn, max_pages,
                                                seq.prefix_root))
-        if self.window is not None:  # as far as the window layers still hold the pages the next token reads
-            pages = pages[:self.window.usable_hit([self.cached[page].serial for page in pages])]
+        for window in self.windows:  # as far as the window groups still hold the pages the next token reads
+            pages = pages[:window.usable_hit([self.cached[page].serial for page in pages])]
         return pages
 
     def num_cached_tokens(self, chain: Iterable[tuple[bytes, tuple[int, ...]]]) -> int:
@@ -160,17 +154,13 @@ class PageManager:
     def admit(self, seq: Sequence, cached_pages: list[int]) -> int:
         """Gives `seq` the cached prefix pages, taking a reference on each; returns the tokens they hold."""
         for page in cached_pages:
-            self._take(page)
+            self.pool.take(page)
         seq.page_table = list(cached_pages)
-        if self.window is not None:
-            self.window.admit(seq, [self.cached[page].serial for page in cached_pages])
+        for window in self.windows:
+            window.admit(seq.seq_id, [self.cached[page].serial for page in cached_pages])
         self._chains[seq.seq_id] = ([self.cached[page].key for page in cached_pages],
                                     [self.cached[page].serial for page in cached_pages])
         return len(cached_pages) * self.page_size
-
-    def page_serials(self, seq: Sequence) -> list[int | None]:
-        """The cache registration holding each of `seq`'s full pages' prefix, in order (None: not held exactly)."""
-        return list(self._chains.get(seq.seq_id, ((), ()))[1])
 
     def restore(self, seq: Sequence, found: list[tuple[TierPage, str]]) -> list[tuple[int, TierPage]]:
         """Registers the pages allocated to `seq` past its device match for the tier pages `found` (whose K/V the
@@ -197,23 +187,22 @@ class PageManager:
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Adds pages so `seq` can hold `num_tokens` tokens; False (and nothing taken) if the pool is short."""
-        if self.window is not None:
-            self.window.release_behind(seq)
+        for window in self.windows:
+            window.release_behind(seq.seq_id, seq.num_computed_tokens)
         if num_tokens <= len(seq.page_table) * self.page_size:  # most decode steps: the last page has room
             return True
+        if any(window.pages_needed(seq.seq_id, num_tokens) > window.pool.num_free_pages for window in self.windows):
+            return False
         needed = self.pages_needed(seq, num_tokens)
-        if self.window is not None:
-            if self.window.pages_needed(seq, num_tokens) > self.window.num_free_pages:
-                return False
-        if needed > len(self.free_pages):
+        if needed > self.pool.num_free_pages:
             return False
         for _ in range(needed):
-            page = next(iter(self.free_pages))
+            page = self.pool.next_free()
             self._forget(page)
-            self._take(page)
+            self.pool.take(page)
             seq.page_table.append(page)
-        if self.window is not None:
-            self.window.allocate(seq, num_tokens)
+        for window in self.windows:
+            window.allocate(seq.seq_id, num_tokens)
         return True
 
     def commit_full_pages(self, seq: Sequence) -> None:
@@ -232,8 +221,8 @@ class PageManager:
             if self.tiers is not None and serials[-1] is not None and self.cached.get(page) is not None \
                     and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
                 self.tiers.note_registered(page, key, seq.token_ids, (index + 1) * self.page_size)
-            if self.window is not None:
-                self.window.register(seq, index, serials[-1])
+            for window in self.windows:
+                window.register(seq.seq_id, index, serials[-1])
 
     def _register(self, page: int, key: bytes, tokens: tuple[int, ...], index: int,
                   parent_serial: int | None) -> int | None:
@@ -258,8 +247,8 @@ class PageManager:
             self._release(page)
         seq.page_table = []
         self._chains.pop(seq.seq_id, None)
-        if self.window is not None:
-            self.window.free(seq)
+        for window in self.windows:
+            window.free(seq.seq_id)
 
     def trim(self, seq: Sequence) -> None:
         """Releases the pages past those holding `seq`'s tokens (the room a speculative step made for drafts that
@@ -267,26 +256,28 @@ class PageManager:
         keep = -(-len(seq.token_ids) // self.page_size)
         while len(seq.page_table) > keep:
             self._release(seq.page_table.pop())
-        if self.window is not None:
-            self.window.trim(seq, keep)
+        for window in self.windows:
+            window.trim(seq.seq_id, keep)
+
+    def window_changes(self, seq: Sequence, new: bool) -> tuple[tuple[int, tuple[int, ...]] | None, ...]:
+        """Each window group's table of `seq` for the runner: from the first index that changed since it was last
+        sent (first 0: all of it, for a `new` admission)."""
+        changes = []
+        for window in self.windows:
+            change = window.take_changes(seq.seq_id)
+            if new:
+                change = (0, tuple(window.table(seq.seq_id).pages))
+            changes.append(change)
+        return tuple(changes)
 
     def _release(self, page: int) -> None:
-        self.ref_counts[page] -= 1
-        if self.ref_counts[page] == 0:
-            self.free_pages[page] = None
-            if page not in self.cached:  # nothing to reuse: hand it out before cached pages
-                self.free_pages.move_to_end(page, last=False)
+        self.pool.release(page, cached=page in self.cached)
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()
         self.page_of_key.clear()
-        if self.window is not None:
-            self.window.reset()
-
-    def _take(self, page: int) -> None:
-        if self.ref_counts[page] == 0:
-            del self.free_pages[page]
-        self.ref_counts[page] += 1
+        for window in self.windows:
+            window.reset()
 
     def _forget(self, page: int) -> None:
         entry = self.cached.pop(page, None)

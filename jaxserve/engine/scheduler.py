@@ -188,12 +188,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
-        new = tuple(new_sequence(seq) for seq in plan.admitted)
+        windows = self.page_manager.window_changes if self.page_manager.windows else lambda seq, new: ()
+        new = tuple(new_sequence(seq, windows(seq, True)) for seq in plan.admitted)
         admitted = {seq.seq_id for seq in plan.admitted}
         decodes = scheduled_decodes(plan.decodes, self.config.speculative_config)
         verifies = any(decode.num_draft for decode in decodes)
-        cached = [cached_sequence(chunk.seq, True) for chunk in plan.prefills if chunk.seq.seq_id not in admitted]
-        cached += [cached_sequence(seq, verifies) for seq in plan.decodes]
+        cached = [cached_sequence(chunk.seq, True, windows(chunk.seq, False)) for chunk in plan.prefills
+                  if chunk.seq.seq_id not in admitted]
+        cached += [cached_sequence(seq, verifies, windows(seq, False)) for seq in plan.decodes]
         left, self._left_slots = tuple(self._left_slots), []
         return SchedulerOutput(
             left, new, tuple(c for c in cached if c is not None),

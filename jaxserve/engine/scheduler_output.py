@@ -34,7 +34,8 @@ class NewSequence(NamedTuple):
     page_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
-    window_page_ids: tuple[int, ...] = ()  # hybrid KV cache: the sliding-window layers' pages (scratch: released)
+    # each sliding-window KV cache group's table, (0, page ids) (scratch: released); () without such groups
+    window_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
     lora_slot: int = -1  # LoRA: its adapter's slot in the device stack (-1: the base model)
 
 
@@ -46,8 +47,8 @@ class CachedSequence(NamedTuple):
     new_token_ids: tuple[int, ...]
     first_page: int
     page_ids: tuple[int, ...]
-    window_first_page: int = 0  # hybrid KV cache: the window layers' page table from that index on
-    window_page_ids: tuple[int, ...] = ()
+    # each sliding-window KV cache group's table from an index on, (first, page ids), or None: unchanged
+    window_tables: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
 
 class ScheduledChunk(NamedTuple):
@@ -90,25 +91,24 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
-def new_sequence(seq: Sequence) -> NewSequence:
-    """`seq` as admitted; from now on the runner has its tokens and pages."""
+def new_sequence(seq: Sequence, window_tables: tuple = ()) -> NewSequence:
+    """`seq` as admitted, with its window groups' tables (`PageManager.window_changes`); from now on the runner
+    has its tokens and pages."""
     seq.num_sent_tokens, seq.num_sent_pages = len(seq.token_ids), len(seq.page_table)
     seq.num_kept_pages = seq.num_sent_pages
-    seq.num_sent_window_pages = seq.num_kept_window_pages = len(seq.window_pages)
     return NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
-                       tuple(seq.page_table), seq.params, seq.seed, tuple(seq.window_pages),
+                       tuple(seq.page_table), seq.params, seq.seed, window_tables,
                        -1 if seq.lora_slot is None else seq.lora_slot)
 
 
-def cached_sequence(seq: Sequence, with_tokens: bool) -> CachedSequence | None:
+def cached_sequence(seq: Sequence, with_tokens: bool, window_tables: tuple = ()) -> CachedSequence | None:
     """What the runner lacks of a running `seq` (None: nothing): its pages always, the tokens the host read only
     `with_tokens` (a step that reads them: a prefill chunk, or a verify's latest tokens; a plain decode reads its
     input token on the device, so its row's tokens may lag until then). The runner's page table is `seq`'s first
     `num_sent_pages` pages as they were when sent, of which the first `num_kept_pages` are still `seq`'s (a trim
-    lowers it)."""
+    lowers it). `window_tables`: what changed in its window groups' tables (`PageManager.window_changes`)."""
     pages_changed, first_page = _table_diff(len(seq.page_table), seq.num_sent_pages, seq.num_kept_pages)
-    window_changed, window_first = _table_diff(len(seq.window_pages), seq.num_sent_window_pages,
-                                               seq.num_kept_window_pages)
+    window_changed = any(change is not None for change in window_tables)
     tokens_changed = with_tokens and seq.num_sent_tokens != len(seq.token_ids)
     if not (pages_changed or window_changed or tokens_changed):
         return None
@@ -117,9 +117,8 @@ def cached_sequence(seq: Sequence, with_tokens: bool) -> CachedSequence | None:
         tokens = tuple(seq.token_ids[seq.num_sent_tokens:])
         seq.num_sent_tokens = len(seq.token_ids)
     seq.num_sent_pages = seq.num_kept_pages = len(seq.page_table)
-    seq.num_sent_window_pages = seq.num_kept_window_pages = len(seq.window_pages)
-    return CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]), window_first,
-                          tuple(seq.window_pages[window_first:]))
+    return CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]),
+                          window_tables if window_changed else ())
 
 
 def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool, int]:

@@ -49,12 +49,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.num_prompt_cached_tokens = -1  # ... at the first admission (what usage reports); -1 before it
         self.num_scored = 0  # prompt_logprobs: prompt tokens 1..num_scored are scored by dispatched prefills
-        self.page_table: list[int] = []  # written by the PageManager
-        # hybrid KV cache: the sliding-window layers' pages by the same index (`engine/window_pages.py`), held from
-        # window_start on (earlier entries are released or the scratch page)
-        self.window_pages: list[int] = []
-        self.window_start = 0
-        self.num_sent_window_pages = self.num_kept_window_pages = 0
+        # written by the PageManager: its pages in the full-attention KV cache group (a sliding-window group's are
+        # that group's manager's, `engine/window_manager.py`)
+        self.page_table: list[int] = []
         # what the runner has of it (`scheduler_output.py`): tokens, page-table length, pages still the same
         self.num_sent_tokens = self.num_sent_pages = self.num_kept_pages = 0
         self.slot: int | None = None

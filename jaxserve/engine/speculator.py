@@ -18,7 +18,8 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
-from jaxserve.engine.kv_budget import empty_pool, page_bytes
+from jaxserve.engine.kv_budget import page_bytes
+from jaxserve.engine.kv_plan import empty_pools
 from jaxserve.engine.scheduler_output import ScheduledDecode
 from jaxserve.engine.stats import SpecDecodeCounters
 from jaxserve.engine.step_inputs import VerifyInputs, empty_prefill, verify_inputs
@@ -55,8 +56,8 @@ class DraftModel:
         return page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype)
 
     def allocate_pool(self, num_pages: int) -> None:
-        self.kv_cache, _ = empty_pool(self.config, self.tp, self.backend, num_pages, self.page_size, self.dtype,
-                                      self.allocator)
+        self.kv_cache = empty_pools([num_pages] * self.config.num_layers, self.config, self.tp, self.backend,
+                                    self.page_size, self.dtype, self.allocator)
 
     def jitted(self, mesh: Mesh) -> tuple:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
@@ -132,7 +133,7 @@ class Speculator:
         if self.draft is not None:
             runner.send_sampling_table()
             proposal = runner.steps.run("propose" if plain else "propose_probs", ProposeInputs(
-                batch.slots, batch.positions, inputs.last_tokens, batch.pages, batch.num_draft, batch.active,
+                batch.slots, batch.positions, inputs.last_tokens, batch.pages[0], batch.num_draft, batch.active,
                 inputs.output_index))
             batch = batch.replace(draft_tokens=proposal.draft_tokens)
         forward = runner.steps.run("verify", batch)
@@ -171,9 +172,8 @@ class Speculator:
     def _verify_examples(self) -> Iterator[VerifyBatch]:
         for rows in self.runner.engine_config.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
-            pages = functools.partial(np.zeros, (rows, self.k + 1), np.int32)
-            yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, pages(), np.zeros(rows, bool),
-                              pages() if self.runner.hybrid else None,
+            pages = np.zeros((len(self.runner.kv_plan.groups), rows, self.k + 1), np.int32)
+            yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, pages, np.zeros(rows, bool),
                               np.full(rows, -1, np.int32) if self.runner.engine_config.enable_lora else None)
 
     def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:

@@ -38,7 +38,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
                            donate=(0,))
     return [
         Step("prefill", runner.jit_forward(prefill_step, with_hidden=True), runner.forward_state,
-             runner.keep_forward_state, functools.partial(prefill_examples, ec, runner.hybrid, ec.enable_lora),
+             runner.keep_forward_state, functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora),
              forwards=("logits", "hidden")),
         Step("score", jit_step(functools.partial(prompt_scores_step, runner.config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),
@@ -46,7 +46,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
                  score_examples, ec, runner.config.hidden_size, runner.dtype, replicated, runner.allocator),
              forwarded=("hidden",)),
         Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
-             functools.partial(decode_examples, ec, runner.hybrid, ec.enable_lora), forwards=("logits",)),
+             functools.partial(decode_examples, ec, len(runner.kv_plan.groups), ec.enable_lora), forwards=("logits",)),
         Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
              assign(runner.batch, "sampling_table"), functools.partial(table_examples, ec)),
         Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
@@ -70,9 +70,9 @@ def reset_buckets(ec: EngineConfig) -> tuple[int, ...]:
     return power_of_two_buckets(16, max(16, ec.max_model_len))
 
 
-def prefill_examples(ec: EngineConfig, hybrid: bool = False, lora: bool = False) -> Iterator[PrefillBatch]:
+def prefill_examples(ec: EngineConfig, groups: int = 1, lora: bool = False) -> Iterator[PrefillBatch]:
     for rows, tokens in ec.prefill_shapes:
-        yield empty_prefill(rows, tokens, ec.pages_per_seq, hybrid, lora)
+        yield empty_prefill(rows, tokens, ec.pages_per_seq, groups, lora)
 
 
 def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocator: Allocator
@@ -84,10 +84,10 @@ def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocato
                           np.zeros((rows, tokens), np.int32), zeros, zeros)
 
 
-def decode_examples(ec: EngineConfig, hybrid: bool = False, lora: bool = False) -> Iterator[DecodeBatch]:
+def decode_examples(ec: EngineConfig, groups: int = 1, lora: bool = False) -> Iterator[DecodeBatch]:
     for rows in ec.decode_batch_buckets:
         zeros = np.zeros(rows, np.int32)
-        yield DecodeBatch(zeros, zeros, zeros, np.zeros(rows, bool), zeros if hybrid else None,
+        yield DecodeBatch(zeros, zeros, np.zeros((groups, rows), np.int32), np.zeros(rows, bool),
                           np.full(rows, -1, np.int32) if lora else None)
 
 

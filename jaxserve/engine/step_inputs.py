@@ -73,8 +73,8 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     """One prefill call of `chunks`; `rope_by_sequence`: the tokens rotate by the sequence's length (LongRoPE),
     else by the prompt's (`layers/rotary.py`)."""
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
-    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[1], rows_of.window_page_tables is not None,
-                          rows_of.lora_slots is not None)
+    groups, _, pages_per_seq = rows_of.page_tables.shape
+    batch = empty_prefill(rows, tokens, pages_per_seq, groups, rows_of.lora_slots is not None)
     inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
     for row, chunk in enumerate(chunks):
         slot = rows_of.slot_of[chunk.seq_id]
@@ -83,9 +83,7 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
         batch.token_ids[row, :chunk.num_tokens] = token_ids[chunk.start:chunk.start + chunk.num_tokens]
         batch.starts[row] = chunk.start
         batch.num_tokens[row] = chunk.num_tokens
-        batch.page_tables[row] = rows_of.page_tables[slot]
-        if batch.window_page_tables is not None:
-            batch.window_page_tables[row] = rows_of.window_page_tables[slot]
+        batch.page_tables[:, row] = rows_of.page_tables[:, slot]
         inputs.output_index[row] = len(token_ids) - rows_of.num_prompt_tokens[slot]
         batch.is_final[row] = chunk.is_final
         batch.rope_lens[row] = len(token_ids) if rope_by_sequence else rows_of.num_prompt_tokens[slot]
@@ -102,15 +100,13 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     return inputs
 
 
-def empty_prefill(rows: int, tokens: int, pages_per_seq: int, hybrid: bool = False,
-                  lora: bool = False) -> PrefillBatch:
-    """A prefill call of empty rows (zero tokens: they write only to the scratch page); `hybrid`: with the window
-    layers' page tables; `lora`: with each row's adapter slot (-1: none)."""
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int, groups: int = 1, lora: bool = False) -> PrefillBatch:
+    """A prefill call of empty rows (zero tokens: they write only to the scratch page), with page tables for
+    `groups` KV cache groups; `lora`: with each row's adapter slot (-1: none)."""
     zeros = functools.partial(np.zeros, rows, np.int32)
-    tables = functools.partial(np.zeros, (rows, pages_per_seq), np.int32)
     return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
-                        page_tables=tables(), slots=zeros(), is_final=np.zeros(rows, bool), next_tokens=zeros(),
-                        rope_lens=zeros(), window_page_tables=tables() if hybrid else None,
+                        page_tables=np.zeros((groups, rows, pages_per_seq), np.int32), slots=zeros(),
+                        is_final=np.zeros(rows, bool), next_tokens=zeros(), rope_lens=zeros(),
                         lora_slots=np.full(rows, -1, np.int32) if lora else None)
 
 
@@ -123,15 +119,11 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     slots, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     slots[:count] = [slot_of[seq_id] for seq_id in seq_ids]
     positions[:count] = [decode.position for decode in decodes]
-    pages = rows_of.page_tables[slots, positions // config.page_size]
-    window_pages = (None if rows_of.window_page_tables is None
-                    else rows_of.window_page_tables[slots, positions // config.page_size])
+    pages = rows_of.page_tables[:, slots, positions // config.page_size]
     output_index = positions + 1 - rows_of.num_prompt_tokens[slots]
     active = np.zeros(rows, bool)
     active[:count] = True
-    pages[count:] = output_index[count:] = 0
-    if window_pages is not None:
-        window_pages[count:] = 0
+    pages[:, count:] = output_index[count:] = 0
     live = slots[:count]
     sampled = [RowSequence(row, seq_id, None if k < 0 else k)
                for row, (seq_id, k) in enumerate(zip(seq_ids, rows_of.num_logprobs[live].tolist()))]
@@ -140,8 +132,7 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     if rows_of.lora_slots is not None:
         lora_slots = np.full(rows, -1, np.int32)
         lora_slots[:count] = rows_of.lora_slots[live]
-    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active, window_pages, lora_slots),
-                        output_index)
+    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active, lora_slots), output_index)
 
 
 @dataclasses.dataclass
@@ -160,11 +151,10 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     is to propose on the device). Speculative steps are synchronous: the rows hold every token."""
     rows = bucket_for(len(decodes), config.decode_batch_buckets)
     page_size = config.page_size
-    window = rows_of.window_page_tables
     batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                         draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
-                        pages=np.zeros((rows, k + 1), np.int32), active=np.zeros(rows, bool),
-                        window_pages=None if window is None else np.zeros((rows, k + 1), np.int32),
+                        pages=np.zeros((rows_of.page_tables.shape[0], rows, k + 1), np.int32),
+                        active=np.zeros(rows, bool),
                         lora_slots=None if rows_of.lora_slots is None else np.full(rows, -1, np.int32))
     inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, decode in enumerate(decodes):
@@ -179,9 +169,7 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
         for i in range(k + 1):
             index = (position + i) // page_size
             if index < num_pages:
-                batch.pages[row, i] = rows_of.page_tables[slot, index]
-                if window is not None:
-                    batch.window_pages[row, i] = window[slot, index]
+                batch.pages[:, row, i] = rows_of.page_tables[:, slot, index]
         inputs.last_tokens[row] = rows_of.token_ids[slot][-2:]
         inputs.output_index[row] = position + 1 - rows_of.num_prompt_tokens[slot]
         inputs.rows.append(RowSequence(row, decode.seq_id, rows_of.logprobs_of(slot)))

@@ -80,7 +80,7 @@ class RunnerState(Protocol):
     tp: TensorParallel
     backend: PagedAttention
     dtype: Any
-    hybrid: bool  # the sliding-window layers have a pool and page tables of their own (`engine/window_pages.py`)
+    kv_plan: KVPlan  # its KV cache groups and their pools' pages (`engine/kv_plan.py`)
     params: dict
     batch: InputBatch  # each slot's rows, slot state, penalty state and device sampling table
     all_allowed: dict[int, jax.Array]  # a sampler call's bitmask without constrained rows, per row count

@@ -3,7 +3,7 @@ pytree of inputs (the dataclasses below), and returns `(outputs, new_state)`, th
 its owner stores it (`engine/step_registry.py`).
 
 * `SlotState`: what the device keeps per decode slot between steps: the slot's latest sampled token and its
-  page table. A decode step reads its input tokens from it, so step t+1 can run before the host has seen
+  page table in each KV cache group (`engine/kv_plan.py`). A decode step reads its input tokens from it, so step t+1 can run before the host has seen
   step t's tokens (async scheduling), and its page tables, so the host sends only each row's current page.
 * `prefill_step` / `decode_step`: the model's forward over chunks or one token per row, writing K/V into
   the (donated) page pool and the rows' argmax and page tables into the slot state; they return a `Forward`
@@ -39,15 +39,13 @@ SCORE_POSITIONS = 256  # prompt positions whose logits `prompt_scores_step` hold
 @flax.struct.dataclass
 class SlotState:
     tokens: jax.Array  # int32 [slots]: the latest token sampled for the slot's sequence
-    page_tables: jax.Array  # int32 [slots, pages_per_seq]
-    window_page_tables: jax.Array | None = None  # hybrid KV cache: the sliding-window layers' (same shape)
+    page_tables: jax.Array  # int32 [groups, slots, pages_per_seq]: each KV cache group's
 
     @classmethod
-    def empty(cls, slots: int, pages_per_seq: int, sharding, allocator: Allocator, hybrid: bool = False
+    def empty(cls, slots: int, pages_per_seq: int, sharding, allocator: Allocator, groups: int = 1
               ) -> "SlotState":
-        tables = lambda: allocator.full((slots, pages_per_seq), jnp.int32, sharding)  # noqa: E731
-        return cls(tokens=allocator.full((slots,), jnp.int32, sharding), page_tables=tables(),
-                   window_page_tables=tables() if hybrid else None)
+        return cls(tokens=allocator.full((slots,), jnp.int32, sharding),
+                   page_tables=allocator.full((groups, slots, pages_per_seq), jnp.int32, sharding))
 
 
 @flax.struct.dataclass
@@ -69,12 +67,11 @@ class PrefillBatch:
     token_ids: jax.Array  # int32 [rows, tokens]
     starts: jax.Array  # int32 [rows]: position of each chunk's first token
     num_tokens: jax.Array  # int32 [rows]: real tokens per row (0: empty row)
-    page_tables: jax.Array  # int32 [rows, pages_per_seq]
+    page_tables: jax.Array  # int32 [groups, rows, pages_per_seq]: each KV cache group's
     slots: jax.Array  # int32 [rows]
     is_final: jax.Array  # bool [rows]: the chunk ends its sequence's tokens, so its sample is an output token
     next_tokens: jax.Array  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
     rope_lens: jax.Array  # int32 [rows]: the rope length each row's tokens have at least (`layers/rotary.py`)
-    window_page_tables: jax.Array | None = None  # hybrid KV cache: int32 [rows, pages_per_seq], the window layers'
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
 
 
@@ -84,9 +81,9 @@ class DecodeBatch:
 
     slots: jax.Array  # int32 [rows]
     positions: jax.Array  # int32 [rows]: where each row's input token (its slot's latest, on the device) goes
-    pages: jax.Array  # int32 [rows]: the page holding that position (the device keeps the rest of the table)
+    pages: jax.Array  # int32 [groups, rows]: the page holding that position in each KV cache group (the device
+    # keeps the rest of the tables)
     active: jax.Array  # bool [rows]
-    window_pages: jax.Array | None = None  # hybrid KV cache: int32 [rows], that position's window-layer page
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
 
 
@@ -98,9 +95,9 @@ class VerifyBatch:
     positions: jax.Array  # int32 [rows]: the position of each row's latest token
     draft_tokens: jax.Array  # int32 [rows, K]: n-gram proposals from the host, or a draft model's on the device
     num_draft: jax.Array  # int32 [rows]: drafts each row may have (its lookahead, or its n-gram proposal's length)
-    pages: jax.Array  # int32 [rows, K + 1]: the page of each position p..p+K (0 past the sequence's pages)
+    pages: jax.Array  # int32 [groups, rows, K + 1]: the page of each position p..p+K in each KV cache group (0 past
+    # the sequence's pages)
     active: jax.Array  # bool [rows]
-    window_pages: jax.Array | None = None  # hybrid KV cache: int32 [rows, K + 1], those positions' window pages
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
 
 
@@ -160,27 +157,33 @@ def _rows_to_slots(slot_state: SlotState, slots, keep):
     return jnp.where(keep, slots, slot_state.tokens.shape[0])
 
 
+def _metadata(page_tables, slot_mapping, layer_groups, **fields) -> AttentionMetadata:
+    """A step's attention metadata from each KV cache group's page tables `[groups, B, P]` and KV slots
+    `[groups, B, T]`: group 0's for every layer, or with several groups each layer's own (`for_layer`)."""
+    if layer_groups is None:
+        return AttentionMetadata(page_tables=page_tables[0], slot_mapping=slot_mapping[0], **fields)
+    return AttentionMetadata(page_tables=page_tables[0], slot_mapping=slot_mapping[0],
+                             group_page_tables=page_tables, group_slot_mapping=slot_mapping,
+                             layer_groups=layer_groups, **fields)
+
+
 def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: PrefillBatch,
-                 with_hidden: bool = False):
+                 with_hidden: bool = False, layer_groups: tuple[int, ...] | None = None):
     """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`. Each
-    row's page table becomes its slot's, and so does the token its sequence feeds next: a final chunk's argmax,
+    row's page tables become its slot's, and so does the token its sequence feeds next: a final chunk's argmax,
     else the token after the chunk (`next_tokens`; a recompute may leave its last known token to a decode).
-    `with_hidden` returns the last layer's output too (`Forward.hidden`, `prompt_scores_step`'s input)."""
+    `with_hidden` returns the last layer's output too (`Forward.hidden`, `prompt_scores_step`'s input).
+    `layer_groups`: each layer's KV cache group, when there are several (`engine/kv_plan.py`)."""
     rows, chunk = batch.token_ids.shape
     num_tokens, page_tables = batch.num_tokens, batch.page_tables
     positions = batch.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
     valid = jnp.arange(chunk)[None, :] < num_tokens[:, None]
-    page_index = jnp.minimum(positions // page_size, page_tables.shape[1] - 1)
-
-    def slots_of(tables):
-        pages = jnp.take_along_axis(tables, page_index, axis=1)
-        return jnp.where(valid, pages * page_size + positions % page_size, 0)
-    window_tables = batch.window_page_tables
-    meta = AttentionMetadata(positions=positions, slot_mapping=slots_of(page_tables), page_tables=page_tables,
-                             context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0),
-                             query_lens=num_tokens, rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1),
-                             window_page_tables=window_tables,
-                             window_slot_mapping=None if window_tables is None else slots_of(window_tables))
+    page_index = jnp.minimum(positions // page_size, page_tables.shape[2] - 1)
+    pages = jnp.take_along_axis(page_tables, jnp.broadcast_to(page_index, (page_tables.shape[0], rows, chunk)), 2)
+    slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
+    meta = _metadata(page_tables, slot_mapping, layer_groups, positions=positions,
+                     context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0), query_lens=num_tokens,
+                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1))
     (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                          logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
                                          with_hidden=True, lora_slots=batch.lora_slots)
@@ -188,9 +191,7 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     slot_state = SlotState(
         tokens=slot_state.tokens.at[live].set(jnp.where(batch.is_final, greedy, batch.next_tokens), mode="drop"),
-        page_tables=slot_state.page_tables.at[live].set(page_tables, mode="drop"),
-        window_page_tables=None if window_tables is None else slot_state.window_page_tables.at[live].set(
-            window_tables, mode="drop"))
+        page_tables=slot_state.page_tables.at[:, live].set(page_tables, mode="drop"))
     return Forward(logits, greedy, hidden.astype(dtype) if with_hidden else None), (kv_cache, slot_state)
 
 
@@ -214,64 +215,54 @@ def prompt_scores_step(config, tp, dtype, params, inputs: ScoreInputs):
     return jax.tree.map(lambda leaf: leaf.reshape(rows, tokens, *leaf.shape[3:]), scores), ()
 
 
-def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: DecodeBatch):
-    """One token per row: row i feeds its slot's latest token at `positions[i]`; `pages[i]` is the page holding
-    that position, written into the slot's page table first. The argmax becomes each active slot's token."""
+def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: DecodeBatch,
+                layer_groups: tuple[int, ...] | None = None):
+    """One token per row: row i feeds its slot's latest token at `positions[i]`; `pages[:, i]` is the page holding
+    that position in each KV cache group, written into the slot's page tables first. The argmax becomes each active
+    slot's token."""
     slots, positions, pages, active = batch.slots, batch.positions, batch.pages, batch.active
     rows = slots.shape[0]
-    page_index = jnp.minimum(positions // page_size, slot_state.page_tables.shape[1] - 1)
+    page_index = jnp.minimum(positions // page_size, slot_state.page_tables.shape[2] - 1)
     live = _rows_to_slots(slot_state, slots, active)
-
-    def placed(tables, row_pages):  # the slots' tables with each row's page written, and the rows' flat KV slots
-        tables = tables.at[live, page_index].set(row_pages, mode="drop")
-        return tables, jnp.where(active, row_pages * page_size + positions % page_size, 0)[:, None]
-    page_tables, slot_mapping = placed(slot_state.page_tables, pages)
-    window_tables, window_slots = (None, None) if batch.window_pages is None else placed(
-        slot_state.window_page_tables, batch.window_pages)
+    page_tables = slot_state.page_tables.at[:, live, page_index].set(pages, mode="drop")
+    slot_mapping = jnp.where(active, pages * page_size + positions % page_size, 0)[:, :, None]
     token_ids = slot_state.tokens[slots]
-    meta = AttentionMetadata(positions=positions[:, None], slot_mapping=slot_mapping, page_tables=page_tables[slots],
-                             context_lens=jnp.where(active, positions + 1, 0),
-                             query_lens=jnp.ones((rows,), jnp.int32),
-                             window_page_tables=None if window_tables is None else window_tables[slots],
-                             window_slot_mapping=window_slots)
+    meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions[:, None],
+                     context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32))
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
                                lora_slots=batch.lora_slots)
     greedy = argmax(logits)
-    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables,
-                           window_page_tables=window_tables)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables)
     return Forward(logits, greedy), (kv_cache, slot_state)
 
 
-def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: VerifyBatch):
+def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: VerifyBatch,
+                layer_groups: tuple[int, ...] | None = None):
     """Row i feeds its slot's latest token at `positions[i]` and its `num_draft[i]` drafts after it (`draft_tokens
-    [rows, K]`, `pages [rows, K+1]` the pages of those K+1 positions); the logits of all K+1 positions come back
-    with the greedy acceptance (`SampleResult` with `num_accepted`), and each active slot's latest token becomes
-    the argmax after its accepted drafts."""
+    [rows, K]`, `pages [groups, rows, K+1]` the pages of those K+1 positions); the logits of all K+1 positions come
+    back with the greedy acceptance (`SampleResult` with `num_accepted`), and each active slot's latest token
+    becomes the argmax after its accepted drafts."""
     slots, positions, draft_tokens, num_draft, active = (batch.slots, batch.positions, batch.draft_tokens,
                                                          batch.num_draft, batch.active)
     rows, k = draft_tokens.shape
     valid = active[:, None] & (jnp.arange(k + 1)[None, :] <= num_draft[:, None])
-    positions2d, slot_mapping, page_tables = draft_positions(slot_state.page_tables, page_size, slots, positions,
-                                                             batch.pages, valid)
-    window_tables = window_slots = None
-    if batch.window_pages is not None:
-        _, window_slots, window_tables = draft_positions(slot_state.window_page_tables, page_size, slots, positions,
-                                                         batch.window_pages, valid)
+    placed = [draft_positions(tables, page_size, slots, positions, pages, valid)
+              for tables, pages in zip(slot_state.page_tables, batch.pages)]
+    positions2d = placed[0][0]
+    slot_mapping = jnp.stack([mapping for _, mapping, _ in placed])
+    page_tables = jnp.stack([tables for _, _, tables in placed])
     token_ids = jnp.concatenate([slot_state.tokens[slots][:, None], draft_tokens], axis=1)
-    meta = AttentionMetadata(positions=positions2d, slot_mapping=slot_mapping, page_tables=page_tables[slots],
-                             context_lens=jnp.where(active, positions + 1 + num_draft, 0),
-                             query_lens=jnp.where(active, 1 + num_draft, 0),
-                             window_page_tables=None if window_tables is None else window_tables[slots],
-                             window_slot_mapping=window_slots)
+    meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions2d,
+                     context_lens=jnp.where(active, positions + 1 + num_draft, 0),
+                     query_lens=jnp.where(active, 1 + num_draft, 0))
     logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
                                lora_slots=batch.lora_slots)
     greedy = argmax(logits)
     num_accepted = verify_greedy(greedy, draft_tokens, num_draft)
     last = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]
     live = _rows_to_slots(slot_state, slots, active)
-    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables,
-                           window_page_tables=window_tables)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables)
     return Forward(logits, SampleResult(greedy, None, None, None, num_accepted)), (kv_cache, slot_state)
 
 

@@ -62,19 +62,21 @@ class AttentionMetadata:
     # int32 [B, T]: each token's rope length, max(prompt length, position + 1) (`layers/rotary.py`); None: position
     # + 1, which it is for every token after its prompt (decode, verify and draft steps)
     rope_lens: jax.Array | None = None
-    # the hybrid KV cache (`engine/window_pages.py`): the sliding-window layers' own page tables [B, P] and slots
-    # [B, T] in their own pools (None: every layer reads page_tables / slot_mapping)
-    window_page_tables: jax.Array | None = None
-    window_slot_mapping: jax.Array | None = None
+    # several KV cache groups (`engine/kv_plan.py`): each group's page tables [groups, B, P] and slots
+    # [groups, B, T], and each layer's group (empty: every layer reads page_tables / slot_mapping, group 0's)
+    group_page_tables: jax.Array | None = None
+    group_slot_mapping: jax.Array | None = None
+    layer_groups: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
     def token_rope_lens(self) -> jax.Array:
         return self.positions + 1 if self.rope_lens is None else self.rope_lens
 
-    def for_layer(self, sliding_window: int | None) -> "AttentionMetadata":
-        """The metadata a layer reads: a sliding-window layer's own page tables under the hybrid KV cache."""
-        if sliding_window is None or self.window_page_tables is None:
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer `layer` reads: its KV cache group's page tables and slots."""
+        if not self.layer_groups or self.layer_groups[layer] == 0:
             return self
-        return self.replace(page_tables=self.window_page_tables, slot_mapping=self.window_slot_mapping)
+        group = self.layer_groups[layer]
+        return self.replace(page_tables=self.group_page_tables[group], slot_mapping=self.group_slot_mapping[group])
 
 
 def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -93,7 +93,6 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata):
         cfg, tp = self.config, self.tp
-        meta = meta.for_layer(self.layer.sliding_window)
         batch, num_tokens, _ = x.shape
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
         kv_width = tp.kv_heads_per_device(cfg) * cfg.head_dim
@@ -178,7 +177,7 @@ class LlamaModel(nn.Module):
         new_cache = []
         for index, (k_pool, v_pool) in enumerate(kv_cache):
             x, k_pool, v_pool = DecoderLayer(cfg, self.tp, self.attention, cfg.layers[index], self.dtype,
-                                             name=f"layers_{index}")(x, k_pool, v_pool, meta)
+                                             name=f"layers_{index}")(x, k_pool, v_pool, meta.for_layer(index))
             new_cache.append((k_pool, v_pool))
         return x, new_cache
 

@@ -79,9 +79,9 @@ class EngineCollector(Collector):
                             stats.kv_cache_capacity_tokens)
         yield capacity
         if stats.kv_cache_window_capacity_tokens:
-            yield gauge("kv_cache_window_capacity_tokens", "Tokens the sliding-window layers' own KV pool holds "
-                        "(the hybrid KV cache).", stats.kv_cache_window_capacity_tokens)
-            yield gauge("kv_cache_window_usage_perc", "Fraction of the sliding-window layers' KV pages in use.",
+            yield gauge("kv_cache_window_capacity_tokens", "Tokens the sliding-window KV cache groups' own pools "
+                        "hold (the hybrid KV cache).", stats.kv_cache_window_capacity_tokens)
+            yield gauge("kv_cache_window_usage_perc", "Fraction of the sliding-window groups' KV pages in use.",
                         stats.kv_cache_window_usage)
         yield counter("prompt_tokens", "Prompt tokens received (once per request, whatever its n).",
                       stats.prompt_tokens)

@@ -70,7 +70,8 @@ def propose_step(config, tp, backend, dtype, page_size, with_probs: bool, params
     (`[rows, K, vocab]`, float32). Row r's latest token sits at `positions[r]`; `last_tokens [rows, 2]` are its
     two last tokens; `pages [rows, K+1]` the pages of positions p..p+K (the target's verify step writes the same
     into the slot's page table). `slot_state` is the target's (`SlotState`: its page tables are read, not
-    written); the new state is the draft's pool."""
+    written; one KV cache group, as a draft model turns the hybrid KV cache off); the new state is the draft's
+    pool."""
     slots, positions, pages, num_draft, active = (inputs.slots, inputs.positions, inputs.pages, inputs.num_draft,
                                                   inputs.active)
     output_index = inputs.output_index
@@ -78,7 +79,7 @@ def propose_step(config, tp, backend, dtype, page_size, with_probs: bool, params
     k = width - 1
     sampling = jax.tree.map(lambda column: column[slots], table)
     valid = active[:, None] & (jnp.arange(width)[None, :] <= num_draft[:, None])
-    positions2d, slot_mapping, page_tables = draft_positions(slot_state.page_tables, page_size, slots, positions,
+    positions2d, slot_mapping, page_tables = draft_positions(slot_state.page_tables[0], page_size, slots, positions,
                                                              pages, valid)
     row_tables = page_tables[slots]
     previous = jnp.maximum(positions - 1, 0)

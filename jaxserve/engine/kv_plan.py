@@ -1,0 +1,186 @@
+"""The KV plan (vLLM's `KVCacheConfig`): what cache each layer keeps (its `KVCacheSpec`), which layers share page
+tables (KV cache groups: layers with equal specs), and how many pages each group's pool gets, decided once from the
+specs and the byte budget (`kv_budget_bytes`, or `num_kv_pages`). The runner allocates the pools the plan names
+(`empty_pools`), the scheduler's page managers count its pages, and the metrics, KV tiers and `jaxserve compile`
+read it; nothing else sizes a pool.
+
+Group 0 holds the full-attention layers (perhaps none: its page indices then only name pages) and owns the prefix
+cache's chain; its page indices name every group's pages. Each other group is one sliding window's layers
+(vLLM's hybrid KV cache): a pool of its own holding every slot's window and step, so a long sequence keeps only
+window-sized K/V in those layers. Window layers fall into group 0 (full pages, read through the window mask) when
+the hybrid cache is off (`disable_hybrid_kv_cache_manager`, the KV tiers or a draft model, which copy or share
+the whole pool by page) or their window holds as many pages per sequence as a full layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.engine.allocator import Allocator
+from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_budget import cpu_pool_pages, page_bytes
+from jaxserve.layers.attention import PagedAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class FullAttentionSpec:
+    """A layer that keeps every position's K and V."""
+
+    num_kv_heads: int
+    head_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowSpec:
+    """A layer whose queries read only the last `window` positions: pages behind that are released."""
+
+    num_kv_heads: int
+    head_size: int
+    window: int
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroup:
+    spec: KVCacheSpec
+    layers: tuple[int, ...]
+    num_pages: int  # scratch page included
+    page_bytes: int  # one page over the group's layers and all devices (K and V, scales included)
+    page_size: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the group's pool holds for sequences (page 0 is the scratch page)."""
+        return (self.num_pages - 1) * self.page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    page_size: int
+    groups: tuple[KVCacheGroup, ...]
+    layer_groups: tuple[int, ...]  # each layer's group
+    draft_page_bytes: int = 0  # a draft model's pool: as many pages as group 0, this many bytes each
+
+    @property
+    def num_pages(self) -> int:
+        """Group 0's pages: every sequence's page indices."""
+        return self.groups[0].num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens group 0 holds for sequences (page 0 is the scratch page)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of every pool over all devices (a draft model's included)."""
+        return (sum(group.num_pages * group.page_bytes for group in self.groups)
+                + self.num_pages * self.draft_page_bytes)
+
+    @property
+    def window_groups(self) -> tuple[KVCacheGroup, ...]:
+        return self.groups[1:]
+
+    @property
+    def layer_pages(self) -> list[int]:
+        """Each layer's pool's pages (its group's)."""
+        return [self.groups[group].num_pages for group in self.layer_groups]
+
+
+def layer_specs(config: ModelConfig) -> tuple[KVCacheSpec, ...]:
+    """Each layer's cache, as its family declares it."""
+    return tuple(FullAttentionSpec(config.num_kv_heads, config.head_dim) if window is None
+                 else SlidingWindowSpec(config.num_kv_heads, config.head_dim, window)
+                 for window in config.layer_sliding_windows)
+
+
+def window_pages_per_seq(ec: EngineConfig, window: int) -> int:
+    """The most window pages a sequence holds at once: its next token's window and the largest step's tokens."""
+    step_tokens = max(ec.max_num_batched_tokens, ec.num_speculative_tokens + 1)
+    return -(-(window - 1 + step_tokens) // ec.page_size) + 1
+
+
+def pages_per_seq(spec: KVCacheSpec, ec: EngineConfig) -> int:
+    return window_pages_per_seq(ec, spec.window) if isinstance(spec, SlidingWindowSpec) else ec.pages_per_seq
+
+
+def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple[KVCacheSpec, list[int]]]:
+    """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool."""
+    hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers
+                  or (ec.speculative_config is not None and ec.speculative_config.method == "draft_model"))
+    full = next((s for s in specs if isinstance(s, FullAttentionSpec)), None)
+    groups: list[tuple[KVCacheSpec, list[int]]] = [(full, [])]
+    for layer, spec in enumerate(specs):
+        if isinstance(spec, SlidingWindowSpec) and (not hybrid or pages_per_seq(spec, ec) >= ec.pages_per_seq):
+            spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)
+        index = next((i for i, (other, _) in enumerate(groups) if other == spec), None)
+        if isinstance(spec, FullAttentionSpec):
+            index = 0
+            groups[0] = (spec, groups[0][1])
+        elif index is None:
+            groups.append((spec, []))
+            index = len(groups) - 1
+        groups[index][1].append(layer)
+    if groups[0][0] is None:  # every layer has a window: group 0 only names page indices
+        first = specs[0]
+        groups[0] = (FullAttentionSpec(first.num_kv_heads, first.head_size), [])
+    return groups
+
+
+def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, backend: PagedAttention, dtype,
+                  budget_bytes: int | None, draft_page_bytes: int = 0) -> KVPlan:
+    """The plan for `budget_bytes` per device (None: a CPU, or `num_kv_pages` set). One group: the budget's worth of
+    pages, or enough for every slot up to a fixed size. With window groups: each holds every slot's window and
+    step, or with a budget its share of it, so that every group runs out together for sequences of max_model_len;
+    group 0 gets the rest."""
+    grouped = group_layers(layer_specs(config), ec)
+    total = [page_bytes(config, tp, backend, ec.page_size, dtype, len(layers)) for _, layers in grouped]
+    total[0] += draft_page_bytes
+    device = [size // tp.size for size in total]
+    windows = [ec.max_num_seqs * pages_per_seq(spec, ec) + 1 for spec, _ in grouped[1:]]
+    if len(grouped) == 1:
+        full = ec.num_kv_pages or (max(2, budget_bytes // device[0]) if budget_bytes is not None else
+                                   cpu_pool_pages(ec, total[0]))
+    elif budget_bytes is None:
+        full = ec.num_kv_pages or cpu_pool_pages(ec, device[0])
+    else:
+        needs = [pages_per_seq(spec, ec) * size for (spec, _), size in zip(grouped, device)]
+        windows = [max(2, min(every, int(budget_bytes * need / sum(needs)) // size))
+                   for every, need, size in zip(windows, needs[1:], device[1:])]
+        rest = budget_bytes - sum(pages * size for pages, size in zip(windows, device[1:]))
+        full = max(2, rest // device[0]) if device[0] else ec.max_num_seqs * ec.pages_per_seq + 1
+    layer_groups = [0] * config.num_layers
+    groups = []
+    for index, ((spec, layers), pages) in enumerate(zip(grouped, [full, *windows])):
+        for layer in layers:
+            layer_groups[layer] = index
+        groups.append(KVCacheGroup(spec, tuple(layers), pages, total[index] - (draft_page_bytes if index == 0 else 0),
+                                   ec.page_size))
+    return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes)
+
+
+def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
+    """Raises ValueError when a group cannot hold one sequence (the engine's check; `jaxserve compile` reports it)."""
+    if plan.num_pages - 1 < ec.pages_per_seq:
+        raise ValueError(f"num_kv_pages={plan.num_pages} cannot hold one sequence of max_model_len="
+                         f"{ec.max_model_len} ({ec.pages_per_seq} pages + 1 scratch page)")
+    for index, group in enumerate(plan.window_groups, 1):
+        needed = pages_per_seq(group.spec, ec)
+        if group.num_pages - 1 < needed:
+            raise ValueError(f"KV cache group {index} (layers with a sliding window of {group.spec.window}) has "
+                             f"{group.num_pages} pages and cannot hold one sequence's window and step ({needed} "
+                             "pages + 1 scratch page): raise kv_cache_memory_bytes or gpu_memory_utilization")
+
+
+def empty_pools(layer_pages: list[int], config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
+                page_size: int, dtype, allocator: Allocator) -> list:
+    """One (K, V) pool pair per layer of `layer_pages[layer]` pages (arrays, or QuantizedPages: values + per-token
+    scales for an int8/fp8 cache); a plan's are `plan.layer_pages`."""
+    def pool(pages: int) -> tuple:
+        shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
+        return tuple(backend.empty_pool(shape, dtype, allocator) for _ in "kv")
+    return [pool(pages) for pages in layer_pages]
