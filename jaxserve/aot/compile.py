@@ -27,6 +27,7 @@ from jaxserve.aot.targets import Target, compiling_for, target
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.kv_plan import check_plan
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import page_key
