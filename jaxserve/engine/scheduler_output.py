@@ -108,7 +108,7 @@ def cached_sequence(seq: Sequence, with_tokens: bool, window_tables: tuple = ())
     `num_sent_pages` pages as they were when sent, of which the first `num_kept_pages` are still `seq`'s (a trim
     lowers it). `window_tables`: what changed in its window groups' tables (`PageManager.window_changes`)."""
     pages_changed, first_page = _table_diff(len(seq.page_table), seq.num_sent_pages, seq.num_kept_pages)
-    window_changed = any(change is not None for change in window_tables)
+    window_changed = bool(window_tables) and any(change is not None for change in window_tables)
     tokens_changed = with_tokens and seq.num_sent_tokens != len(seq.token_ids)
     if not (pages_changed or window_changed or tokens_changed):
         return None
