@@ -2,7 +2,7 @@
 device pool and host memory, as two steps in the runner's registry, compiled at start-up for each bucket of page
 counts (`transfer_buckets`):
 
-* `kv_store` gathers pages out of the pool into one array per group of the pool's leaves (each page's every layer's
+* `kv_store` gathers pages out of the pool into one array per kind of the pool's leaves (each page's every layer's
   K and V values `[pages, 2 * layers, heads, page_size, head_dim]`, and a quantized pool's scales), so each page is
   one contiguous block on the host. On an accelerator it lands in jax's `pinned_host` memory (the copy is a DMA
   the device runs); on a CPU the device's memory is host memory already, so it stays there and is read as it is.
@@ -50,7 +50,7 @@ class StoreInputs:
 @flax.struct.dataclass
 class RestoreInputs:
     pages: jax.Array  # int32 [bucket]: pool pages to write (padding: the scratch page)
-    arrays: tuple  # per leaf group, [bucket, 2 * layers, heads, page_size(, head_dim)]
+    arrays: tuple  # per leaf kind, [bucket, 2 * layers, heads, page_size(, head_dim)]
 
 
 def transfer_buckets(ec: EngineConfig) -> tuple[int, ...]:
@@ -60,24 +60,27 @@ def transfer_buckets(ec: EngineConfig) -> tuple[int, ...]:
     return power_of_two_buckets(4, 1 << (largest - 1).bit_length())
 
 
-def _groups(leaves: list[jax.Array]) -> list[list[int]]:
-    """The pool's leaves by group, as indices: values `[heads, pages, page_size, head_dim]`, then scales `[heads,
-    pages, page_size]` (a quantized pool's)."""
-    groups = ([i for i, leaf in enumerate(leaves) if leaf.ndim == 4], [i for i, leaf in enumerate(leaves) if leaf.ndim == 3])
-    return [group for group in groups if group]
+def _leaf_kinds(kv_cache) -> list[list[int]]:
+    """The pool's leaves by kind, as indices into `jax.tree.leaves(kv_cache)`: values `[heads, pages, page_size,
+    head_dim]` (a float pool's arrays, `QuantizedPages.values`), then a quantized pool's `QuantizedPages.scales`
+    `[heads, pages, page_size]`, told apart by name."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(kv_cache)[0]]
+    scales = [bool(path) and getattr(path[-1], "name", None) == "scales" for path in paths]
+    kinds = ([i for i, scale in enumerate(scales) if not scale], [i for i, scale in enumerate(scales) if scale])
+    return [kind for kind in kinds if kind]
 
 
 def page_specs(kv_cache) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Each page's arrays off the device: (dtype name, `[2 * layers, heads, page_size(, head_dim)]`) per group."""
+    """Each page's arrays off the device: (dtype name, `[2 * layers, heads, page_size(, head_dim)]`) per leaf kind."""
     leaves = jax.tree.leaves(kv_cache)
-    return tuple((jnp.dtype(leaves[group[0]].dtype).name, (len(group), leaves[group[0]].shape[0],
-                                                           *leaves[group[0]].shape[2:])) for group in _groups(leaves))
+    firsts = [(leaves[kind[0]], len(kind)) for kind in _leaf_kinds(kv_cache)]
+    return tuple((jnp.dtype(leaf.dtype).name, (count, leaf.shape[0], *leaf.shape[2:])) for leaf, count in firsts)
 
 
 def store_step(kv_cache, inputs: StoreInputs):
     leaves = jax.tree.leaves(kv_cache)
-    return tuple(jnp.stack([jnp.swapaxes(leaves[i][:, inputs.pages], 0, 1) for i in group], axis=1)
-                 for group in _groups(leaves)), ()
+    return tuple(jnp.stack([jnp.swapaxes(leaves[i][:, inputs.pages], 0, 1) for i in kind], axis=1)
+                 for kind in _leaf_kinds(kv_cache)), ()
 
 
 def restore_step(device_sharding, kv_cache, inputs: RestoreInputs):
@@ -86,8 +89,8 @@ def restore_step(device_sharding, kv_cache, inputs: RestoreInputs):
     leaves, treedef = jax.tree.flatten(kv_cache)
     new = list(leaves)
     arrays = inputs.arrays if device_sharding is None else jax.device_put(inputs.arrays, device_sharding)
-    for group, data in zip(_groups(leaves), arrays):
-        for position, i in enumerate(group):
+    for kind, data in zip(_leaf_kinds(kv_cache), arrays):
+        for position, i in enumerate(kind):
             new[i] = leaves[i].at[:, inputs.pages].set(jnp.swapaxes(data[:, position], 0, 1))
     return None, (jax.tree.unflatten(treedef, new),)
 
@@ -102,10 +105,10 @@ class KVTransfers:
         kinds = {memory.kind for memory in device.addressable_memories()}
         self.memory_kind = "pinned_host" if "pinned_host" in kinds and device.platform != "cpu" else None
         self.host_sharding = NamedSharding(mesh, KV_PAGES, memory_kind=self.memory_kind)
-        # each page's arrays off the device: (dtype, [2 * layers, heads, page_size(, head_dim)]) per group
+        # each page's arrays off the device: (dtype, [2 * layers, heads, page_size(, head_dim)]) per leaf kind
         self.page_specs = page_specs(runner.kv_cache)
         self._zero_pages = [np.zeros(shape, numpy_dtype(dtype)) for dtype, shape in self.page_specs]  # padding
-        self.num_stores = self.num_restores = 0  # calls, each one transfer per leaf group
+        self.num_stores = self.num_restores = 0  # calls, each one transfer per leaf kind
         self.pages_stored = self.pages_restored = 0
         self.bytes_to_host = self.bytes_to_device = 0
         self.store_seconds = self.restore_seconds = 0.0
@@ -124,11 +127,11 @@ class KVTransfers:
         replicated = NamedSharding(runner.mesh, REPLICATED)
         pool = runner.backend.pool_shardings()
         kv_in = [(pool, pool)] * runner.config.num_layers
-        groups = (self.host_sharding,) * len(self.page_specs)
-        store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(groups, ()))
+        kinds = (self.host_sharding,) * len(self.page_specs)
+        store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
         on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, KV_PAGES, memory_kind="device")
         restore = jax.jit(functools.partial(restore_step, on_device),
-                          in_shardings=(kv_in, RestoreInputs(replicated, groups)),
+                          in_shardings=(kv_in, RestoreInputs(replicated, kinds)),
                           out_shardings=(None, (kv_in,)), donate_argnums=(0,))
         state = lambda: (runner.kv_cache,)  # noqa: E731
         return [Step("kv_store", store, state, assign(runner), self._store_examples),
@@ -176,8 +179,8 @@ class KVTransfers:
         indices = np.zeros(bucket, np.int32)
         indices[:len(part)] = [page for page, _ in part]
         arrays = []
-        for group, zeros in enumerate(self._zero_pages):  # padding rows are written to the scratch page
-            arrays.append(np.stack([page.arrays[group] for _, page in part] + [zeros] * (bucket - len(part))))
+        for kind, zeros in enumerate(self._zero_pages):  # padding rows are written to the scratch page
+            arrays.append(np.stack([page.arrays[kind] for _, page in part] + [zeros] * (bucket - len(part))))
         return RestoreInputs(indices, tuple(self.runner.allocator.put(arrays, self.host_sharding)))
 
     def flush(self) -> None:
@@ -201,7 +204,7 @@ class KVTransfers:
     def _finish_store(self, arrays, part: list[PageToStore], started: float) -> None:
         host = [np.asarray(array) for array in arrays]  # waits for the copy
         for index, store in enumerate(part):
-            page = TierPage(store.key, store.prefix, tuple(group[index].copy() for group in host))
+            page = TierPage(store.key, store.prefix, tuple(kind[index].copy() for kind in host))
             self.tiers.host.put(page)
             if self.tiers.disk is not None:
                 self.tiers.disk.submit(page, started)

@@ -1,12 +1,11 @@
-"""`PageManager`: the host's view of the KV page pool — free list, reference counts, page tables,
-and automatic prefix caching.
+"""`PageManager`: the host's view of the full-attention KV cache group — its page tables and automatic prefix
+caching — over a `PagePool` (reference counts, the scratch page, the LRU free list).
 
-The pages themselves are counted by a `PagePool` (page 0 is the scratch page). A full page is keyed by sha256 over its parent page's key and its token
-ids. Every hit is exact, whatever the hash does: a lookup follows the chain page by page and takes a
-cached page only if its token ids equal the sequence's and it was registered as the child of the
-very page matched one step before (each registration has a serial number that is never reused).
-A colliding key is a miss, never a wrong page. Freed pages keep their contents and stay findable
-until they are reallocated; the free list is LRU ordered and a sequence frees its pages tail first,
+A full page is keyed by sha256 over its parent page's key and its token ids. Every hit is exact, whatever the hash
+does: a lookup follows the chain page by page and takes a cached page only if its token ids equal the sequence's
+and it was registered as the child of the very page matched one step before (each registration has a serial
+number that is never reused). A colliding key is a miss, never a wrong page. Freed pages keep their contents and
+stay findable until they are reallocated; the free list is LRU ordered and a sequence frees its pages tail first,
 so the longest prefixes' tails are evicted first.
 
 A LoRA sequence's chain starts from its adapter's key (`Sequence.prefix_root`), so no page is shared between two

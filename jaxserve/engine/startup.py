@@ -38,7 +38,8 @@ def runner_steps(runner: RunnerState) -> list[Step]:
                            donate=(0,))
     return [
         Step("prefill", runner.jit_forward(prefill_step, with_hidden=True), runner.forward_state,
-             runner.keep_forward_state, functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora),
+             runner.keep_forward_state,
+             functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora),
              forwards=("logits", "hidden")),
         Step("score", jit_step(functools.partial(prompt_scores_step, runner.config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),

@@ -8,9 +8,9 @@ engine cannot serve exactly is a ValueError naming the adapter and the field: a 
 target other than the decoder's q/k/v/o/gate/up/down projections (embeddings, the LM head, `modules_to_save`),
 DoRA, trained biases, a shape or layer that is not the base model's, a mixture-of-experts layer's MLP.
 
-The target names are the base checkpoint's: Phi-3's fused `qkv_proj` (`[q | k | v]` rows) and `gate_up_proj`
-(`[gate | up]`) instead of the separate projections. A fused module's `x @ A @ B` is split exactly into one module
-per projection, each with the shared A and its rows of B.
+The target names are the base checkpoint's, as its family declares them (`ModelSpec.lora_targets`): Phi-3's fused
+`qkv_proj` (`[q | k | v]` rows) and `gate_up_proj` (`[gate | up]`) instead of the separate projections. A fused
+module's `x @ A @ B` is split exactly into one module per projection, each with the shared A and its rows of B.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import phi3
+from jaxserve.models import model_spec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-# fused checkpoint target (Phi-3) -> the projections its output rows hold, in order
-FUSED_TARGETS = {fused: parts for _, fused, parts in phi3.FUSED.values()}
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # safetensors' dtype names -> numpy's (safetensors.numpy has no bfloat16): numpy only, so reading compiles nothing
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -61,21 +58,15 @@ def module_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
             "down_proj": (config.intermediate_size, config.hidden_size)}[target]
 
 
-def checkpoint_targets(config: ModelConfig) -> tuple[str, ...]:
-    """The projection names an adapter of the base model `config` targets: its checkpoint's (Phi-3's fused ones)."""
-    if config.model_type not in phi3.MODEL_TYPES:
-        return TARGETS
-    return (*FUSED_TARGETS, "o_proj", "down_proj")
-
-
-def projections(target: str) -> tuple[str, ...]:
-    """The base model's projections an adapter target covers: itself, or a fused target's parts in row order."""
-    return FUSED_TARGETS.get(target, (target,))
+def checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The names an adapter of the base model `config` may target (its checkpoint's), each with the decoder
+    projections its output rows hold in order (itself, or a fused target's parts)."""
+    return dict(model_spec(config.model_type).lora_targets)
 
 
 def target_shapes(config: ModelConfig, target: str) -> tuple[int, int]:
     """(in, out) features of the adapter target `target` (a fused one: its projections' outputs together)."""
-    parts = projections(target)
+    parts = checkpoint_targets(config)[target]
     return module_shapes(config, parts[0])[0], sum(module_shapes(config, part)[1] for part in parts)
 
 
@@ -102,7 +93,7 @@ def _read_config(name: str, path: str) -> tuple[dict, bytes]:
     return config, raw
 
 
-def _check_config(name: str, config: dict, max_rank: int, supported: tuple[str, ...]) -> None:
+def _check_config(name: str, config: dict, max_rank: int, supported: dict[str, tuple[str, ...]]) -> None:
     def refuse(field: str, why: str):
         raise ValueError(f"LoRA adapter {name!r}: {field} {why}")
     if config.get("peft_type", "LORA") != "LORA":
@@ -162,6 +153,8 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
         raise ValueError(f"LoRA adapter {name!r}: {path!r} is not a directory")
     adapter_config, config_bytes = _read_config(name, path)
     supported = checkpoint_targets(config)
+    if not supported:
+        raise ValueError(f"LoRA adapter {name!r}: the base model's family ({config.model_type}) serves no adapters")
     _check_config(name, adapter_config, max_rank, supported)
     tensors, tensor_bytes = _read_tensors(name, path)
     rank_default, alpha_default = adapter_config["r"], adapter_config.get("lora_alpha", 8)
@@ -173,7 +166,7 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder projection "
                              f"(supported: {', '.join(supported)})")
         layer, group, target, half = int(match[1]), match[2], match[3], match[4]
-        if target not in supported or (group == "mlp") != (projections(target)[0] in MLP_TARGETS):
+        if target not in supported or (group == "mlp") != (supported[target][0] in MLP_PROJECTIONS):
             raise ValueError(f"LoRA adapter {name!r}: target module {group}.{target} ({key!r}) is not supported "
                              f"(supported: {', '.join(supported)})")
         if layer >= config.num_layers:
@@ -191,9 +184,9 @@ def read_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> Ad
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: {where} has lora_{''.join(pair)} without its other half")
         a, b = pair["A"], pair["B"]
-        parts = projections(target)
+        parts = supported[target]
         fan_in, fan_out = target_shapes(config, target)
-        module = f"model.layers.{layer}.{'mlp' if parts[0] in MLP_TARGETS else 'self_attn'}.{target}"
+        module = f"model.layers.{layer}.{'mlp' if parts[0] in MLP_PROJECTIONS else 'self_attn'}.{target}"
         rank = pattern_value(ranks, module, rank_default)
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(f"LoRA adapter {name!r}: {where} has lora_A {a.shape} and lora_B {b.shape}, but rank "

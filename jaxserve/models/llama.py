@@ -209,4 +209,6 @@ SPEC = ModelSpec(
     sharding_rules=weights.SHARDING_RULES,
     quantizable_linears=weights.LINEARS,
     dummy_fan_in=weights.dummy_fan_in,
+    lora_targets=tuple((name, (name,)) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj")),
 )

@@ -40,5 +40,8 @@ def checkpoint_source(path: str, config: ModelConfig) -> TensorSource:
     return weights.checkpoint_source(path, config)
 
 
+# an adapter of Phi-3 targets its checkpoint's fused projections: their `x @ A @ B` splits by rows exactly
+LORA_TARGETS = (*((fused, parts) for _, fused, parts in FUSED.values()), ("o_proj", ("o_proj",)),
+                ("down_proj", ("down_proj",)))
 SPEC = dataclasses.replace(llama.SPEC, model_types=MODEL_TYPES, parse_config=parse_config,
-                           checkpoint_source=checkpoint_source)
+                           checkpoint_source=checkpoint_source, lora_targets=LORA_TARGETS)

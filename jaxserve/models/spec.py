@@ -48,3 +48,6 @@ class ModelSpec:
     sharding_rules: tuple[tuple[str, str], ...]  # (regex on the path, `shardings.SPEC_KINDS` name); first wins
     quantizable_linears: tuple[str, ...]  # checkpoint-layout linears a 4-bit (AWQ) checkpoint stores quantized
     dummy_fan_in: Callable[[str, tuple[int, ...]], int]  # (path, shape) -> fan-in of a random dummy weight
+    # the projections a LoRA adapter may target, as PEFT names them in this family's checkpoints, each with the
+    # decoder projections (q/k/v/o_proj, gate/up/down_proj) its output rows hold in order; empty: no adapters
+    lora_targets: tuple[tuple[str, tuple[str, ...]], ...] = ()
