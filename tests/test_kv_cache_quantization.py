@@ -192,7 +192,7 @@ def test_page_budget_counts_the_quantized_page_and_shows_it(tiny_llama_dir, monk
 
     budget = 64 * 4096  # 64 float32 pages of the tiny model (2 layers x 2 KV heads x 8 tokens x 16 dims x 4 B, K+V)
     monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", budget)
-    with caplog.at_level(logging.INFO, logger="jaxserve.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.kv_plan"):
         llm = LLM(tiny_llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_model_len=256,
                   page_size=8, max_num_batched_tokens=64, warmup=False)
     runner = llm.llm_engine.runner

@@ -1,11 +1,11 @@
 """`InputBatch`: the runner's persistent per-slot batch (vLLM's `InputBatch`). For every decode slot it holds the
 sequence there as the runner knows it from the scheduler's plain outputs (its tokens as far as a step has read
-them, prompt length and page table, on the host), its sampling parameters as columns (`SlotSamplingParams`, with a device copy, `sampling_table`), and
-the device state the jitted steps read and donate: each slot's latest token and page table (`SlotState`) and its
-penalty statistics (`PenaltyState`).
+them, prompt length and page table in each KV cache group, on the host), its sampling parameters as columns
+(`SlotSamplingParams`, with a device copy, `sampling_table`), and the device state the jitted steps read and
+donate: each slot's latest token and page tables (`SlotState`) and its penalty statistics (`PenaltyState`).
 
-`apply(plan)` takes one `SchedulerOutput` as a diff: sequences that left, then those admitted (their rows written
-whole), then what scheduled running sequences gained. The step inputs are built from these rows
+`apply(scheduler_output)` takes one `SchedulerOutput` as a diff: sequences that left, then those admitted (their
+rows written whole), then what scheduled running sequences gained. The step inputs are built from these rows
 (`engine/step_inputs.py`).
 """
 
@@ -98,16 +98,16 @@ class InputBatch:
                                       min_tokens_ban=allocator.full((slots, vocab_size), bool, sharding))
         self.sampling_table = None  # the device copy of `sampling`'s columns (the runner sends it)
 
-    def apply(self, plan: SchedulerOutput) -> None:
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
         """Applies a scheduler output's diff to the rows: left, admitted, then what running sequences gained."""
-        for seq_id in plan.left_seq_ids:
+        for seq_id in scheduler_output.left_seq_ids:
             slot = self.slot_of.pop(seq_id, None)
             if slot is not None and self.seq_ids[slot] == seq_id:
                 self.seq_ids[slot] = -1
                 self.token_ids[slot] = []
-        for new in plan.new_seqs:
+        for new in scheduler_output.new_seqs:
             self._add(new)
-        for cached in plan.cached_seqs:
+        for cached in scheduler_output.cached_seqs:
             slot = self.slot_of[cached.seq_id]
             self.token_ids[slot] += cached.new_token_ids
             if cached.page_ids or cached.first_page != self.num_pages[slot]:  # most steps: a token, no page

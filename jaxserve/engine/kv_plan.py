@@ -15,6 +15,7 @@ the whole pool by page) or their window holds as many pages per sequence as a fu
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
@@ -22,6 +23,8 @@ from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_budget import cpu_pool_pages, page_bytes
 from jaxserve.layers.attention import PagedAttention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,3 +187,16 @@ def empty_pools(layer_pages: list[int], config: ModelConfig, tp: TensorParallel,
         shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
         return tuple(backend.empty_pool(shape, dtype, allocator) for _ in "kv")
     return [pool(pages) for pages in layer_pages]
+
+
+def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_dtype: str, backend: PagedAttention,
+                num_devices: int) -> None:
+    logger.info("KV pools: %.1f MiB over %d devices (kv_cache_dtype %s: %s pages%s, %s attention, page of %d tokens)",
+                plan.pool_bytes / 2**20, num_devices, kv_cache_dtype, storage_dtype,
+                " + float32 per-token scales" if backend.quantized else "", backend.name, plan.page_size)
+    for index, group in enumerate(plan.groups):
+        logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index, group.spec,
+                    len(group.layers), group.num_pages, group.capacity_tokens)
+    if len(plan.groups) == 1 and any(window is not None for window in config.layer_sliding_windows):
+        logger.info("one KV cache group for every layer, sliding-window ones included (the hybrid KV cache is off: "
+                    "disabled, KV tiers, a draft model, or a window near max_model_len)")

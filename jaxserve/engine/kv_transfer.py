@@ -34,10 +34,13 @@ from jax.sharding import NamedSharding
 
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
-from jaxserve.engine.kv_tiers import KVTiers, PageToStore, TierPage, numpy_dtype, run_jobs
+from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
+from jaxserve.engine.kv_tiers import HostTier, KVTiers, PageToStore, TierPage, numpy_dtype, run_jobs
+from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_inputs import bucket_for
 from jaxserve.engine.step_registry import RunnerState, Step, assign
 from jaxserve.layers.paged_kv import KV_PAGES
+from jaxserve.loading import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -217,3 +220,28 @@ def _flush_at_exit(transfers: "weakref.ref[KVTransfers]") -> None:
     owner = transfers()
     if owner is not None and not owner._closed:
         owner.flush()
+
+
+def attach_kv_tiers(config: EngineConfig, runner: RunnerState) -> KVTiers | None:
+    """The KV tiers the config asks for, attached to the runner (None: none). The disk tier's fingerprint covers the
+    weights' files, the model's config, the dtypes, the page size and the pool's layout over the devices."""
+    if not config.kv_tiers:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("kv_offloading_size / kv_offloading_dir do not work across several hosts yet")
+    tiers = KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None, config.page_size, page_key)
+    runner.attach_tiers(tiers)
+    if config.kv_offloading_dir:
+        specs = runner.transfers.page_specs
+        weights = (["dummy", config.seed] if config.load_format == "dummy"
+                   else weights_identity(resolve_model(config.model).weights))
+        fingerprint = kv_fingerprint(
+            format=1, model=repr(runner.config), weights=weights, dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype, storage_dtype=runner.kv_storage_dtype,
+            quantization=config.quantization, page_size=config.page_size, tensor_parallel_size=runner.tp.size,
+            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.config), pages=specs)
+        tiers.disk = DiskTier(config.kv_offloading_dir, fingerprint, int(config.kv_offloading_disk_size * 2**30),
+                              specs)
+    logger.info("KV tiers: host %.2f GiB%s", config.kv_offloading_size or 0,
+                f", disk {config.kv_offloading_disk_size:g} GiB at {tiers.disk.directory}" if tiers.disk else "")
+    return tiers

@@ -26,14 +26,13 @@ import jax
 from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
-from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
 from jaxserve.engine.kv_plan import check_plan
-from jaxserve.engine.kv_tiers import HostTier, KVTiers
+from jaxserve.engine.kv_transfer import attach_kv_tiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.page_manager import PageManager, page_key
+from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine.stats import IterationStats, SchedulerStats
+from jaxserve.engine.stats import IterationStats, SchedulerStats, fragmentation, pools_usage
 from jaxserve.engine.window_manager import WindowManager
 from jaxserve.engine.step_output import InFlightStep
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
@@ -83,7 +82,7 @@ class LLMEngine:
         windows = tuple(WindowManager(group.num_pages, plan.page_size, group.spec.window, index)
                         for index, group in enumerate(plan.window_groups, 1))
         self.page_manager = PageManager(plan.num_pages, plan.page_size, self.config.enable_prefix_caching,
-                                        tiers=_kv_tiers(self.config, runner), windows=windows)
+                                        tiers=attach_kv_tiers(self.config, runner), windows=windows)
         self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
         detokenizer_process = self.config.detokenizer_process and self.tokenizer is not None
@@ -166,16 +165,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns an output for each request that changed (finished ones are then forgotten).
 
-        Synchronous: schedule, dispatch, wait for the plan's tokens, read them. Async scheduling (the default)
-        dispatches the plan first and then reads the previous step's tokens, so the device computes step t+1
+        Synchronous: schedule, dispatch, wait for its tokens, read them. Async scheduling (the default)
+        dispatches the step first and then reads the previous step's tokens, so the device computes step t+1
         while the host reads step t (a sequence that stopped at t computes one extra token, which is discarded)."""
         self.phases.start()
         self.outputs.start_step()
         touched = self._apply_commands()
         touched |= self.outputs.read_texts()  # a detokenizer process's texts, and stop strings, of earlier steps
-        plan = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
         self.phases.lap("schedule")
-        launched = self._dispatch(plan) if not plan.is_empty else None
+        launched = self._dispatch(scheduler_output) if not scheduler_output.is_empty else None
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
@@ -183,7 +182,7 @@ class LLMEngine:
             touched |= self._collect(launched)
         if self._in_flight is not None:  # its forward runs meanwhile; its masks need the tokens just read
             self._sample_pending(self._in_flight)
-        touched |= self.outputs.end_step(idle=plan.is_empty and self._in_flight is None)
+        touched |= self.outputs.end_step(idle=scheduler_output.is_empty and self._in_flight is None)
         if self.runner.transfers is not None:  # the pages registered this step, once its forwards are dispatched
             stored = self.page_manager.tiers.take_pending()
             if stored:
@@ -195,14 +194,14 @@ class LLMEngine:
         self.phases.lap("postprocess")
         return outputs
 
-    def _dispatch(self, plan: SchedulerOutput) -> InFlightStep:
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         now = time.monotonic()
-        for new in plan.new_seqs:
+        for new in scheduler_output.new_seqs:
             request = self.outputs.requests[new.request_id]
             request.first_scheduled_time = request.first_scheduled_time or now
-        step = self.runner.dispatch(plan)
+        step = self.runner.dispatch(scheduler_output)
         self._steps += 1
-        self.scheduler.update_after_dispatch(plan)
+        self.scheduler.update_after_dispatch(scheduler_output)
         return step
 
     def _collect(self, step: InFlightStep) -> set[str]:
@@ -261,9 +260,9 @@ class LLMEngine:
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
-            kv_cache_fragmentation=_fragmentation(self.scheduler.running, self.config.page_size),
+            kv_cache_fragmentation=fragmentation(self.scheduler.running, self.config.page_size),
             kv_cache_window_capacity_tokens=sum(group.capacity_tokens for group in plan.window_groups),
-            kv_cache_window_usage=_held(window.pool for window in manager.windows),
+            kv_cache_window_usage=pools_usage(window.pool for window in manager.windows),
             request_slo=tuple((kind, checked, self.outputs.slo_met[kind])
                               for kind, checked in self.outputs.slo_checked.items()),
             **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}),
@@ -274,47 +273,6 @@ class LLMEngine:
         return dict(max_loras=self.config.max_loras, lora_running_adapters=slots.running_adapters(),
                     lora_waiting_adapters=slots.waiting_adapters(), lora_slot_loads=slots.num_loads,
                     lora_adapter_reads=self.adapters.num_reads)
-
-
-def _held(pools) -> float:
-    """Fraction of the pools' usable pages held (0 without pools)."""
-    usable = held = 0
-    for pool in pools:
-        usable += pool.num_usable_pages
-        held += pool.num_usable_pages - pool.num_free_pages
-    return held / usable if usable else 0.0
-
-
-def _fragmentation(running: list, page_size: int) -> float:
-    """Slots of the running sequences' pages that hold no token yet, over all their slots."""
-    allocated = sum(len(seq.page_table) for seq in running) * page_size
-    used = sum(min(seq.num_computed_tokens, len(seq.page_table) * page_size) for seq in running)
-    return 1 - used / allocated if allocated else 0.0
-
-
-def _kv_tiers(config: EngineConfig, runner: ModelRunner) -> KVTiers | None:
-    """The KV tiers the config asks for, attached to the runner (None: none). The disk tier's fingerprint covers the
-    weights' files, the model's config, the dtypes, the page size and the pool's layout over the devices."""
-    if not config.kv_tiers:
-        return None
-    if jax.process_count() > 1:
-        raise ValueError("kv_offloading_size / kv_offloading_dir do not work across several hosts yet")
-    tiers = KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None, config.page_size, page_key)
-    runner.attach_tiers(tiers)
-    if config.kv_offloading_dir:
-        specs = runner.transfers.page_specs
-        weights = (["dummy", config.seed] if config.load_format == "dummy"
-                   else weights_identity(resolve_model(config.model).weights))
-        fingerprint = kv_fingerprint(
-            format=1, model=repr(runner.config), weights=weights, dtype=config.dtype,
-            kv_cache_dtype=config.kv_cache_dtype, storage_dtype=runner.kv_storage_dtype,
-            quantization=config.quantization, page_size=config.page_size, tensor_parallel_size=runner.tp.size,
-            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.config), pages=specs)
-        tiers.disk = DiskTier(config.kv_offloading_dir, fingerprint, int(config.kv_offloading_disk_size * 2**30),
-                              specs)
-    logger.info("KV tiers: host %.2f GiB%s", config.kv_offloading_size or 0,
-                f", disk {config.kv_offloading_disk_size:g} GiB at {tiers.disk.directory}" if tiers.disk else "")
-    return tiers
 
 
 def _enable_compilation_cache(directory: str | None) -> None:

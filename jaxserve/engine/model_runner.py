@@ -1,17 +1,16 @@
-"""`ModelRunner`: the device side of the engine — params, the paged KV pool, the persistent per-slot batch
-(`InputBatch`: each slot's sequence, sampling parameters, slot state and penalty state), the jitted steps, and
-turning a scheduler output (plain data: `engine/scheduler_output.py`) into their inputs.
+"""`ModelRunner`: the device side of the engine — params, the KV pools of the KV plan (`engine/kv_plan.py`), the
+persistent per-slot batch (`InputBatch`: each slot's sequence, sampling parameters, slot state and penalty state),
+the jitted steps, and turning a scheduler output (plain data: `engine/scheduler_output.py`) into their inputs.
 
 The narrow interface the host loop uses (after JetStream's engine_api):
 
-* `dispatch(plan)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state of newly
-  admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`), and
-  launches it without waiting — its prefill chunks (one compiled shape per (rows,
-  chunk-length) bucket) and its decode batch (one per batch bucket) — returning an `InFlightStep` whose sampled
-  tokens are still on the device. Decode rows read their input token from the device's `SlotState`, so the next
-  plan may be dispatched before this one's tokens reach the host (async scheduling).
-  Under speculative decoding the decode batch is a verify call over each row's latest token and its drafts
-  (the runner's `Speculator`, `engine/speculator.py`).
+* `dispatch(scheduler_output)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state
+  of newly admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`),
+  and launches it without waiting — its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its
+  decode batch (one per batch bucket) — returning an `InFlightStep` whose sampled tokens are still on the device.
+  Decode rows read their input token from the device's `SlotState`, so the next step may be dispatched before
+  this one's tokens reach the host (async scheduling). Under speculative decoding the decode batch is a verify
+  call over each row's latest token and its drafts (the runner's `Speculator`, `engine/speculator.py`).
 * `sample_pending(step, masks)`: the samplers of calls with constrained rows, which waited for the rows' token
   masks (`step.pending()`; their matchers need the previous step's tokens; the forward runs meanwhile).
 * `collect(step)`: the token sampled for every sequence of a dispatched plan that produced one (a verify row's
@@ -20,21 +19,17 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 
 Under tensor parallelism the runner holds the device mesh: params, the page pool and every step's inputs and
 outputs are placed by the sharding table (`distributed/shardings.py`) and each jitted step is one SPMD program
-over the mesh. The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pool, inputs) ->
-(logits, their argmax, new KV pool) with the pool donated, so no step copies it. A batch the host knows is
-plain (greedy, no penalties, no pending min_tokens, no logprobs, no grammar) takes the argmax; any other runs the
-sampler, a second small jitted function (penalty state, logits, sampling parameters, token bitmask) -> (tokens,
-new penalty state) with the penalty state donated. One forward per shape serves both. A prefill also returns its
-last layer's output; after a call holding a chunk that scores its prompt tokens (prompt_logprobs), a small jitted
-step runs the LM head over it and scores every position (`PromptScores`). Each jitted call is one `Step` record in
-the runner's `steps` registry (`engine/step_registry.py`), with examples of every shape it can have, all compiled
-at start-up (`warmup`).
+over the mesh. The steps are pure functions (`engine/steps.py`): each forward maps (params, KV pools, inputs) ->
+(logits, their argmax, new KV pools) with the pools donated, so no step copies them. A plain batch (greedy, no
+penalties, pending min_tokens, logprobs or grammar) takes the argmax; any other runs the sampler, a second
+jitted function with the penalty state donated. A prefill also returns its last layer's output, which a small
+step scores for prompt_logprobs (`PromptScores`). Each jitted call is one `Step` record in the runner's `steps`
+registry (`engine/step_registry.py`), with examples of every shape it can have, all compiled at start-up.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable
 
 import jax
@@ -46,12 +41,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import param_shardings, serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
-from jaxserve.engine import startup
+from jaxserve.engine import runner_steps
 from jaxserve.engine.allocator import Allocator, DeviceAllocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import kv_budget_bytes
-from jaxserve.engine.kv_plan import KVPlan, empty_pools, group_layers, layer_specs, plan_kv_cache
+from jaxserve.engine.kv_plan import KVPlan, empty_pools, group_layers, layer_specs, log_kv_plan, plan_kv_cache
 from jaxserve.engine.kv_tiers import KVTiers
 from jaxserve.engine.kv_transfer import KVTransfers
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
@@ -69,8 +64,6 @@ from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.loading.placement import serving_params
 from jaxserve.lora.weights import SlotWeights, empty_adapter, empty_stack, load_slot_step, stack_shapes
 from jaxserve.structured_output.grammar import bitmask_words
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -107,7 +100,7 @@ class ModelRunner:
         self.batch.sampling_table = self.allocator.put(self.batch.sampling.table(), replicated)
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
         self.all_allowed = {rows: self.allocator.full((rows, bitmask_words(vocab)), jnp.int32, replicated, -1)
-                            for rows in startup.sampler_rows(engine_config)}
+                            for rows in runner_steps.sampler_rows(engine_config)}
         self.kv_cache = None  # the page pools, sized by what the rest leaves
         budget = None  # the KV pools' bytes per device, decided with everything else in place
         if not engine_config.num_kv_pages:
@@ -122,12 +115,14 @@ class ModelRunner:
         self.kv_cache = empty_pools(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
                                     self.dtype, self.allocator)
         self.steps = StepRegistry()
-        self.steps.add(startup.runner_steps(self) + (self.speculator.steps() if self.speculator is not None else []))
+        speculator_steps = self.speculator.steps() if self.speculator is not None else []
+        self.steps.add(runner_steps.runner_steps(self) + speculator_steps)
         if self.lora_stack is not None:
             self.steps.add([self._lora_step()])
         self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
-        self._log_kv_plan()
+        log_kv_plan(self.kv_plan, config, engine_config.kv_cache_dtype, self.kv_storage_dtype, self.backend,
+                    self.tp.size)
 
     def resident_state(self) -> tuple:
         """Every array the runner keeps on its devices between steps (the KV pools once they exist)."""
@@ -187,37 +182,25 @@ class ModelRunner:
         """The dtype the K/V pages hold ("float32", "bfloat16", "int8", "float8_e4m3fn")."""
         return jnp.dtype(self.backend.storage_dtype(self.dtype)).name
 
-    def _log_kv_plan(self) -> None:
-        plan = self.kv_plan
-        logger.info("KV pools: %.1f MiB over %d devices (kv_cache_dtype %s: %s pages%s, %s attention, page of %d "
-                    "tokens)", plan.pool_bytes / 2**20, self.tp.size, self.engine_config.kv_cache_dtype,
-                    self.kv_storage_dtype, " + float32 per-token scales" if self.backend.quantized else "",
-                    self.backend.name, self.page_size)
-        for index, group in enumerate(plan.groups):
-            logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index, group.spec,
-                        len(group.layers), group.num_pages, group.capacity_tokens)
-        if len(plan.groups) == 1 and any(w is not None for w in self.config.layer_sliding_windows):
-            logger.info("one KV cache group for every layer, sliding-window ones included (the hybrid KV cache is "
-                        "off: disabled, KV tiers, a draft model, or a window near max_model_len)")
-
     # -- the step interface ------------------------------------------------------------------------------------
 
-    def dispatch(self, plan: SchedulerOutput) -> InFlightStep:
-        """Launches one plan; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
+    def dispatch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+        """Launches one step; its sampled tokens stay on the device (and in each slot's state) until `collect`."""
         phases, batch = self.phases, self.batch
-        batch.apply(plan)
-        for slot, adapter in plan.lora_loads:
+        batch.apply(scheduler_output)
+        for slot, adapter in scheduler_output.lora_loads:
             self.steps.run("lora", SlotWeights(np.int32(slot), adapter.serving))
-        if plan.restores:
-            self.transfers.restore(list(plan.restores))
-        for new in plan.new_seqs:
+        if scheduler_output.restores:
+            self.transfers.restore(list(scheduler_output.restores))
+        for new in scheduler_output.new_seqs:
             self._reset_penalties(new)
         by_sequence = (self.config.rope_length_rule or ("",))[0] == "sequence"
         calls = [prefill_inputs(batch, tokens, chunks, by_sequence)
-                 for tokens, chunks in prefill_groups(plan.prefills, self.engine_config)]
-        verify = (self.speculator.verify_inputs(plan.decodes)
-                  if self.speculator is not None and any(decode.num_draft for decode in plan.decodes) else None)
-        decode = decode_inputs(batch, plan.decodes, self.engine_config) if plan.decodes and verify is None else None
+                 for tokens, chunks in prefill_groups(scheduler_output.prefills, self.engine_config)]
+        decodes = scheduler_output.decodes
+        verify = (self.speculator.verify_inputs(decodes)
+                  if self.speculator is not None and any(decode.num_draft for decode in decodes) else None)
+        decode = decode_inputs(batch, decodes, self.engine_config) if decodes and verify is None else None
         phases.lap("prepare")
         step = InFlightStep([])
         for inputs in calls:
@@ -255,12 +238,12 @@ class ModelRunner:
         if not (params.uses_penalties or params.min_tokens):
             return  # the sampler reads a slot's statistics only for these
         length = len(new.token_ids)
-        ids = np.zeros(bucket_for(length, startup.reset_buckets(self.engine_config)), np.int32)
+        ids = np.zeros(bucket_for(length, runner_steps.reset_buckets(self.engine_config)), np.int32)
         ids[:length] = new.token_ids
         self.steps.run("reset", ResetInputs(np.int32(new.slot), ids, np.int32(new.num_prompt_tokens),
                                             np.int32(length)))
         bans = ([] if params.ignore_eos else sorted(self.eos_token_ids)) + params.stop_token_ids
-        size = startup.BAN_IDS_CHUNK
+        size = runner_steps.BAN_IDS_CHUNK
         for start in range(0, len(bans) if params.min_tokens else 0, size):
             chunk = np.full(size, -1, np.int32)
             chunk[:len(bans[start:start + size])] = bans[start:start + size]

@@ -111,23 +111,23 @@ class Scheduler:
         if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
             self.adapter_slots.count(seq.lora, -1)
 
-    def update_after_dispatch(self, plan: SchedulerOutput) -> None:
-        """Advances a dispatched plan's sequences: their chunks' and decodes' KV is computed once the step runs, and
+    def update_after_dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        """Advances a dispatched step's sequences: their chunks' and decodes' KV is computed once the step runs, and
         each final chunk and decode has a sampled token pending on the device."""
-        for chunk in plan.prefills:
+        for chunk in scheduler_output.prefills:
             seq = self.seqs[chunk.seq_id]
             if chunk.scored:  # read by the runner's dispatch: each prompt token is scored once, recompute or not
                 seq.num_scored = chunk.scored.stop - 1
             seq.num_computed_tokens += chunk.num_tokens
             seq.num_pending += chunk.is_final
             self.page_manager.commit_full_pages(seq)
-        for decode in plan.decodes:
+        for decode in scheduler_output.decodes:
             seq = self.seqs[decode.seq_id]
             seq.num_computed_tokens += 1
             seq.num_pending += 1
         if self.slo is not None:
-            self._dispatched.append((self.clock(), len(plan.decodes),
-                                     sum(self._bucket(chunk.num_tokens) for chunk in plan.prefills)))
+            self._dispatched.append((self.clock(), len(scheduler_output.decodes),
+                                     sum(self._bucket(chunk.num_tokens) for chunk in scheduler_output.prefills)))
 
     def update_from_output(self, sampled: list[SampledToken]) -> tuple[list[AppendedToken], set[str]]:
         """Applies a step's sampled tokens; a sequence that finished meanwhile drops its token. Returns the tokens

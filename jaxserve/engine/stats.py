@@ -105,3 +105,19 @@ class StepPhases:
 
     def snapshot(self) -> dict[str, float]:
         return {"steps": self.steps, **self.seconds}
+
+
+def pools_usage(pools) -> float:
+    """Fraction of the pools' usable pages held (0 without pools)."""
+    usable = held = 0
+    for pool in pools:
+        usable += pool.num_usable_pages
+        held += pool.num_usable_pages - pool.num_free_pages
+    return held / usable if usable else 0.0
+
+
+def fragmentation(running: list, page_size: int) -> float:
+    """Slots of the running sequences' pages that hold no token yet, over all their slots."""
+    allocated = sum(len(seq.page_table) for seq in running) * page_size
+    used = sum(min(seq.num_computed_tokens, len(seq.page_table) * page_size) for seq in running)
+    return 1 - used / allocated if allocated else 0.0
