@@ -71,7 +71,7 @@ def run_jaxserve(args: argparse.Namespace) -> tuple[dict[str, Any], list, Any]:
     """Start-up, offline throughput, batch-1 decode and roofline point; returns (summary, outputs, records)."""
     load_before = common.load_average()
     llm, startup_s = throughput.start_engine(common.engine_options(args))
-    config = llm.llm_engine.config
+    config = llm.llm_engine.engine_config
     records = dataset_args.build_requests(args, llm.get_tokenizer(), llm.llm_engine.vocab_size, config.max_model_len)
     throughput.warm_up(llm, llm.llm_engine.vocab_size)
     offline = throughput.run_offline(llm, records, use_tqdm=not args.disable_tqdm)

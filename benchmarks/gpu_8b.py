@@ -167,7 +167,7 @@ def variant(model_dir: str, mode: str, args: argparse.Namespace, baseline: dict[
         step = roofline.time_decode_step(llm, batch, args.context, args.repeats)["step_s"]
         points.append({"batch": batch, "step_s": step, "tok_s": batch / step,
                        "speedup": baseline[batch] / step if batch in baseline else None})
-    config = llm.llm_engine.config
+    config = llm.llm_engine.engine_config
     return {"mode": mode, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
             "startup_s": startup, "sanity": checked, "points": points}
 
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             common.write_result(NAME, payload, path, argv)
             raise
         payload["startup_s"] = time.perf_counter() - started
-        payload["engine"] = {k: v for k, v in vars(llm.llm_engine.config).items() if not k.startswith("_")}
+        payload["engine"] = {k: v for k, v in vars(llm.llm_engine.engine_config).items() if not k.startswith("_")}
         payload["model_config"] = llm.llm_engine.model.config
         part("sanity", lambda: sanity(llm, args, rng))
         part("decode", lambda: decode(llm, args))

@@ -58,7 +58,7 @@ def expert_rows(llm: Any, batch: int, seed: int = 0) -> dict[str, float]:
     from jaxserve.layers.moe import route, tile_rows, tile_schedule
 
     runner = llm.llm_engine.runner
-    cfg, moe = runner.config, runner.config.moe
+    cfg, moe = runner.model_config, runner.model_config.moe
     layer = next(i for i, spec in enumerate(cfg.layers) if spec.feed_forward == "moe")
     router = jnp.asarray(runner.params[f"layers_{layer}"]["mlp"]["router"]["kernel"], jnp.float32)
     hidden = jax.random.normal(jax.random.key(seed), (batch, cfg.hidden_size), jnp.float32)
@@ -81,7 +81,7 @@ def measure(model_dir: str, args: argparse.Namespace, records: list) -> dict[str
         enable_prefix_caching=False, seed=args.seed))
     result = throughput.run_offline(llm, records, use_tqdm=False)
     decode = [{"batch": b, **roofline.time_decode_step(llm, b, args.input_len)} for b in args.batch_sizes]
-    work = [expert_rows(llm, b, args.seed) for b in args.batch_sizes] if llm.llm_engine.runner.config.moe else []
+    work = [expert_rows(llm, b, args.seed) for b in args.batch_sizes] if llm.llm_engine.runner.model_config.moe else []
     return {"startup_s": startup_s, "output_tok_s": result.output_tokens / result.elapsed_s,
             "elapsed_s": result.elapsed_s, "steps": result.steps, "decode": decode, "expert_work": work,
             "params": dataclasses.asdict(roofline.param_counts(llm.llm_engine.runner.params))}

@@ -90,7 +90,7 @@ def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[i
     runner = llm.llm_engine.runner
     if runner.tp.size != 1:
         raise ValueError("teacher forcing runs on one device")
-    cfg, page_size = runner.config, runner.page_size
+    cfg, page_size = runner.model_config, runner.page_size
     backend = runner.backend
     run = jax.jit(forward, static_argnums=(1, 2), static_argnames=("dtype",))
     results = []

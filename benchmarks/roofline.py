@@ -188,7 +188,7 @@ def time_decode_step(llm: Any, batch: int, context: int, repeats: int = 5, seed:
     engine = llm.llm_engine
     if engine.has_unfinished_requests():
         raise RuntimeError("time_decode_step needs an idle engine")
-    config, runner = engine.config, engine.runner
+    config, runner = engine.engine_config, engine.runner
     if batch > config.max_num_seqs:
         raise ValueError(f"batch {batch} > max_num_seqs {config.max_num_seqs}")
     if not 1 <= context <= config.max_model_len:
@@ -233,7 +233,7 @@ def roofline_point(llm: Any, ceilings: dict[str, Any], batch: int, context: int,
     """Cost, floor and measured step for one batch size; the row `roofline.py` prints."""
     runner = llm.llm_engine.runner
     counts = param_counts(runner.params)
-    dtype_bytes = 2 if llm.llm_engine.config.dtype == "bfloat16" else 4
+    dtype_bytes = 2 if llm.llm_engine.engine_config.dtype == "bfloat16" else 4
     cost = decode_cost(llm.llm_engine.model.config, counts, batch, context, dtype_bytes)
     floor_s, bound = floor_seconds(cost, ceilings["read_bandwidth_bytes_s"], ceilings["matmul_flops_s"])
     measured = time_decode_step(llm, batch, context, repeats)
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     points = [roofline_point(llm, ceilings, batch, args.context, args.repeats)
               for batch in tqdm(args.batch_sizes, desc="batch sizes", disable=args.disable_tqdm)]
     payload = {"model": common.model_label(args.model), "context": args.context, "ceilings": ceilings,
-               "engine": {k: v for k, v in vars(llm.llm_engine.config).items() if not k.startswith("_")},
+               "engine": {k: v for k, v in vars(llm.llm_engine.engine_config).items() if not k.startswith("_")},
                "points": points, "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, argv)
     if not args.no_plot:

@@ -141,7 +141,7 @@ def _offline_result(llm: Any, outputs: Sequence[Any], elapsed: float, probe: Ste
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         steps=probe.steps, peak_kv_usage=probe.peak_usage, mean_kv_usage=probe.mean_usage,
-        prefix_hit_rate=hits / queries if llm.llm_engine.config.enable_prefix_caching and queries else None,
+        prefix_hit_rate=hits / queries if llm.llm_engine.engine_config.enable_prefix_caching and queries else None,
         preemptions=preemptions, time_breakdown=probe.breakdown(elapsed),
         output_token_ids=[list(o.outputs[0].token_ids) for o in outputs])
 
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv, args = common.start(build_parser(), argv)
     load_before = common.load_average()
     llm, startup_s = start_engine(common.engine_options(args))
-    config = llm.llm_engine.config
+    config = llm.llm_engine.engine_config
     tokenizer, vocab = llm.get_tokenizer(), llm.llm_engine.vocab_size
     records = dataset_args.build_requests(args, tokenizer, vocab, config.max_model_len)
     warm_up(llm, vocab, args.num_warmup_requests)

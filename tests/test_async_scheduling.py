@@ -124,7 +124,7 @@ def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_d
         engine.step()
         state = jax.device_get(engine.runner.batch.slot_state)
         for seq in engine.scheduler.running:
-            pages = -(-seq.num_computed_tokens // engine.config.page_size)
+            pages = -(-seq.num_computed_tokens // engine.engine_config.page_size)
             assert list(state.page_tables[0, seq.slot][:pages]) == seq.page_table[:pages]
             if not seq.is_prefilling:
                 assert state.tokens[seq.slot] == seq.token_ids[-1], seq
@@ -172,11 +172,11 @@ def test_decode_inputs_are_one_value_per_row(tiny_llama_dir):
         engine.step()
     seq = engine.outputs.requests["r"].seqs[0]
     position = seq.num_tokens - 1
-    inputs = decode_inputs(engine.runner.batch, (ScheduledDecode(seq.seq_id, position),), engine.config)
+    inputs = decode_inputs(engine.runner.batch, (ScheduledDecode(seq.seq_id, position),), engine.engine_config)
     batch = inputs.batch
     arrays = [batch.slots, batch.positions, inputs.output_index, batch.active]
     assert all(a.shape == (1,) for a in arrays) and batch.pages.shape == (1, 1)  # one KV cache group
-    assert (batch.positions[0], batch.pages[0, 0]) == (position, seq.page_table[position // engine.config.page_size])
+    assert (batch.positions[0], batch.pages[0, 0]) == (position, seq.page_table[position // engine.engine_config.page_size])
     assert np.array_equal(batch.active, [True])
     while engine.has_unfinished_requests():
         engine.step()

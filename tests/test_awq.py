@@ -121,7 +121,7 @@ def test_greedy_tokens_match_the_reference_on_one_device_and_two(llama):
 
     expected = tokens(LLM(model=reference_dir, **SMALL))
     one = LLM(model=awq_dir, **SMALL)  # detected from config.json, as vLLM does
-    assert one.llm_engine.config.quantization == "awq"
+    assert one.llm_engine.engine_config.quantization == "awq"
     assert tokens(one) == expected
     two = LLM(model=awq_dir, quantization="awq", tensor_parallel_size=2, **SMALL)
     assert tokens(two) == expected

@@ -60,7 +60,7 @@ def config_dirs(tmp_path_factory) -> dict[str, str]:
 def assert_compiles_and_fits(result) -> None:
     assert not result.failed, result.verdict()
     assert result.fits, result.verdict()
-    limit = activation_bytes(result.plan.model, result.plan.config)
+    limit = activation_bytes(result.plan.model_config, result.plan.engine_config)
     for step in result.steps:  # the engine's reserve for a step's activations holds what the compiler planned
         assert step.temp_bytes + max(0, step.output_bytes - step.alias_bytes) <= limit, (step, limit)
 
@@ -69,8 +69,8 @@ def assert_compiles_and_fits(result) -> None:
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_each_family_forward_compiles_and_fits(config_dirs, family, target):
     result = compile_engine(EngineConfig(model=config_dirs[family], **SMALL), target, {"prefill", "decode"})
-    assert result.plan.config.attention_backend == {"v6e-1": "pallas-tpu", "h200": "pallas"}[target]
-    assert result.plan.config.dtype == "bfloat16"
+    assert result.plan.engine_config.attention_backend == {"v6e-1": "pallas-tpu", "h200": "pallas"}[target]
+    assert result.plan.engine_config.dtype == "bfloat16"
     assert {step.name for step in result.steps} == {"prefill", "decode"}
     assert_compiles_and_fits(result)
     if target == "v6e-1":  # the TPU compiler's roofline estimate

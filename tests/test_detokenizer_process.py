@@ -153,6 +153,6 @@ def test_off_by_default_and_a_server_flag(tiny_llama_dir):
     from jaxserve.server.cli_args import build_parser, engine_config
 
     llm = LLM(tiny_llama_dir, **ENGINE_OPTIONS)
-    assert llm.llm_engine.config.detokenizer_process is False and llm.llm_engine.outputs.detokenizer_process is None
+    assert llm.llm_engine.engine_config.detokenizer_process is False and llm.llm_engine.outputs.detokenizer_process is None
     args = build_parser().parse_args(["--model", tiny_llama_dir, "--detokenizer-process"])
     assert engine_config(args).detokenizer_process is True

@@ -218,7 +218,7 @@ def test_adapters_on_awq_base_weights_match_peft_on_the_dequantized_model(tmp_pa
     path = save_peft_adapter(reference_dir, str(tmp_path / "adapter"), 5, r=8, lora_alpha=16,
                              target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
     llm = LLM(awq_dir, **OPTIONS, max_loras=1)
-    assert llm.llm_engine.config.quantization == "awq"
+    assert llm.llm_engine.engine_config.quantization == "awq"
     adapter = LoRARequest("awq", 1, path)
     ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
                                   lora_request=[adapter, None, adapter], use_tqdm=False))

@@ -160,7 +160,7 @@ def test_gemma3_image_and_text_checkpoints_serve_their_text_decoder(tmp_path):
     save_tiny_tokenizer(path, text.vocab_size)
     prompts = random_prompts(3, 500, 5, 30, seed=41)
     llm = LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, warmup=False)
-    assert llm.llm_engine.runner.config.model_type == "gemma3"
+    assert llm.llm_engine.runner.model_config.model_type == "gemma3"
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                               use_tqdm=False)]

@@ -133,7 +133,7 @@ def test_mixed_batch_keeps_other_outputs_and_compiles_nothing(tiny_llama_dir, hf
     call): every request's tokens are those of the same batch without prompt_logprobs, and the scoring prefills were
     compiled at start-up."""
     llm = LLM(tiny_llama_dir, enable_prefix_caching=False, **dict(CHUNKED, max_num_batched_tokens=64))
-    assert (4, 16) in llm.llm_engine.config.prefill_shapes
+    assert (4, 16) in llm.llm_engine.engine_config.prefill_shapes
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 500, 9, 16, seed=27)]
     prompts += [{"prompt_token_ids": p} for p in random_prompts(2, 500, 40, 70, seed=28)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

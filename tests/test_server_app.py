@@ -83,8 +83,8 @@ class FakeEngine:
 
     def __init__(self, mode: str = "normal", scheduling_policy: str = "fcfs"):
         self.mode = mode
-        self.config = types.SimpleNamespace(max_model_len=64, max_num_seqs=2, model=None,
-                                            scheduling_policy=scheduling_policy)
+        self.engine_config = types.SimpleNamespace(max_model_len=64, max_num_seqs=2, model=None,
+                                                   scheduling_policy=scheduling_policy)
         self.model = types.SimpleNamespace(name=MODEL)
         self.tokenizer = FakeTokenizer()
         self.vocab_size = 256
@@ -108,12 +108,12 @@ class FakeEngine:
     def iteration_stats(self) -> IterationStats:
         return self._iteration
 
-    validate_priority = LLMEngine.validate_priority  # the real rule (it reads only config.scheduling_policy)
+    validate_priority = LLMEngine.validate_priority  # the real rule (it reads only engine_config.scheduling_policy)
 
     def validate_prompt(self, token_ids, params) -> None:
         if not token_ids:
             raise ValueError("prompt is empty")
-        if len(token_ids) + params.max_tokens > self.config.max_model_len:
+        if len(token_ids) + params.max_tokens > self.engine_config.max_model_len:
             raise ValueError("prompt + max_tokens exceeds max_model_len")
 
     def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, lora_request=None) -> str:

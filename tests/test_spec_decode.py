@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.layers.sampler import SamplingBatch
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramIndex
@@ -186,7 +186,7 @@ def test_rejected_drafts_release_their_pages(tiny_llama_dir):
         engine.step()
         for seq in engine.scheduler.running:
             if not seq.is_prefilling:
-                page_size = engine.config.page_size
+                page_size = engine.engine_config.page_size
                 assert -(-seq.num_computed_tokens // page_size) <= len(seq.page_table) <= -(-len(seq) // page_size)
                 checked += 1
     assert checked > 20 and engine.stats().spec_decode_num_accepted_tokens < engine.stats().spec_decode_num_draft_tokens

@@ -40,7 +40,7 @@ def test_weights_and_kv_pool_are_split_over_the_devices(three_devices):
     runner = three_devices.llm_engine.runner
     assert len(runner.mesh.devices.flat) == 3
     layer = runner.params["layers_0"]
-    cfg = runner.config
+    cfg = runner.model_config
     qkv = layer["attn"]["qkv_proj"]["kernel"]  # 9 query heads + 3 KV heads (x2) of 64: 3 per device + 1 + 1
     assert qkv.shape == (cfg.hidden_size, 15 * 64) and shard_shapes(qkv) == {(cfg.hidden_size, 5 * 64)}
     assert shard_shapes(layer["attn"]["o_proj"]["kernel"]) == {(3 * 64, cfg.hidden_size)}

@@ -60,8 +60,8 @@ class EnginePlan:
     """What the engine would hold on each device of `target`, before any step runs."""
 
     target: Target
-    model: ModelConfig
-    config: EngineConfig  # resolved for the target
+    model_config: ModelConfig
+    engine_config: EngineConfig  # resolved for the target
     num_devices: int  # the engine's (tensor_parallel_size), of the target's
     usable_bytes: int  # per device: gpu_memory_utilization of its memory
     weights_bytes: int  # per device
@@ -107,7 +107,7 @@ class CompileResult:
             worst = max(self.steps, key=lambda step: step.peak_bytes)
             return (f"does not fit on {plan.target.name}: step {worst.name} ({worst.shape}) needs {gib(worst.peak_bytes)} "
                     f"per device with the engine's state, over {gib(plan.usable_bytes)} "
-                    f"(gpu_memory_utilization {plan.config.gpu_memory_utilization:g}); its temporaries take "
+                    f"(gpu_memory_utilization {plan.engine_config.gpu_memory_utilization:g}); its temporaries take "
                     f"{gib(worst.temp_bytes)}")
         return (f"all {len(self.steps)} step shapes compile for {plan.target.name} and fit "
                 f"({gib(self.peak_bytes)} of {gib(plan.usable_bytes)} per device at the largest step)")
@@ -131,7 +131,8 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         params = abstract_weights(model, config.jax_dtype, mesh, config.enable_expert_parallel)
         usable = int(t.chip.hbm_bytes * config.gpu_memory_utilization)
         weights = device_bytes(params)
-        base = dict(target=t, model=model, config=config, num_devices=mesh.size, usable_bytes=usable, weights_bytes=weights)
+        base = dict(target=t, model_config=model, engine_config=config, num_devices=mesh.size, usable_bytes=usable,
+                    weights_bytes=weights)
         if weights >= usable:
             return EnginePlan(**base, resident_bytes=weights, kv_cache_bytes=0, kv_cache_tokens=0, problem=(
                 f"the weights need {gib(weights)} per device, more than {config.gpu_memory_utilization:g} of "

@@ -23,7 +23,7 @@ def table(result: CompileResult) -> str:
 
 
 def memory_plan(result: CompileResult) -> str:
-    plan, config = result.plan, result.plan.config
+    plan, config = result.plan, result.plan.engine_config
     chip = plan.target.chip
     return "\n".join([
         f"target {plan.target.name}: {plan.num_devices} of its {plan.target.num_devices} {chip.kind} devices, "
@@ -44,12 +44,12 @@ def result_json(result: CompileResult) -> dict[str, Any]:
         "target": plan.target.name,
         "platform": plan.target.platform,
         "num_devices": plan.num_devices,
-        "attention_backend": plan.config.attention_backend,
-        "dtype": plan.config.dtype,
-        "kv_cache_dtype": plan.config.kv_cache_dtype,
-        "max_num_seqs": plan.config.max_num_seqs,
-        "max_model_len": plan.config.max_model_len,
-        "max_num_batched_tokens": plan.config.max_num_batched_tokens,
+        "attention_backend": plan.engine_config.attention_backend,
+        "dtype": plan.engine_config.dtype,
+        "kv_cache_dtype": plan.engine_config.kv_cache_dtype,
+        "max_num_seqs": plan.engine_config.max_num_seqs,
+        "max_model_len": plan.engine_config.max_model_len,
+        "max_num_batched_tokens": plan.engine_config.max_num_batched_tokens,
         "steps": [{key: value for key, value in dataclasses.asdict(step).items()
                    if value is not None or key == "error"} for step in result.steps],
         "compile_seconds": sum(step.seconds for step in result.steps),

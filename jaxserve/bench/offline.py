@@ -48,7 +48,7 @@ def _llm(args: argparse.Namespace, parser: argparse.ArgumentParser):
 def _settings(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     from jaxserve.bench.machine import machine_info
 
-    config = llm.llm_engine.config
+    config = llm.llm_engine.engine_config
     return {"model": args.model, "max_num_seqs": config.max_num_seqs, "max_model_len": config.max_model_len,
             "tensor_parallel_size": config.tensor_parallel_size, "n": args.n, "machine": machine_info()}
 
@@ -64,7 +64,7 @@ def throughput_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     llm = _llm(args, parser)
     engine = llm.llm_engine
-    records = dataset_args.build_requests(args, llm.get_tokenizer(), engine.vocab_size, engine.config.max_model_len)
+    records = dataset_args.build_requests(args, llm.get_tokenizer(), engine.vocab_size, engine.engine_config.max_model_len)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
     params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len)
               for r in records]

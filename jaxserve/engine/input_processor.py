@@ -39,7 +39,7 @@ class InputProcessor:
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, grammars: GrammarCompiler,
                  detokenizer_process: bool = False, adapters: AdapterCache | None = None):
-        self.config = config
+        self.engine_config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = grammars
@@ -55,7 +55,7 @@ class InputProcessor:
         """Validates a request and builds it (ValueError naming the problem: then nothing is taken)."""
         prompt_text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
-        check_priority(priority, self.config.scheduling_policy)
+        check_priority(priority, self.engine_config.scheduling_policy)
         adapter = self.adapter(lora_request)
         # the grammar compiles here (cached by its text), before the id is taken; each sequence gets its own copy
         grammar = self.grammars.matcher(params.guided_decoding) if params.guided_decoding is not None else None
@@ -68,8 +68,8 @@ class InputProcessor:
         arrival_time = arrival_time or time.monotonic()
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         seqs, texts = [], []
-        ttft_ms = params.ttft_slo_ms if params.ttft_slo_ms is not None else self.config.ttft_slo_ms
-        tpot_ms = params.tpot_slo_ms if params.tpot_slo_ms is not None else self.config.tpot_slo_ms
+        ttft_ms = params.ttft_slo_ms if params.ttft_slo_ms is not None else self.engine_config.ttft_slo_ms
+        tpot_ms = params.tpot_slo_ms if params.tpot_slo_ms is not None else self.engine_config.tpot_slo_ms
         for index in range(params.n):
             seq = Sequence(request_id, index, token_ids, params, (base_seed + SEED_STRIDE * index) % 2**32,
                            arrival_time, priority)
@@ -118,7 +118,7 @@ class InputProcessor:
         return prompt, self.tokenizer.encode(prompt)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.max_model_len
+        max_len = self.engine_config.max_model_len
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) >= max_len:

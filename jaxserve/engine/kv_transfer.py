@@ -129,7 +129,7 @@ class KVTransfers:
         runner = self.runner
         replicated = NamedSharding(runner.mesh, REPLICATED)
         pool = runner.backend.pool_shardings()
-        kv_in = [(pool, pool)] * runner.config.num_layers
+        kv_in = [(pool, pool)] * runner.model_config.num_layers
         kinds = (self.host_sharding,) * len(self.page_specs)
         store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
         on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, KV_PAGES, memory_kind="device")
@@ -236,10 +236,10 @@ def attach_kv_tiers(config: EngineConfig, runner: RunnerState) -> KVTiers | None
         weights = (["dummy", config.seed] if config.load_format == "dummy"
                    else weights_identity(resolve_model(config.model).weights))
         fingerprint = kv_fingerprint(
-            format=1, model=repr(runner.config), weights=weights, dtype=config.dtype,
+            format=1, model=repr(runner.model_config), weights=weights, dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype, storage_dtype=runner.kv_storage_dtype,
             quantization=config.quantization, page_size=config.page_size, tensor_parallel_size=runner.tp.size,
-            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.config), pages=specs)
+            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.model_config), pages=specs)
         tiers.disk = DiskTier(config.kv_offloading_dir, fingerprint, int(config.kv_offloading_disk_size * 2**30),
                               specs)
     logger.info("KV tiers: host %.2f GiB%s", config.kv_offloading_size or 0,

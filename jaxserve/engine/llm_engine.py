@@ -54,7 +54,7 @@ class LLMEngine:
         _enable_compilation_cache(config.compilation_cache_dir)
         started = time.perf_counter()
         target = loaded.config if loaded is not None else model_config(resolve_model(config.model))
-        self.config = config = config.resolve(target.max_position_embeddings)
+        self.engine_config = config = config.resolve(target.max_position_embeddings)
         spec = config.speculative_config  # a draft model is checked against the target before either is loaded
         draft_config = (draft_model_config(spec, target, config.max_model_len)
                         if spec is not None and spec.method == "draft_model" else None)
@@ -73,23 +73,23 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, loaded_config.vocab_size, self.eos_token_ids)
-        self.runner = ModelRunner(loaded_config, self.model.params, self.config, self.eos_token_ids, self.mesh,
+        self.runner = ModelRunner(loaded_config, self.model.params, self.engine_config, self.eos_token_ids, self.mesh,
                                   draft_config)
         self.model.params = None  # the runner holds the device copy
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         runner, plan = self.runner, self.runner.kv_plan
-        check_plan(plan, self.config)
+        check_plan(plan, self.engine_config)
         windows = tuple(WindowManager(group.num_pages, plan.page_size, group.spec.window, index)
                         for index, group in enumerate(plan.window_groups, 1))
-        self.page_manager = PageManager(plan.num_pages, plan.page_size, self.config.enable_prefix_caching,
-                                        tiers=attach_kv_tiers(self.config, runner), windows=windows)
-        self.scheduler = Scheduler(self.config, self.page_manager, frozenset(self.eos_token_ids),
+        self.page_manager = PageManager(plan.num_pages, plan.page_size, self.engine_config.enable_prefix_caching,
+                                        tiers=attach_kv_tiers(self.engine_config, runner), windows=windows)
+        self.scheduler = Scheduler(self.engine_config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
-        detokenizer_process = self.config.detokenizer_process and self.tokenizer is not None
-        self.adapters = (AdapterCache(loaded_config, runner.tp, self.config.max_lora_rank,
-                                      self.config.max_cpu_loras or self.config.max_loras)
-                         if self.config.enable_lora else None)
-        self.inputs = InputProcessor(self.config, self.tokenizer, loaded_config.vocab_size, self.grammars,
+        detokenizer_process = self.engine_config.detokenizer_process and self.tokenizer is not None
+        self.adapters = (AdapterCache(loaded_config, runner.tp, self.engine_config.max_lora_rank,
+                                      self.engine_config.max_cpu_loras or self.engine_config.max_loras)
+                         if self.engine_config.enable_lora else None)
+        self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
                                      detokenizer_process, self.adapters)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.inputs.release,
                                        detokenizer_process)
@@ -100,10 +100,10 @@ class LLMEngine:
         self._iteration = IterationStats()
         self._in_flight: InFlightStep | None = None  # async scheduling: the dispatched step not yet read
         logger.info("model %s loaded in %.1fs", self.model.name, time.perf_counter() - started)
-        if self.config.warmup:
+        if self.engine_config.warmup:
             seconds = self.runner.warmup()
             logger.info("warm-up compiled %d prefill and %d decode shapes (and their samplers) in %.1fs",
-                        len(self.config.prefill_shapes), len(self.config.decode_batch_buckets), seconds)
+                        len(self.engine_config.prefill_shapes), len(self.engine_config.decode_batch_buckets), seconds)
 
     @property
     def vocab_size(self) -> int:
@@ -155,7 +155,7 @@ class LLMEngine:
         self.inputs.adapter(lora_request)
 
     def validate_priority(self, priority: int) -> None:
-        check_priority(priority, self.config.scheduling_policy)
+        check_priority(priority, self.engine_config.scheduling_policy)
 
     # -- the loop (one thread) ---------------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.phases.lap("schedule")
         launched = self._dispatch(scheduler_output) if not scheduler_output.is_empty else None
-        if self.config.async_scheduling:
+        if self.engine_config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             self._sample_pending(launched)  # synchronous: its constrained rows' masks (async: done before)
@@ -256,11 +256,11 @@ class LLMEngine:
             prefix_cache_hits=manager.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens, generation_tokens=self.outputs.num_generation_tokens,
             request_success=tuple(sorted(self.outputs.finished_reasons.items())), num_steps=self._steps,
-            kv_cache_capacity_tokens=plan.capacity_tokens, kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_capacity_tokens=plan.capacity_tokens, kv_cache_dtype=self.engine_config.kv_cache_dtype,
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
-            kv_cache_fragmentation=fragmentation(self.scheduler.running, self.config.page_size),
+            kv_cache_fragmentation=fragmentation(self.scheduler.running, self.engine_config.page_size),
             kv_cache_window_capacity_tokens=sum(group.capacity_tokens for group in plan.window_groups),
             kv_cache_window_usage=pools_usage(window.pool for window in manager.windows),
             request_slo=tuple((kind, checked, self.outputs.slo_met[kind])
@@ -270,7 +270,7 @@ class LLMEngine:
 
     def _lora_stats(self) -> dict:
         slots = self.scheduler.adapter_slots
-        return dict(max_loras=self.config.max_loras, lora_running_adapters=slots.running_adapters(),
+        return dict(max_loras=self.engine_config.max_loras, lora_running_adapters=slots.running_adapters(),
                     lora_waiting_adapters=slots.waiting_adapters(), lora_slot_loads=slots.num_loads,
                     lora_adapter_reads=self.adapters.num_reads)
 

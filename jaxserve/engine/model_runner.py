@@ -73,7 +73,7 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
                  mesh: Mesh | None = None, draft_config: ModelConfig | None = None,
                  allocator: Allocator | None = None):
-        self.config = config
+        self.model_config = config
         self.allocator = allocator or DeviceAllocator()  # `jaxserve compile`'s makes abstract arrays
         self.engine_config = engine_config
         self.eos_token_ids = eos_token_ids
@@ -139,9 +139,9 @@ class ModelRunner:
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
         pool = self.backend.pool_shardings()
-        kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(self.mesh, REPLICATED)
-        params_in = serving_shardings(self.forward_params, self.config, self.tp, self.mesh)
-        static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
+        kv_in, replicated = [(pool, pool)] * self.model_config.num_layers, NamedSharding(self.mesh, REPLICATED)
+        params_in = serving_shardings(self.forward_params, self.model_config, self.tp, self.mesh)
+        static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)
         if len(self.kv_plan.groups) > 1:
             options["layer_groups"] = self.kv_plan.layer_groups
         return jit_step(functools.partial(step_fn, *static, **options), self.mesh, (params_in, kv_in, replicated),
@@ -159,7 +159,7 @@ class ModelRunner:
 
     def _lora_step(self) -> Step:
         """Writing one adapter into one slot of the stack (donated); warm-up writes zeros into slot 0."""
-        shardings = param_shardings({"lora": self.lora_stack}, self.config, self.tp, self.mesh)["lora"]
+        shardings = param_shardings({"lora": self.lora_stack}, self.model_config, self.tp, self.mesh)["lora"]
         return Step("lora", jit_step(load_slot_step, self.mesh, (shardings,), (shardings,), donate=(0,)),
                     lambda: (self.lora_stack,), assign(self, "lora_stack"),
                     lambda: [SlotWeights(np.int32(0), empty_adapter(self.lora_stack))])
@@ -194,7 +194,7 @@ class ModelRunner:
             self.transfers.restore(list(scheduler_output.restores))
         for new in scheduler_output.new_seqs:
             self._reset_penalties(new)
-        by_sequence = (self.config.rope_length_rule or ("",))[0] == "sequence"
+        by_sequence = (self.model_config.rope_length_rule or ("",))[0] == "sequence"
         calls = [prefill_inputs(batch, tokens, chunks, by_sequence)
                  for tokens, chunks in prefill_groups(scheduler_output.prefills, self.engine_config)]
         decodes = scheduler_output.decodes

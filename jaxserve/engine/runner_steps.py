@@ -31,8 +31,8 @@ def runner_steps(runner: RunnerState) -> list[Step]:
     """The runner's own steps: its forwards read and write its params, pool and slot state, its samplers the
     penalty state, slot state and device sampling table (`forward_state`, `sampler_state`)."""
     ec, mesh, replicated = runner.engine_config, runner.mesh, NamedSharding(runner.mesh, REPLICATED)
-    vocab = runner.config.vocab_size
-    params_in = serving_shardings(runner.params, runner.config, runner.tp, mesh)
+    vocab = runner.model_config.vocab_size
+    params_in = serving_shardings(runner.params, runner.model_config, runner.tp, mesh)
     penalties = (lambda: (runner.batch.penalties,)), assign(runner.batch, "penalties")
     on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
                            donate=(0,))
@@ -41,10 +41,10 @@ def runner_steps(runner: RunnerState) -> list[Step]:
              runner.keep_forward_state,
              functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora),
              forwards=("logits", "hidden")),
-        Step("score", jit_step(functools.partial(prompt_scores_step, runner.config, runner.tp, runner.dtype), mesh,
+        Step("score", jit_step(functools.partial(prompt_scores_step, runner.model_config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),
              lambda: (runner.params,), assign(runner), functools.partial(
-                 score_examples, ec, runner.config.hidden_size, runner.dtype, replicated, runner.allocator),
+                 score_examples, ec, runner.model_config.hidden_size, runner.dtype, replicated, runner.allocator),
              forwarded=("hidden",)),
         Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
              functools.partial(decode_examples, ec, len(runner.kv_plan.groups), ec.enable_lora), forwards=("logits",)),

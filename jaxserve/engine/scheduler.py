@@ -67,7 +67,7 @@ class AppendedToken(NamedTuple):
 class Scheduler:
     def __init__(self, config: EngineConfig, page_manager: PageManager, eos_token_ids: frozenset[int] = frozenset(),
                  rope_length_rule: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic):
-        self.config = config
+        self.engine_config = config
         self.clock = clock  # the arrival times' clock (a fake one in tests)
         self.slo = (SloPolicy(config.slo_max_wait_ms / 1000, StepCosts(config.decode_batch_buckets,
                                                                          config.prefill_buckets))
@@ -135,7 +135,7 @@ class Scheduler:
         min_tokens outputs; EOS (unless ignore_eos) and stop_token_ids end a sequence, then max_tokens and
         max_model_len do (a stop string the output processor finds in the same token still wins)."""
         appended, touched = [], set()
-        caches_prefixes, max_model_len = self.page_manager.enable_prefix_caching, self.config.max_model_len
+        caches_prefixes, max_model_len = self.page_manager.enable_prefix_caching, self.engine_config.max_model_len
         now = self.clock()
         if self._dispatched:  # slo: the step these tokens come from is done
             dispatched, num_decodes, num_prefill_tokens = self._dispatched.popleft()
@@ -159,7 +159,7 @@ class Scheduler:
             appended.append(AppendedToken(seq, sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
             if caches_prefixes and seq.page_table:
                 self.page_manager.commit_full_pages(seq)
-        if self.config.speculative_config is not None:
+        if self.engine_config.speculative_config is not None:
             for seq_id in {sample.seq_id for sample in sampled}:  # the room made for drafts that were rejected
                 seq = self.seqs.get(seq_id)  # (or not proposed) goes back to the pool
                 if seq is not None and seq.num_lookahead:
@@ -191,7 +191,7 @@ class Scheduler:
         windows = self.page_manager.window_changes if self.page_manager.windows else lambda seq, new: ()
         new = tuple(new_sequence(seq, windows(seq, True)) for seq in plan.admitted)
         admitted = {seq.seq_id for seq in plan.admitted}
-        decodes = scheduled_decodes(plan.decodes, self.config.speculative_config)
+        decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config)
         verifies = any(decode.num_draft for decode in decodes)
         cached = [cached_sequence(chunk.seq, True, windows(chunk.seq, False)) for chunk in plan.prefills
                   if chunk.seq.seq_id not in admitted]
@@ -203,10 +203,10 @@ class Scheduler:
             decodes, tuple(plan.restores), tuple(plan.lora_loads))
 
     def _plan(self) -> Plan:
-        budget = self.config.max_num_batched_tokens
+        budget = self.engine_config.max_num_batched_tokens
         out = Plan([], [], [])
         speculate = self._speculates()
-        max_model_len = self.config.max_model_len
+        max_model_len = self.engine_config.max_model_len
         for seq in list(self.running):  # admission order: sequences join at the end and only ever leave
             # a sequence whose every token is sampled only waits for the host to read them (async scheduling)
             if (seq.status is not SequenceStatus.RUNNING or seq.is_prefilling
@@ -234,8 +234,8 @@ class Scheduler:
         else:
             order = running + self._waiting_order(now)
             allowance = math.inf
-        limits, prefilling = PrefillLimits(self.config, order), set(running)
-        smallest = self.config.prefill_buckets[0]
+        limits, prefilling = PrefillLimits(self.engine_config, order), set(running)
+        smallest = self.engine_config.prefill_buckets[0]
         admitting = bool(self.free_slots)
         for seq in order:
             if budget < smallest:
@@ -305,7 +305,7 @@ class Scheduler:
     def _speculates(self) -> bool:
         """Whether this step's decodes get room for drafts: speculation is on and the batch is below
         `disable_by_batch_size`."""
-        spec = self.config.speculative_config
+        spec = self.engine_config.speculative_config
         return spec is not None and (spec.disable_by_batch_size is None
                                      or len(self.running) < spec.disable_by_batch_size)
 
@@ -314,20 +314,20 @@ class Scheduler:
         for a constrained sequence (the verify sampler applies no token mask)."""
         if seq.grammar is not None:
             return 0
-        room = self.config.max_model_len - seq.num_tokens
+        room = self.engine_config.max_model_len - seq.num_tokens
         if self.rope_length_rule is not None and self.rope_length_rule[0] == "sequence" and not seq.rope_by_length:
             room = min(room, self.rope_length_rule[1] - seq.num_tokens)  # drafts stay within the short rope
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
-        return max(0, min(self.config.num_speculative_tokens, room))
+        return max(0, min(self.engine_config.num_speculative_tokens, room))
 
     def _bucket(self, num_tokens: int) -> int:
         """The prefill bucket a chunk of `num_tokens` is padded to."""
-        return next(bucket for bucket in self.config.prefill_buckets if bucket >= num_tokens)
+        return next(bucket for bucket in self.engine_config.prefill_buckets if bucket >= num_tokens)
 
     def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
         """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""
-        buckets = self.config.prefill_buckets
+        buckets = self.engine_config.prefill_buckets
         num_tokens = min(remaining, budget)
         if num_tokens <= 0 or budget < buckets[0]:
             return 0, 0
@@ -349,7 +349,7 @@ class Scheduler:
     def _preemption_order(self, seq: Sequence):
         """The largest is preempted first: the newest; with priorities, the lowest priority's newest; under slo,
         the one with the most slack."""
-        if self.config.scheduling_policy == "priority":
+        if self.engine_config.scheduling_policy == "priority":
             return seq.priority, seq.admission_order
         if self.slo is not None:
             return self.slo.slack(seq, self.clock()), seq.admission_order
@@ -394,7 +394,7 @@ class Scheduler:
 
     def _waiting_order(self, now: float) -> list[Sequence]:
         """The waiting sequences in admission order: FCFS (preempted ones first), or by aged priority."""
-        if self.config.scheduling_policy == "fcfs":
+        if self.engine_config.scheduling_policy == "fcfs":
             return list(self.waiting)
-        aging = self.config.priority_aging_seconds
+        aging = self.engine_config.priority_aging_seconds
         return sorted(self.waiting, key=lambda s: (s.priority - (now - s.arrival_time) / aging, s.arrival_time))

@@ -40,7 +40,7 @@ class DraftModel:
 
     def __init__(self, spec: SpeculativeConfig, config: ModelConfig, dtype, mesh: Mesh, backend: PagedAttention,
                  page_size: int, slots: int, pages_per_seq: int, allocator: Allocator):
-        self.config = config
+        self.model_config = config
         self.tp = TensorParallel(mesh.size)
         self.tp.check(config)
         self.allocator = allocator
@@ -53,19 +53,19 @@ class DraftModel:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of the draft's pool over all layers and devices (K and V)."""
-        return page_bytes(self.config, self.tp, self.backend, self.page_size, self.dtype)
+        return page_bytes(self.model_config, self.tp, self.backend, self.page_size, self.dtype)
 
     def allocate_pool(self, num_pages: int) -> None:
-        self.kv_cache = empty_pools([num_pages] * self.config.num_layers, self.config, self.tp, self.backend,
+        self.kv_cache = empty_pools([num_pages] * self.model_config.num_layers, self.model_config, self.tp, self.backend,
                                     self.page_size, self.dtype, self.allocator)
 
     def jitted(self, mesh: Mesh) -> tuple:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
         with the drafts' distributions), jitted for `mesh`."""
         pool = self.backend.pool_shardings()
-        params_in = serving_shardings(self.params, self.config, self.tp, mesh)
-        kv_in, replicated = [(pool, pool)] * self.config.num_layers, NamedSharding(mesh, REPLICATED)
-        static = (self.config, self.tp, self.backend, self.dtype, self.page_size)
+        params_in = serving_shardings(self.params, self.model_config, self.tp, mesh)
+        kv_in, replicated = [(pool, pool)] * self.model_config.num_layers, NamedSharding(mesh, REPLICATED)
+        static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)
         prefill = jit_step(functools.partial(prefill_step, *static), mesh, (params_in, kv_in, replicated),
                            (kv_in, replicated), donate=(1, 2))
         propose = {with_probs: jit_step(functools.partial(propose_step, *static, with_probs), mesh,
@@ -177,7 +177,7 @@ class Speculator:
                               np.full(rows, -1, np.int32) if self.runner.engine_config.enable_lora else None)
 
     def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:
-        vocab = self.runner.config.vocab_size
+        vocab = self.runner.model_config.vocab_size
         for rows in self.runner.engine_config.decode_batch_buckets:
             zeros = np.zeros(rows, np.int32)
             # a draft model's rows that sample have its distributions (its greedy rows skip this sampler)

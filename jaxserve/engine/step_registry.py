@@ -75,7 +75,7 @@ class RunnerState(Protocol):
     device state, the accessors of the state its forwards and samplers donate, and its registry."""
 
     engine_config: EngineConfig
-    config: ModelConfig
+    model_config: ModelConfig
     mesh: Mesh
     tp: TensorParallel
     backend: PagedAttention

@@ -51,7 +51,7 @@ class AdapterCache:
     """Read adapters by `lora_int_id`, at most `capacity` of them; safe to call from any thread."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, max_rank: int, capacity: int):
-        self.config, self.max_rank, self.capacity = config, max_rank, capacity
+        self.model_config, self.max_rank, self.capacity = config, max_rank, capacity
         self.columns = fused_columns(config, tp)
         self._lock = threading.Lock()
         self._adapters: OrderedDict[int, LoadedAdapter] = OrderedDict()
@@ -70,8 +70,8 @@ class AdapterCache:
                                      f"use another id for {request.lora_name!r} ({request.lora_path!r})")
                 self._adapters.move_to_end(request.lora_int_id)
                 return cached
-        weights = read_adapter(request.lora_name, request.lora_path, self.config, self.max_rank)
-        loaded = LoadedAdapter(request, weights, serving_adapter(weights, self.config, self.max_rank, self.columns))
+        weights = read_adapter(request.lora_name, request.lora_path, self.model_config, self.max_rank)
+        loaded = LoadedAdapter(request, weights, serving_adapter(weights, self.model_config, self.max_rank, self.columns))
         with self._lock:
             self.num_reads += 1
             self._adapters[request.lora_int_id] = loaded

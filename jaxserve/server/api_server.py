@@ -104,12 +104,12 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.get("/v1/models")
     async def list_models() -> dict:
         llm_engine = ctx.ready_engine()
-        root = llm_engine.config.model or llm_engine.model.name
+        root = llm_engine.engine_config.model or llm_engine.model.name
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": now(), "owned_by": "jaxserve", "root": root, "parent": None,
-            "max_model_len": llm_engine.config.max_model_len} for name in ctx.served_model_names] + [{
+            "max_model_len": llm_engine.engine_config.max_model_len} for name in ctx.served_model_names] + [{
             "id": name, "object": "model", "created": now(), "owned_by": "jaxserve", "root": lora.lora_path,
-            "parent": lora.base_model_name or ctx.model_name, "max_model_len": llm_engine.config.max_model_len}
+            "parent": lora.base_model_name or ctx.model_name, "max_model_len": llm_engine.engine_config.max_model_len}
             for name, lora in ctx.adapters.requests.items()]}
 
     @app.post("/v1/completions")
@@ -146,7 +146,7 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
             except ValueError as err:
                 raise bad_request(str(err), param="messages") from None
             tokens = await ctx.apply_chat_template(messages, body.add_generation_prompt is not False)
-        return {"count": len(tokens), "max_model_len": llm_engine.config.max_model_len, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": llm_engine.engine_config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:

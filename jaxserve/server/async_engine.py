@@ -228,13 +228,13 @@ class AsyncEngine:
         for token_ids in prompts:
             llm_engine.validate_prompt(token_ids, params)
         num_seqs = len(prompts) * params.n
-        capacity = llm_engine.config.max_num_seqs + self.max_waiting
+        capacity = llm_engine.engine_config.max_num_seqs + self.max_waiting
         if num_seqs > capacity:
             raise ValueError(f"this request needs {num_seqs} sequences (prompts x n), more than the server holds "
                              f"at once ({capacity})")
         if self.num_inflight_seqs + num_seqs > capacity:
             raise ServerOverloaded(f"the server is at capacity ({self.num_inflight_seqs} sequences in flight, "
-                                   f"{llm_engine.config.max_num_seqs} running + {self.max_waiting} waiting); "
+                                   f"{llm_engine.engine_config.max_num_seqs} running + {self.max_waiting} waiting); "
                                    "retry later")
         request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
         if any(engine_request_id in self._requests for engine_request_id in request_ids):
@@ -312,7 +312,7 @@ class AsyncEngine:
             return  # shut down while loading
         self.state = EngineState.READY
         logger.info("engine ready: %s, max_model_len=%d, max_num_seqs=%d", getattr(llm_engine.model, "name", "?"),
-                    llm_engine.config.max_model_len, llm_engine.config.max_num_seqs)
+                    llm_engine.engine_config.max_model_len, llm_engine.engine_config.max_num_seqs)
         try:
             while not self._stop.is_set():
                 if not llm_engine.wait_for_requests(IDLE_POLL_SECONDS):

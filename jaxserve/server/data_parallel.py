@@ -141,7 +141,7 @@ class DataParallelEngine:
         cached = {replica.replica: engine.page_manager.num_cached_tokens(chain)
                   for replica, engine in zip(self.replicas, engines)}
         idlest = by_load[0].num_inflight_seqs
-        busy_limit = engines[0].config.max_num_seqs  # a hit is not worth a full batch of queueing ahead of it
+        busy_limit = engines[0].engine_config.max_num_seqs  # a hit is not worth a full batch of queueing ahead of it
 
         def preference(replica: AsyncEngine) -> tuple:
             useful = cached[replica.replica] if replica.num_inflight_seqs - idlest < busy_limit else 0

@@ -49,7 +49,7 @@ async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> C
     prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt, tools.tools if tools else None)
     try:
         defaults = ctx.sampling_defaults()
-        max_tokens = request.max_tokens_for([len(prompt_ids)], llm_engine.config.max_model_len, defaults, None)
+        max_tokens = request.max_tokens_for([len(prompt_ids)], llm_engine.engine_config.max_model_len, defaults, None)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.sampling_params(max_tokens, top_logprobs, llm_engine.vocab_size, defaults, kind)

@@ -36,7 +36,7 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
         prompts = request.prompts()
         token_lists = [await ctx.encode(p) if isinstance(p, str) else p for p in prompts]
         defaults = ctx.sampling_defaults()
-        max_tokens = request.max_tokens_for([len(ids) for ids in token_lists], llm_engine.config.max_model_len,
+        max_tokens = request.max_tokens_for([len(ids) for ids in token_lists], llm_engine.engine_config.max_model_len,
                                             defaults, OPENAI_MAX_TOKENS)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.sampling_params(max_tokens, request.logprobs, llm_engine.vocab_size, defaults, kind,
