@@ -35,16 +35,17 @@ def write_random_adapter(path: str, config, rank: int, seed: int, scale: float =
     """A PEFT-format adapter of `config` (a jaxserve ModelConfig) with random A and B on every projection."""
     from safetensors.numpy import save_file
 
-    from jaxserve.lora.peft_format import MLP_TARGETS, module_shapes
+    from jaxserve.lora.peft_format import MLP_PROJECTIONS, module_shapes
 
     rng = np.random.default_rng(seed)
     tensors = {}
     for layer in range(config.num_layers):
         for target in TARGETS:
-            if target in MLP_TARGETS and config.layers[layer].feed_forward != "dense":
+            if target in MLP_PROJECTIONS and config.layers[layer].feed_forward != "dense":
                 continue
             fan_in, fan_out = module_shapes(config, target)
-            prefix = f"base_model.model.model.layers.{layer}.{'mlp' if target in MLP_TARGETS else 'self_attn'}.{target}"
+            module = "mlp" if target in MLP_PROJECTIONS else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{module}.{target}"
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, fan_in)) * scale).astype(np.float32)
             tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * scale).astype(np.float32)
     os.makedirs(path, exist_ok=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.config import EngineConfig
 from jaxserve.layers.sampler import SamplingBatch
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramIndex
