@@ -49,6 +49,7 @@ from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutpu
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo import SloPolicy, StepCosts
 from jaxserve.engine.step_output import SampledToken
+from jaxserve.spec_decode.ngram import NgramDrafter
 from jaxserve.lora.cache import AdapterSlots
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class Scheduler:
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.adapter_slots = AdapterSlots(config.max_loras) if config.enable_lora else None  # LoRA: device slots
+        spec = config.speculative_config
+        self.drafter = (NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if spec is not None and spec.method == "ngram" else None)
 
     @property
     def num_waiting(self) -> int:
@@ -108,6 +112,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
             self.adapter_slots.count(seq.lora, -1)
 
@@ -191,7 +197,7 @@ class Scheduler:
         windows = self.page_manager.window_changes if self.page_manager.windows else lambda seq, new: ()
         new = tuple(new_sequence(seq, windows(seq, True)) for seq in plan.admitted)
         admitted = {seq.seq_id for seq in plan.admitted}
-        decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config)
+        decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config, self.drafter)
         verifies = any(decode.num_draft for decode in decodes)
         cached = [cached_sequence(chunk.seq, True, windows(chunk.seq, False)) for chunk in plan.prefills
                   if chunk.seq.seq_id not in admitted]

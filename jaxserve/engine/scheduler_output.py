@@ -20,7 +20,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.lora.cache import LoadedAdapter
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
-from jaxserve.spec_decode.ngram import NgramIndex
+from jaxserve.spec_decode.ngram import NgramDrafter
 
 
 class NewSequence(NamedTuple):
@@ -127,20 +127,17 @@ def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool,
     return changed, (min(kept_pages, sent_pages) if changed else num_pages)
 
 
-def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> tuple[ScheduledDecode, ...]:
+def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None,
+                      drafter: NgramDrafter | None = None) -> tuple[ScheduledDecode, ...]:
     """The step's decodes; with drafts to verify when some row has room for them (`num_lookahead`) and none is
-    constrained (the verify sampler applies no token mask): n-gram proposals made here, from each sequence's tokens
-    (speculative steps are synchronous, so the host has them all), or a draft model's count."""
+    constrained (the verify sampler applies no token mask): the n-gram `drafter`'s proposals from each sequence's
+    tokens (speculative steps are synchronous, so the host has them all), or a draft model's count."""
     if spec is None or not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
         return tuple(ScheduledDecode(seq.seq_id, len(seq.token_ids) + seq.num_pending - 1) for seq in seqs)
     if spec.method != "ngram":
         return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, seq.num_lookahead) for seq in seqs)
-    drafts = []
-    for seq in seqs:
-        if seq.ngram_index is None:
-            seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        drafts.append(tuple(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead)[:seq.num_lookahead])
-                      if seq.num_lookahead else ())
+    drafts = [drafter.propose(seq.seq_id, seq.token_ids, seq.num_lookahead) if seq.num_lookahead else ()
+              for seq in seqs]
     if not any(drafts):
         return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1) for seq in seqs)
     return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, len(draft), draft)

@@ -60,7 +60,6 @@ class Sequence:
         self.lora_slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.rope_by_length = False  # its tokens rotate by a length past the rope's threshold (`layers/rotary.py`)
-        self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use
         self.grammar = None  # constrained decoding: the sequence's llguidance matcher, advanced token by token
         self.admission_order = -1
         self.cumulative_logprob = 0.0
