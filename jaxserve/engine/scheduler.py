@@ -104,7 +104,8 @@ class Scheduler:
             self.adapter_slots.count(seq.lora, 1)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Retires `seq` at once with its finish reason: its slot and pages are free for the next step."""
+        """Retires `seq` at once with its finish reason: its slot and pages are free for the next step (a finished
+        sequence only takes the new reason)."""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
@@ -116,6 +117,20 @@ class Scheduler:
             self.drafter.forget(seq.seq_id)
         if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
             self.adapter_slots.count(seq.lora, -1)
+
+    def cut_output(self, seq: Sequence, num_output_tokens: int) -> int:
+        """Drops `seq`'s output tokens past its first `num_output_tokens` (a stop string found late ends there) and
+        their logprobs; returns how many were dropped. The caller finishes `seq` next."""
+        extra = seq.num_output_tokens - num_output_tokens
+        if extra <= 0:
+            return 0
+        if seq.logprobs is not None:  # those of the dropped tokens that have theirs
+            first = seq.num_prompt_tokens + num_output_tokens
+            for token, top in zip(seq.token_ids[first:], seq.logprobs[num_output_tokens:]):
+                seq.cumulative_logprob -= top[token]
+            del seq.logprobs[num_output_tokens:]
+        del seq.token_ids[-extra:]
+        return extra
 
     def update_after_dispatch(self, scheduler_output: SchedulerOutput) -> None:
         """Advances a dispatched step's sequences: their chunks' and decodes' KV is computed once the step runs, and
