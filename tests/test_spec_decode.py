@@ -67,6 +67,7 @@ def test_ngram_greedy_outputs_equal_plain_decoding(tiny_llama_dir, plain_outputs
     if pool == "tight":
         assert stats.num_preemptions > 0
     assert engine.page_manager.num_free_pages == engine.page_manager.num_usable_pages and not engine.scheduler.running
+    assert not engine.scheduler.drafter.indexes  # finished sequences' n-gram indexes are dropped
 
 
 def test_draft_model_greedy_outputs_equal_plain_decoding(tiny_llama_dir, tmp_path, plain_outputs):

@@ -91,8 +91,8 @@ class LLMEngine:
                          if self.engine_config.enable_lora else None)
         self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
                                      detokenizer_process, self.adapters)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.inputs.release,
-                                       detokenizer_process)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.scheduler.cut_output,
+                                       self.inputs.release, detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._new_commands = threading.Event()
         self._prompt_tokens = self._steps = 0

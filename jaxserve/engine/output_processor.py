@@ -35,9 +35,11 @@ class OutputProcessor:
     """`finish(seq, reason, stop_reason)` ends a sequence (the scheduler's); `release(request_id)` frees a retired
     request's id (the input processor's)."""
 
-    def __init__(self, tokenizer, finish: Finish, release: Callable[[str], None], detokenizer_process: bool = False):
+    def __init__(self, tokenizer, finish: Finish, cut: Callable[[Sequence, int], int], release: Callable[[str], None],
+                 detokenizer_process: bool = False):
         self.tokenizer = tokenizer
         self._finish = finish
+        self._cut = cut  # the scheduler's: drops a sequence's output tokens past a count, returns how many
         self._release = release
         self.token_texts = TokenTexts(tokenizer)  # prompt_logprobs' decoded_token
         self.requests: dict[str, Request] = {}
@@ -107,9 +109,8 @@ class OutputProcessor:
                 if stop is not None:
                     self._stop(seq, stop)
                     stopped[seq] = 0
-        for seq, extra in stopped.items():
-            if extra:
-                del seq.token_ids[-extra:]
+        for seq, extra in stopped.items():  # the step's tokens after the stop: never counted nor given logprobs
+            self._cut(seq, seq.num_output_tokens - extra)
 
     def read_texts(self, timeout: float = 0.0) -> set[str]:
         """Applies the detokenizer process's answers: new text, and stop strings, which end their completion at
@@ -147,24 +148,14 @@ class OutputProcessor:
         seq = request.seqs[index]
         if seq.finish_reason == "abort":
             return
-        extra = seq.num_output_tokens - num_output_tokens
-        if extra > 0:
-            if seq.logprobs is not None:
-                for token, top in zip(seq.token_ids[-extra:], seq.logprobs[-extra:]):
-                    seq.cumulative_logprob -= top[token]
-                del seq.logprobs[-extra:]
-            del seq.token_ids[-extra:]
-            self.num_generation_tokens -= extra
+        self.num_generation_tokens -= self._cut(seq, num_output_tokens)
         request.num_fed[index] = num_output_tokens
         self._stop(seq, stop)
 
     def _stop(self, seq: Sequence, stop: str) -> None:
         """A stop string ends `seq`, or, if a later token (EOS, a length limit) already did, becomes its reason."""
-        if seq.is_finished:
-            if seq.finish_reason != "abort":
-                seq.finish_reason, seq.stop_reason = "stop", stop
-        else:
-            self._finish(seq, "stop", stop)
+        if not (seq.is_finished and seq.finish_reason == "abort"):
+            self._finish(seq, "stop", stop)  # the scheduler's finish sets a finished sequence's reason alone
 
     def outputs(self, touched: set[str]) -> list[RequestOutput]:
         """A snapshot of every request in `touched` that has something to report; finished ones are forgotten."""

@@ -17,7 +17,7 @@ from jaxserve.models import serving_shardings
 from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.input_batch import SlotSamplingParams
-from jaxserve.engine.step_inputs import empty_prefill
+from jaxserve.engine.step_inputs import empty_decode, empty_prefill
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
 from jaxserve.engine.steps import (BanInputs, DecodeBatch, PrefillBatch, ResetInputs, SamplerInputs, ScoreInputs,
                                    ban_step, decode_step, prefill_step, prompt_scores_step, reset_penalties_step,
@@ -87,9 +87,7 @@ def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocato
 
 def decode_examples(ec: EngineConfig, groups: int = 1, lora: bool = False) -> Iterator[DecodeBatch]:
     for rows in ec.decode_batch_buckets:
-        zeros = np.zeros(rows, np.int32)
-        yield DecodeBatch(zeros, zeros, np.zeros((groups, rows), np.int32), np.zeros(rows, bool),
-                          np.full(rows, -1, np.int32) if lora else None)
+        yield empty_decode(rows, groups, lora)
 
 
 def table_examples(ec: EngineConfig) -> Iterator[SamplingBatch]:

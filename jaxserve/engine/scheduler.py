@@ -1,36 +1,28 @@
 """`Scheduler`: iteration-level scheduling of sequences into decode slots, with chunked prefill and preemption.
 
-Each `schedule()` call plans one engine step: one decode token for every running sequence, plus prefill
-chunks under a token budget (`max_num_batched_tokens`). Decodes run as their own call and are not
-charged; a prefill chunk is charged its padded size (its length bucket), so a step's prefill never
-computes much more than the budget whatever mix of chunk lengths it packs (charging real tokens let a
-step of many small buckets cost well over one full chunk; see benchmarks/RESULTS.md), and a decode
-waits at most one budget's worth of prefill. In order:
+Each `schedule()` call plans one engine step: one decode token for every running sequence, plus prefill chunks
+under a token budget (`max_num_batched_tokens`). Decodes run as their own call and are not charged; a prefill chunk
+is charged its padded size (its length bucket), so a decode waits at most one budget's worth of prefill. In order:
 1. every running sequence that is decoding gets one token (oldest first), and room for its drafts under
    speculative decoding (K tokens, fewer near its length limits); if the pool has no page for it, a running
    sequence is preempted by recompute (pages freed, requeued at the front) until it fits: the most recently
    admitted (priority: of the lowest priority; slo: the one with the most slack);
 2. prefill work, under the budget and vLLM's long-prefill limits (`prefill_limits.py`): under fcfs and priority,
    running sequences still prefilling get their next chunk, then waiting sequences are admitted into free slots
-   (FCFS, or by aged priority); under slo both are ordered together by slack to their latency targets, and decode
-   protection may hold prefills back (`slo.py`). An admitted sequence reuses its longest cached prefix (none for
-   one that must score its prompt); with KV tiers the prefix continues in the host and disk tiers, whose pages
-   the step restores first. Admission stops at the first sequence that finds no pages. A LoRA sequence waits
-   (and those after it may go first) while every device slot of the adapter stack serves other adapters' running
-   sequences (`lora/cache.py`); its admission pins its adapter's slot, writing the adapter there first if needed.
+   (FCFS, or by aged priority); under slo both are ordered together by slack (`slo.py`). An admitted sequence
+   reuses its longest cached prefix (none for one that must score its prompt), continued in the KV tiers, whose
+   pages the step restores first. Admission stops at the first sequence that finds no pages. A LoRA sequence waits
+   while every device slot of the adapter stack serves other adapters' running sequences (`lora/cache.py`).
 
 With a rope whose rotations change with the length (`rope_length_rule`, `layers/rotary.py`) a sequence past the
 threshold is marked `rope_by_length` at admission (no prefix caching for it); under LongRoPE ("sequence") one that
 outgrows the threshold while decoding is requeued to recompute every token rotated long, as transformers' Phi-3
-recomputes its cache then, and its drafts never cross the threshold.
+does, and its drafts never cross the threshold.
 
-The scheduler owns every sequence's state: `update_after_dispatch` advances a dispatched plan's sequences (KV
-computed, tokens pending on the device), and `update_from_output` applies the tokens a step sampled (appended,
-grammar advanced, token stop rules and length limits, full pages committed to the prefix cache, the room made for
-rejected drafts released), as vLLM v1's `update_from_output`. Stop strings are the output processor's: it finishes
-a sequence through `finish`. What it hands the runner is plain data (`scheduler_output.py`): the sequences that left
-and joined slots, what running ones gained since they were last scheduled, and the step's chunks and decodes by id;
-the runner's tokens come back by sequence id too.
+The scheduler owns every sequence's state: `update_after_dispatch` advances a dispatched step's sequences,
+`update_from_output` applies the tokens a step sampled (as vLLM v1's), `finish` and `cut_output` serve the output
+processor's stop strings, and `sent` records what the runner has of each. What it hands the runner is plain data
+(`scheduler_output.py`); the runner's tokens come back by sequence id.
 """
 
 from __future__ import annotations
@@ -44,11 +36,12 @@ from typing import Callable, NamedTuple
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prefill_limits import PrefillLimits
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, ScheduledChunk, cached_sequence,
-                                              new_sequence, scheduled_decodes)
+from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, Sent, scheduled_decodes,
+                                              scheduler_output)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo import SloPolicy, StepCosts
 from jaxserve.engine.step_output import SampledToken
+from jaxserve.spec_decode.ngram import NgramDrafter
 from jaxserve.lora.cache import AdapterSlots
 
 logger = logging.getLogger(__name__)
@@ -81,9 +74,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self._left_slots: list[int] = []  # ids of the sequences that left their slots since the last output
+        self.sent: dict[int, Sent] = {}  # seq id -> what the runner has of it, while it holds a slot
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.adapter_slots = AdapterSlots(config.max_loras) if config.enable_lora else None  # LoRA: device slots
+        spec = config.speculative_config
+        self.drafter = (NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if spec is not None and spec.method == "ngram" else None)
 
     @property
     def num_waiting(self) -> int:
@@ -100,7 +97,8 @@ class Scheduler:
             self.adapter_slots.count(seq.lora, 1)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Retires `seq` at once with its finish reason: its slot and pages are free for the next step."""
+        """Retires `seq` at once with its finish reason: its slot and pages are free for the next step (a finished
+        sequence only takes the new reason)."""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
@@ -108,8 +106,24 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
             self.adapter_slots.count(seq.lora, -1)
+
+    def cut_output(self, seq: Sequence, num_output_tokens: int) -> int:
+        """Drops `seq`'s output tokens past its first `num_output_tokens` (a stop string found late ends there) and
+        their logprobs; returns how many were dropped. The caller finishes `seq` next."""
+        extra = seq.num_output_tokens - num_output_tokens
+        if extra <= 0:
+            return 0
+        if seq.logprobs is not None:  # those of the dropped tokens that have theirs
+            first = seq.num_prompt_tokens + num_output_tokens
+            for token, top in zip(seq.token_ids[first:], seq.logprobs[num_output_tokens:]):
+                seq.cumulative_logprob -= top[token]
+            del seq.logprobs[num_output_tokens:]
+        del seq.token_ids[-extra:]
+        return extra
 
     def update_after_dispatch(self, scheduler_output: SchedulerOutput) -> None:
         """Advances a dispatched step's sequences: their chunks' and decodes' KV is computed once the step runs, and
@@ -164,7 +178,10 @@ class Scheduler:
                 seq = self.seqs.get(seq_id)  # (or not proposed) goes back to the pool
                 if seq is not None and seq.num_lookahead:
                     self.page_manager.trim(seq)
-                    seq.num_kept_pages = min(seq.num_kept_pages, len(seq.page_table))
+                    sent = self.sent.get(seq_id)
+                    if sent is not None:  # (a preempted sequence's runner row is gone)
+                        self.sent[seq_id] = sent._replace(
+                            num_kept_pages=min(sent.num_kept_pages, len(seq.page_table)))
         return appended, touched
 
     def _append(self, seq: Sequence, token: int, max_model_len: int) -> bool:
@@ -189,18 +206,11 @@ class Scheduler:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
         windows = self.page_manager.window_changes if self.page_manager.windows else lambda seq, new: ()
-        new = tuple(new_sequence(seq, windows(seq, True)) for seq in plan.admitted)
-        admitted = {seq.seq_id for seq in plan.admitted}
-        decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config)
-        verifies = any(decode.num_draft for decode in decodes)
-        cached = [cached_sequence(chunk.seq, True, windows(chunk.seq, False)) for chunk in plan.prefills
-                  if chunk.seq.seq_id not in admitted]
-        cached += [cached_sequence(seq, verifies, windows(seq, False)) for seq in plan.decodes]
-        left, self._left_slots = tuple(self._left_slots), []
-        return SchedulerOutput(
-            left, new, tuple(c for c in cached if c is not None),
-            tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills),
-            decodes, tuple(plan.restores), tuple(plan.lora_loads))
+        decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config, self.drafter)
+        output, sent = scheduler_output(plan, tuple(self._left_slots), decodes, self.sent, windows)
+        self.sent.update(sent)
+        self._left_slots = []
+        return output
 
     def _plan(self) -> Plan:
         budget = self.engine_config.max_num_batched_tokens
@@ -212,7 +222,7 @@ class Scheduler:
             if (seq.status is not SequenceStatus.RUNNING or seq.is_prefilling
                     or seq.at_length_limit(max_model_len, with_pending=True)):
                 continue
-            if self._outgrows_its_rope(seq):
+            if seq.outgrows_rope(self.rope_length_rule):
                 self._requeue(seq, out)  # recomputed whole, every token rotated by the longer length
                 continue
             seq.num_lookahead = self._lookahead(seq) if speculate else 0
@@ -274,7 +284,7 @@ class Scheduler:
         the KV tiers); None if it cannot be admitted now."""
         if seq.num_pending:  # preempted with a token in flight: admitted once the host has read it
             return None
-        seq.rope_by_length = self._rope_by_length(seq)
+        seq.rope_by_length = seq.rotates_by_length(self.rope_length_rule)
         looks_up = not seq.scores_prompt  # a prompt to score is computed whole (vLLM skips the lookup too)
         manager = self.page_manager
         cached_pages = manager.match_prefix(seq) if looks_up else []
@@ -355,19 +365,6 @@ class Scheduler:
             return self.slo.slack(seq, self.clock()), seq.admission_order
         return seq.admission_order
 
-    def _rope_by_length(self, seq: Sequence) -> bool:
-        """Whether `seq`, being admitted, rotates by a length past the rope's threshold: its prompt's (dynamic NTK)
-        or its whole length (LongRoPE)."""
-        if self.rope_length_rule is None:
-            return False
-        rule, threshold = self.rope_length_rule
-        return (len(seq) if rule == "sequence" else seq.num_prompt_tokens) > threshold
-
-    def _outgrows_its_rope(self, seq: Sequence) -> bool:
-        """LongRoPE: whether the decode would take `seq`, computed rotated short, past the threshold."""
-        rule = self.rope_length_rule
-        return rule is not None and rule[0] == "sequence" and not seq.rope_by_length and seq.num_tokens > rule[1]
-
     def _preempt(self, seq: Sequence, out: Plan) -> None:
         self.num_preemptions += 1
         self._requeue(seq, out)
@@ -383,6 +380,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.page_manager.free(seq)
+        self.sent.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         if seq.slot is not None:
             self.free_slots.append(seq.slot)

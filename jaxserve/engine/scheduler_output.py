@@ -13,14 +13,14 @@ come the step's work items: pages to restore from the KV tiers, prefill chunks a
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.sequence import Sequence
 from jaxserve.lora.cache import LoadedAdapter
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
-from jaxserve.spec_decode.ngram import NgramIndex
+from jaxserve.spec_decode.ngram import NgramDrafter
 
 
 class NewSequence(NamedTuple):
@@ -91,34 +91,64 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
-def new_sequence(seq: Sequence, window_tables: tuple = ()) -> NewSequence:
-    """`seq` as admitted, with its window groups' tables (`PageManager.window_changes`); from now on the runner
-    has its tokens and pages."""
-    seq.num_sent_tokens, seq.num_sent_pages = len(seq.token_ids), len(seq.page_table)
-    seq.num_kept_pages = seq.num_sent_pages
-    return NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
-                       tuple(seq.page_table), seq.params, seq.seed, window_tables,
-                       -1 if seq.lora_slot is None else seq.lora_slot)
+class Sent(NamedTuple):
+    """What the runner has of a sequence in a slot (the scheduler's record of it): its first `num_tokens` tokens,
+    and its page table's first `num_pages` pages as they were when sent, of which the first `num_kept_pages` are
+    still the sequence's (a trim lowers it)."""
+
+    num_tokens: int
+    num_pages: int
+    num_kept_pages: int
 
 
-def cached_sequence(seq: Sequence, with_tokens: bool, window_tables: tuple = ()) -> CachedSequence | None:
-    """What the runner lacks of a running `seq` (None: nothing): its pages always, the tokens the host read only
-    `with_tokens` (a step that reads them: a prefill chunk, or a verify's latest tokens; a plain decode reads its
-    input token on the device, so its row's tokens may lag until then). The runner's page table is `seq`'s first
-    `num_sent_pages` pages as they were when sent, of which the first `num_kept_pages` are still `seq`'s (a trim
-    lowers it). `window_tables`: what changed in its window groups' tables (`PageManager.window_changes`)."""
-    pages_changed, first_page = _table_diff(len(seq.page_table), seq.num_sent_pages, seq.num_kept_pages)
+def new_sequence(seq: Sequence, window_tables: tuple = ()) -> tuple[NewSequence, Sent]:
+    """`seq` as admitted, with its window groups' tables (`PageManager.window_changes`), and what the runner has
+    of it from now on."""
+    new = NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
+                      tuple(seq.page_table), seq.params, seq.seed, window_tables,
+                      -1 if seq.lora_slot is None else seq.lora_slot)
+    return new, Sent(len(seq.token_ids), len(seq.page_table), len(seq.page_table))
+
+
+def cached_sequence(seq: Sequence, sent: Sent, with_tokens: bool,
+                    window_tables: tuple = ()) -> tuple[CachedSequence, Sent] | None:
+    """What the runner lacks of a running `seq` that it has `sent` of (None: nothing), and what it has then: its
+    pages always, the tokens the host read only `with_tokens` (a step that reads them: a prefill chunk, or a
+    verify's latest tokens; a plain decode reads its input token on the device, so its row's tokens may lag until
+    then). `window_tables`: what changed in its window groups' tables (`PageManager.window_changes`)."""
+    num_pages = len(seq.page_table)
+    pages_changed, first_page = _table_diff(num_pages, sent.num_pages, sent.num_kept_pages)
     window_changed = bool(window_tables) and any(change is not None for change in window_tables)
-    tokens_changed = with_tokens and seq.num_sent_tokens != len(seq.token_ids)
+    tokens_changed = with_tokens and sent.num_tokens != len(seq.token_ids)
     if not (pages_changed or window_changed or tokens_changed):
         return None
-    tokens = ()
-    if tokens_changed:
-        tokens = tuple(seq.token_ids[seq.num_sent_tokens:])
-        seq.num_sent_tokens = len(seq.token_ids)
-    seq.num_sent_pages = seq.num_kept_pages = len(seq.page_table)
-    return CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]),
-                          window_tables if window_changed else ())
+    tokens = tuple(seq.token_ids[sent.num_tokens:]) if tokens_changed else ()
+    cached = CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]),
+                            window_tables if window_changed else ())
+    return cached, Sent(sent.num_tokens + len(tokens), num_pages, num_pages)
+
+
+def scheduler_output(plan: "Plan", left: tuple[int, ...], decodes: tuple[ScheduledDecode, ...],
+                     sent: dict[int, Sent], windows: Callable) -> tuple[SchedulerOutput, dict[int, Sent]]:
+    """`plan` as plain data for the runner, with `left` (the sequences that left their slots) and the step's
+    `decodes` (`scheduled_decodes`), given what the runner has of each sequence (`sent`, the scheduler's record);
+    and that record's new entries. `windows(seq, new)`: its window groups' changes (`PageManager.window_changes`)."""
+    updates: dict[int, Sent] = {}
+    new = []
+    for seq in plan.admitted:
+        admission, updates[seq.seq_id] = new_sequence(seq, windows(seq, True))
+        new.append(admission)
+    verifies = any(decode.num_draft for decode in decodes)
+    cached = []
+    for seq, with_tokens in ([(chunk.seq, True) for chunk in plan.prefills if chunk.seq.seq_id not in updates]
+                             + [(seq, verifies) for seq in plan.decodes]):
+        change = cached_sequence(seq, sent[seq.seq_id], with_tokens, windows(seq, False))
+        if change is not None:
+            cached.append(change[0])
+            updates[seq.seq_id] = change[1]
+    chunks = tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills)
+    return SchedulerOutput(left, tuple(new), tuple(cached), chunks, decodes, tuple(plan.restores),
+                           tuple(plan.lora_loads)), updates
 
 
 def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool, int]:
@@ -127,20 +157,17 @@ def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool,
     return changed, (min(kept_pages, sent_pages) if changed else num_pages)
 
 
-def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None) -> tuple[ScheduledDecode, ...]:
+def scheduled_decodes(seqs: list[Sequence], spec: SpeculativeConfig | None,
+                      drafter: NgramDrafter | None = None) -> tuple[ScheduledDecode, ...]:
     """The step's decodes; with drafts to verify when some row has room for them (`num_lookahead`) and none is
-    constrained (the verify sampler applies no token mask): n-gram proposals made here, from each sequence's tokens
-    (speculative steps are synchronous, so the host has them all), or a draft model's count."""
+    constrained (the verify sampler applies no token mask): the n-gram `drafter`'s proposals from each sequence's
+    tokens (speculative steps are synchronous, so the host has them all), or a draft model's count."""
     if spec is None or not any(seq.num_lookahead for seq in seqs) or any(seq.grammar is not None for seq in seqs):
         return tuple(ScheduledDecode(seq.seq_id, len(seq.token_ids) + seq.num_pending - 1) for seq in seqs)
     if spec.method != "ngram":
         return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, seq.num_lookahead) for seq in seqs)
-    drafts = []
-    for seq in seqs:
-        if seq.ngram_index is None:
-            seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        drafts.append(tuple(seq.ngram_index.propose(seq.token_ids, seq.num_lookahead)[:seq.num_lookahead])
-                      if seq.num_lookahead else ())
+    drafts = [drafter.propose(seq.seq_id, seq.token_ids, seq.num_lookahead) if seq.num_lookahead else ()
+              for seq in seqs]
     if not any(drafts):
         return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1) for seq in seqs)
     return tuple(ScheduledDecode(seq.seq_id, seq.num_tokens - 1, len(draft), draft)

@@ -52,15 +52,12 @@ class Sequence:
         # written by the PageManager: its pages in the full-attention KV cache group (a sliding-window group's are
         # that group's manager's, `engine/window_manager.py`)
         self.page_table: list[int] = []
-        # what the runner has of it (`scheduler_output.py`): tokens, page-table length, pages still the same
-        self.num_sent_tokens = self.num_sent_pages = self.num_kept_pages = 0
         self.slot: int | None = None
         # LoRA: its adapter (`lora.cache.LoadedAdapter`; None: the base model) and, while running, its device slot
         self.lora = None
         self.lora_slot: int | None = None
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.rope_by_length = False  # its tokens rotate by a length past the rope's threshold (`layers/rotary.py`)
-        self.ngram_index = None  # speculative decoding by n-gram: the sequence's NgramIndex, built on first use
         self.grammar = None  # constrained decoding: the sequence's llguidance matcher, advanced token by token
         self.admission_order = -1
         self.cumulative_logprob = 0.0
@@ -120,3 +117,14 @@ class Sequence:
         if self.num_prompt_cached_tokens < 0:
             self.num_prompt_cached_tokens = min(self.num_cached_tokens, self.num_prompt_tokens)
         self.admission_order = next(_admission_counter)
+
+    def rotates_by_length(self, rule: tuple[str, int] | None) -> bool:
+        """Whether, admitted now, it rotates by a length past the rope's threshold (`rule`: the model's
+        `rope_length_rule`, `layers/rotary.py`): its prompt's (dynamic NTK) or its whole length (LongRoPE)."""
+        if rule is None:
+            return False
+        return (len(self) if rule[0] == "sequence" else self.num_prompt_tokens) > rule[1]
+
+    def outgrows_rope(self, rule: tuple[str, int] | None) -> bool:
+        """LongRoPE: whether its next decode would take it, computed rotated short, past the threshold."""
+        return rule is not None and rule[0] == "sequence" and not self.rope_by_length and self.num_tokens > rule[1]

@@ -22,7 +22,7 @@ from jaxserve.engine.kv_budget import page_bytes
 from jaxserve.engine.kv_plan import empty_pools
 from jaxserve.engine.scheduler_output import ScheduledDecode
 from jaxserve.engine.stats import SpecDecodeCounters
-from jaxserve.engine.step_inputs import VerifyInputs, empty_prefill, verify_inputs
+from jaxserve.engine.step_inputs import VerifyInputs, empty_prefill, empty_verify, verify_inputs
 from jaxserve.engine.step_output import RowSequence, SampledToken, sampled_token
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
 from jaxserve.engine.steps import (PrefillBatch, SlotState, VerifyBatch, VerifySamplerInputs, prefill_step,
@@ -170,11 +170,10 @@ class Speculator:
         return self._zeros_on_device(shape, jnp.int32) if self.draft is not None else np.zeros(shape, np.int32)
 
     def _verify_examples(self) -> Iterator[VerifyBatch]:
-        for rows in self.runner.engine_config.decode_batch_buckets:
-            zeros = np.zeros(rows, np.int32)
-            pages = np.zeros((len(self.runner.kv_plan.groups), rows, self.k + 1), np.int32)
-            yield VerifyBatch(zeros, zeros, self._drafts(rows), zeros, pages, np.zeros(rows, bool),
-                              np.full(rows, -1, np.int32) if self.runner.engine_config.enable_lora else None)
+        runner = self.runner
+        for rows in runner.engine_config.decode_batch_buckets:
+            batch = empty_verify(rows, self.k, len(runner.kv_plan.groups), runner.engine_config.enable_lora)
+            yield batch.replace(draft_tokens=self._drafts(rows))
 
     def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:
         vocab = self.runner.model_config.vocab_size

@@ -110,29 +110,35 @@ def empty_prefill(rows: int, tokens: int, pages_per_seq: int, groups: int = 1, l
                         lora_slots=np.full(rows, -1, np.int32) if lora else None)
 
 
+def empty_decode(rows: int, groups: int = 1, lora: bool = False) -> DecodeBatch:
+    """A decode call of `rows` inactive rows (they write only to the scratch page), with pages for `groups` KV
+    cache groups; `lora`: with each row's adapter slot (-1: none)."""
+    return DecodeBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
+                       pages=np.zeros((groups, rows), np.int32), active=np.zeros(rows, bool),
+                       lora_slots=np.full(rows, -1, np.int32) if lora else None)
+
+
 def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:
     """O(rows) host work: the device holds every slot's page table and latest token."""
-    rows = bucket_for(len(decodes), config.decode_batch_buckets)
     count = len(decodes)
+    batch = empty_decode(bucket_for(count, config.decode_batch_buckets), rows_of.page_tables.shape[0],
+                         rows_of.lora_slots is not None)
     slot_of = rows_of.slot_of
     seq_ids = [decode.seq_id for decode in decodes]
-    slots, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    slots, positions = batch.slots, batch.positions
     slots[:count] = [slot_of[seq_id] for seq_id in seq_ids]
     positions[:count] = [decode.position for decode in decodes]
-    pages = rows_of.page_tables[:, slots, positions // config.page_size]
-    output_index = positions + 1 - rows_of.num_prompt_tokens[slots]
-    active = np.zeros(rows, bool)
-    active[:count] = True
-    pages[:, count:] = output_index[count:] = 0
     live = slots[:count]
+    batch.pages[:, :count] = rows_of.page_tables[:, live, positions[:count] // config.page_size]
+    batch.active[:count] = True
+    output_index = np.zeros(len(slots), np.int32)
+    output_index[:count] = positions[:count] + 1 - rows_of.num_prompt_tokens[live]
     sampled = [RowSequence(row, seq_id, None if k < 0 else k)
                for row, (seq_id, k) in enumerate(zip(seq_ids, rows_of.num_logprobs[live].tolist()))]
     guided = [sampled[row] for row in np.flatnonzero(rows_of.guided[live]).tolist()]
-    lora_slots = None
-    if rows_of.lora_slots is not None:
-        lora_slots = np.full(rows, -1, np.int32)
-        lora_slots[:count] = rows_of.lora_slots[live]
-    return DecodeInputs(sampled, guided, DecodeBatch(slots, positions, pages, active, lora_slots), output_index)
+    if batch.lora_slots is not None:
+        batch.lora_slots[:count] = rows_of.lora_slots[live]
+    return DecodeInputs(sampled, guided, batch, output_index)
 
 
 @dataclasses.dataclass
@@ -145,17 +151,21 @@ class VerifyInputs:
     output_index: np.ndarray  # int32 [rows]
 
 
+def empty_verify(rows: int, k: int, groups: int = 1, lora: bool = False) -> VerifyBatch:
+    """A verify call of `rows` inactive rows with room for `k` drafts each (see `empty_decode`)."""
+    return VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
+                       draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
+                       pages=np.zeros((groups, rows, k + 1), np.int32), active=np.zeros(rows, bool),
+                       lora_slots=np.full(rows, -1, np.int32) if lora else None)
+
+
 def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig,
                   k: int) -> VerifyInputs:
     """O(rows * K) host work: each row's latest token and its drafts (n-gram proposals, or as many as a draft model
     is to propose on the device). Speculative steps are synchronous: the rows hold every token."""
     rows = bucket_for(len(decodes), config.decode_batch_buckets)
     page_size = config.page_size
-    batch = VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
-                        draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
-                        pages=np.zeros((rows_of.page_tables.shape[0], rows, k + 1), np.int32),
-                        active=np.zeros(rows, bool),
-                        lora_slots=None if rows_of.lora_slots is None else np.full(rows, -1, np.int32))
+    batch = empty_verify(rows, k, rows_of.page_tables.shape[0], rows_of.lora_slots is not None)
     inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, decode in enumerate(decodes):
         slot = rows_of.slot_of[decode.seq_id]
