@@ -64,7 +64,8 @@ def throughput_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     llm = _llm(args, parser)
     engine = llm.llm_engine
-    records = dataset_args.build_requests(args, llm.get_tokenizer(), engine.vocab_size, engine.engine_config.max_model_len)
+    records = dataset_args.build_requests(args, llm.get_tokenizer(), engine.vocab_size,
+                                          engine.engine_config.max_model_len)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in records]
     params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.expected_output_len)
               for r in records]

@@ -239,7 +239,8 @@ def attach_kv_tiers(config: EngineConfig, runner: RunnerState) -> KVTiers | None
             format=1, model=repr(runner.model_config), weights=weights, dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype, storage_dtype=runner.kv_storage_dtype,
             quantization=config.quantization, page_size=config.page_size, tensor_parallel_size=runner.tp.size,
-            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.model_config), pages=specs)
+            expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.model_config),
+            pages=specs)
         tiers.disk = DiskTier(config.kv_offloading_dir, fingerprint, int(config.kv_offloading_disk_size * 2**30),
                               specs)
     logger.info("KV tiers: host %.2f GiB%s", config.kv_offloading_size or 0,
