@@ -205,7 +205,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
-        windows = self.page_manager.window_changes if self.page_manager.windows else lambda seq, new: ()
+        windows = self.page_manager.window_changes if self.page_manager.windows else None
         decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config, self.drafter)
         output, sent = scheduler_output(plan, tuple(self._left_slots), decodes, self.sent, windows)
         self.sent.update(sent)

@@ -129,23 +129,24 @@ def cached_sequence(seq: Sequence, sent: Sent, with_tokens: bool,
 
 
 def scheduler_output(plan: "Plan", left: tuple[int, ...], decodes: tuple[ScheduledDecode, ...],
-                     sent: dict[int, Sent], windows: Callable) -> tuple[SchedulerOutput, dict[int, Sent]]:
+                     sent: dict[int, Sent], windows: Callable | None) -> tuple[SchedulerOutput, dict[int, Sent]]:
     """`plan` as plain data for the runner, with `left` (the sequences that left their slots) and the step's
     `decodes` (`scheduled_decodes`), given what the runner has of each sequence (`sent`, the scheduler's record);
-    and that record's new entries. `windows(seq, new)`: its window groups' changes (`PageManager.window_changes`)."""
+    and that record's new entries. `windows(seq, new)`: its window groups' changes (`PageManager.window_changes`;
+    None: the model has no window groups)."""
     updates: dict[int, Sent] = {}
     new = []
     for seq in plan.admitted:
-        admission, updates[seq.seq_id] = new_sequence(seq, windows(seq, True))
+        admission, updates[seq.seq_id] = new_sequence(seq, windows(seq, True) if windows else ())
         new.append(admission)
-    verifies = any(decode.num_draft for decode in decodes)
     cached = []
-    for seq, with_tokens in ([(chunk.seq, True) for chunk in plan.prefills if chunk.seq.seq_id not in updates]
-                             + [(seq, verifies) for seq in plan.decodes]):
-        change = cached_sequence(seq, sent[seq.seq_id], with_tokens, windows(seq, False))
-        if change is not None:
-            cached.append(change[0])
-            updates[seq.seq_id] = change[1]
+    for seqs, with_tokens in (([chunk.seq for chunk in plan.prefills if chunk.seq.seq_id not in updates], True),
+                              (plan.decodes, any(decode.num_draft for decode in decodes))):
+        for seq in seqs:
+            change = cached_sequence(seq, sent[seq.seq_id], with_tokens, windows(seq, False) if windows else ())
+            if change is not None:
+                cached.append(change[0])
+                updates[seq.seq_id] = change[1]
     chunks = tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills)
     return SchedulerOutput(left, tuple(new), tuple(cached), chunks, decodes, tuple(plan.restores),
                            tuple(plan.lora_loads)), updates
