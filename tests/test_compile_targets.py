@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.aot.cli import compile_main
 from jaxserve.aot.compile import compile_engine, compile_steps
+from jaxserve.aot.report import group_json
 from jaxserve.aot.targets import CompilerMissing, TARGETS, target_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_budget import activation_bytes
@@ -75,6 +76,11 @@ def test_each_family_forward_compiles_and_fits(config_dirs, family, target):
     assert_compiles_and_fits(result)
     if target == "v6e-1":  # the TPU compiler's roofline estimate
         assert all(step.estimated_seconds for step in result.steps)
+    model = result.plan.model_config  # the plan's KV cache groups cover every layer once
+    groups = [group_json(group) for group in result.plan.kv_plan.groups]
+    assert sum(group["layers"] for group in groups) == model.num_layers and all(g["pages"] > 1 for g in groups)
+    assert len(groups) == 1 or any(window is not None for window in model.layer_sliding_windows), groups
+    assert len(groups) > 1 or family not in ("mistral", "gemma3_text", "gpt_oss"), groups  # a window group each
 
 
 @pytest.mark.parametrize("target, page_size", [("v5e-1", 128), ("h200", 16)])

@@ -27,7 +27,7 @@ from jaxserve.aot.targets import Target, compiling_for, target
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import make_mesh
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.kv_plan import check_plan
+from jaxserve.engine.kv_plan import KVPlan, check_plan
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import page_key
@@ -69,6 +69,7 @@ class EnginePlan:
     kv_cache_bytes: int  # per device
     kv_cache_tokens: int
     problem: str | None = None  # why the plan does not fit before any step is compiled
+    kv_plan: KVPlan | None = None  # the KV cache groups and their pages (None: the weights alone do not fit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,8 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         except ValueError as error:
             problem = f"{error} ({gib(weights)} of weights leave too little of {gib(usable)})"
         return EnginePlan(**base, resident_bytes=device_bytes(runner.resident_state()), kv_cache_bytes=kv_bytes,
-                          kv_cache_tokens=runner.kv_plan.capacity_tokens, problem=problem), runner
+                          kv_cache_tokens=runner.kv_plan.capacity_tokens, problem=problem,
+                          kv_plan=runner.kv_plan), runner
 
 
 def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, names: set[str] | None = None,

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from jaxserve.aot.compile import CompileResult, gib
+from jaxserve.engine.kv_plan import KVCacheGroup, KVPlan
 
 
 def table(result: CompileResult) -> str:
@@ -33,9 +34,28 @@ def memory_plan(result: CompileResult) -> str:
         f"weights {gib(plan.weights_bytes)}, KV cache {gib(plan.kv_cache_bytes)} ({plan.kv_cache_tokens} tokens, "
         f"page size {config.page_size}), resident {gib(plan.resident_bytes)}, peak of the largest step "
         f"{gib(result.peak_bytes)}: {'fits' if result.fits else 'DOES NOT FIT'}",
+        *kv_group_lines(plan.kv_plan),
         f"compile seconds on this machine: {sum(step.seconds for step in result.steps):.1f} for "
         f"{len(result.steps)} shapes one at a time, {result.wall_seconds:.1f} from first to last on its threads",
     ])
+
+
+def group_json(group: KVCacheGroup) -> dict[str, Any]:
+    """One KV cache group of the plan: its kind (and window), layers, pages (scratch included) and tokens."""
+    return {"kind": type(group.spec).__name__, "window": getattr(group.spec, "window", None),
+            "layers": len(group.layers), "pages": group.num_pages, "tokens": group.capacity_tokens}
+
+
+def kv_group_lines(kv_plan: KVPlan | None) -> list[str]:
+    if kv_plan is None or len(kv_plan.groups) == 1:
+        return []
+    lines = []
+    for index, group in enumerate(kv_plan.groups):
+        entry = group_json(group)
+        window = f" {entry['window']}" if entry["window"] else ""
+        lines.append(f"  KV cache group {index}: {entry['kind']}{window}, {entry['layers']} layers, "
+                     f"{entry['pages']} pages ({entry['tokens']} tokens)")
+    return lines
 
 
 def result_json(result: CompileResult) -> dict[str, Any]:
@@ -59,6 +79,7 @@ def result_json(result: CompileResult) -> dict[str, Any]:
         "weights_bytes_per_device": plan.weights_bytes,
         "kv_cache_bytes_per_device": plan.kv_cache_bytes,
         "kv_cache_tokens": plan.kv_cache_tokens,
+        "kv_cache_groups": [group_json(group) for group in plan.kv_plan.groups] if plan.kv_plan else [],
         "peak_bytes_per_device": result.peak_bytes,
         "fits": result.fits,
         "ok": result.ok,
