@@ -122,6 +122,9 @@ def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple
             spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)
         index = next((i for i, (other, _) in enumerate(groups) if other == spec), None)
         if isinstance(spec, FullAttentionSpec):
+            if groups[0][0] is not None and groups[0][0] != spec:  # group 0's page indices name every page
+                raise ValueError(f"layers {groups[0][1][:1]} and {layer} keep full-attention caches of different "
+                                 f"shapes ({groups[0][0]}, {spec}): one full-attention KV cache group is supported")
             index = 0
             groups[0] = (spec, groups[0][1])
         elif index is None:
