@@ -115,25 +115,25 @@ def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple
     """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool."""
     hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers
                   or (ec.speculative_config is not None and ec.speculative_config.method == "draft_model"))
-    full = next((s for s in specs if isinstance(s, FullAttentionSpec)), None)
-    groups: list[tuple[KVCacheSpec, list[int]]] = [(full, [])]
+    full: FullAttentionSpec | None = None
+    groups: list[tuple[KVCacheSpec | None, list[int]]] = [(None, [])]
     for layer, spec in enumerate(specs):
         if isinstance(spec, SlidingWindowSpec) and (not hybrid or pages_per_seq(spec, ec) >= ec.pages_per_seq):
-            spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)
-        index = next((i for i, (other, _) in enumerate(groups) if other == spec), None)
+            spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)  # full pages, read through the window mask
         if isinstance(spec, FullAttentionSpec):
-            if groups[0][0] is not None and groups[0][0] != spec:  # group 0's page indices name every page
+            if full is not None and full != spec:  # group 0's page indices name every page
                 raise ValueError(f"layers {groups[0][1][:1]} and {layer} keep full-attention caches of different "
-                                 f"shapes ({groups[0][0]}, {spec}): one full-attention KV cache group is supported")
-            index = 0
-            groups[0] = (spec, groups[0][1])
-        elif index is None:
+                                 f"shapes ({full}, {spec}): one full-attention KV cache group is supported")
+            full = spec
+            groups[0][1].append(layer)
+            continue
+        index = next((i for i, (other, _) in enumerate(groups) if other == spec), None)
+        if index is None:
             groups.append((spec, []))
             index = len(groups) - 1
         groups[index][1].append(layer)
-    if groups[0][0] is None:  # every layer has a window: group 0 only names page indices
-        first = specs[0]
-        groups[0] = (FullAttentionSpec(first.num_kv_heads, first.head_size), [])
+    # every layer has a window: group 0 only names page indices
+    groups[0] = (full or FullAttentionSpec(specs[0].num_kv_heads, specs[0].head_size), groups[0][1])
     return groups
 
 
@@ -144,8 +144,8 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     step, or with a budget its share of it, so that every group runs out together for sequences of max_model_len;
     group 0 gets the rest."""
     grouped = group_layers(layer_specs(config), ec)
-    total = [page_bytes(config, tp, backend, ec.page_size, dtype, len(layers)) for _, layers in grouped]
-    total[0] += draft_page_bytes
+    group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, len(layers)) for _, layers in grouped]
+    total = [group_bytes[0] + draft_page_bytes, *group_bytes[1:]]  # a draft model's page rides on group 0's
     device = [size // tp.size for size in total]
     windows = [ec.max_num_seqs * pages_per_seq(spec, ec) + 1 for spec, _ in grouped[1:]]
     if len(grouped) == 1:
@@ -164,8 +164,7 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     for index, ((spec, layers), pages) in enumerate(zip(grouped, [full, *windows])):
         for layer in layers:
             layer_groups[layer] = index
-        groups.append(KVCacheGroup(spec, tuple(layers), pages, total[index] - (draft_page_bytes if index == 0 else 0),
-                                   ec.page_size))
+        groups.append(KVCacheGroup(spec, tuple(layers), pages, group_bytes[index], ec.page_size))
     return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes)
 
 

@@ -42,6 +42,7 @@ from jaxserve.engine.kv_tiers import KVTiers, TierPage
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.window_manager import WindowManager
+
 PageHash = Callable[[bytes, tuple[int, ...]], bytes]
 
 
@@ -78,7 +79,6 @@ class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
                  hash_fn: PageHash = page_key, tiers: KVTiers | None = None, windows: tuple[WindowManager, ...] = ()):
         self.pool = PagePool(num_pages)
-        self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
@@ -261,13 +261,7 @@ class PageManager:
     def window_changes(self, seq: Sequence, new: bool) -> tuple[tuple[int, tuple[int, ...]] | None, ...]:
         """Each window group's table of `seq` for the runner: from the first index that changed since it was last
         sent (first 0: all of it, for a `new` admission)."""
-        changes = []
-        for window in self.windows:
-            change = window.take_changes(seq.seq_id)
-            if new:
-                change = (0, tuple(window.table(seq.seq_id).pages))
-            changes.append(change)
-        return tuple(changes)
+        return tuple(window.take_changes(seq.seq_id, whole=new) for window in self.windows)
 
     def _release(self, page: int) -> None:
         self.pool.release(page, cached=page in self.cached)

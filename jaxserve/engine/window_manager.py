@@ -48,9 +48,6 @@ class WindowManager:
         """The first page the window of a query at position `num_tokens` reads."""
         return max(0, num_tokens - self.window + 1) // self.page_size
 
-    def table(self, seq_id: int) -> WindowTable:
-        return self.tables.setdefault(seq_id, WindowTable([]))
-
     def pages_needed(self, seq_id: int, num_tokens: int) -> int:
         held = len(self.tables[seq_id].pages) if seq_id in self.tables else 0
         return max(0, -(-num_tokens // self.page_size) - held)
@@ -90,7 +87,7 @@ class WindowManager:
 
     def release_behind(self, seq_id: int, num_computed_tokens: int) -> None:
         """Releases the pages behind the window of the sequence's next computed token."""
-        table = self.table(seq_id)
+        table = self.tables[seq_id]  # (every admitted sequence has one: `admit`)
         end = min(self.first_needed(num_computed_tokens), len(table.pages))
         for index in range(table.start, end):
             self._release(table.pages[index])
@@ -98,7 +95,7 @@ class WindowManager:
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
         """Adds the pages for the sequence's first `num_tokens` tokens (the caller checked `pages_needed` fit)."""
-        table = self.table(seq_id)
+        table = self.tables[seq_id]
         needed = self.pages_needed(seq_id, num_tokens)
         if needed:
             table.changed(len(table.pages))
@@ -123,12 +120,13 @@ class WindowManager:
             self._release(table.pages.pop())
         table.changed(len(table.pages))
 
-    def take_changes(self, seq_id: int) -> tuple[int, tuple[int, ...]] | None:
-        """The sequence's table from the first index that changed since the last call (None: nothing did)."""
+    def take_changes(self, seq_id: int, whole: bool = False) -> tuple[int, tuple[int, ...]] | None:
+        """The sequence's table from the first index that changed since the last call (None: nothing did), or all of
+        it when `whole` (a new admission)."""
         table = self.tables.get(seq_id)
-        if table is None or table.changed_from is None:
+        if table is None or (table.changed_from is None and not whole):
             return None
-        first, table.changed_from = table.changed_from, None
+        first, table.changed_from = (0 if whole else table.changed_from), None
         return first, tuple(table.pages[first:])
 
     def _release(self, page: int) -> None:
