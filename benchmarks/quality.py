@@ -84,6 +84,7 @@ def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[i
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.engine.kv_plan import empty_kv_cache
     from jaxserve.layers.attention import AttentionMetadata
     from jaxserve.models import forward
 
@@ -97,9 +98,8 @@ def teacher_forced_logprobs(llm: Any, sequences: list[list[int]], starts: list[i
     length = -(-max(map(len, sequences)) // PAD_TO) * PAD_TO  # one length, one compile: later tokens change nothing
     for tokens, start in zip(sequences, starts):
         pages = length // page_size
-        shape = backend.pool_shape(pages + 1, page_size, runner.tp.pool_heads(cfg), cfg.head_dim)
-        cache = [tuple(backend.empty_pool(shape, runner.dtype, runner.allocator) for _ in "kv")
-                 for _ in range(cfg.num_layers)]
+        cache = empty_kv_cache([pages + 1] * cfg.num_layers, cfg, runner.tp, backend, page_size, runner.dtype,
+                               runner.allocator)
         ids = np.zeros(length, np.int32)
         ids[:len(tokens)] = tokens
         meta = AttentionMetadata(positions=jnp.arange(length, dtype=jnp.int32)[None],

@@ -97,7 +97,7 @@ def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_d
     llm = LLM(tiny_llama_dir, **{**ENGINE_OPTIONS, "num_kv_pages": 20, "max_model_len": 128}, async_scheduling=False,
               speculative_config=speculative_config)
     engine, rows_checked = llm.llm_engine, []
-    dispatch = engine.runner.dispatch
+    dispatch, page_table = engine.runner.dispatch, engine.scheduler.page_manager.page_table
 
     def checked_dispatch(plan):
         step = dispatch(plan)
@@ -108,7 +108,7 @@ def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_d
             seq, slot = engine.scheduler.seqs[seq_id], rows.slot_of[seq_id]
             known = rows.token_ids[slot]  # a plain decode reads its token on the device: its row may lag
             assert slot == seq.slot and known == seq.token_ids[:len(known) if not reads_tokens else None]
-            assert list(rows.page_tables[0, slot, :rows.num_pages[slot]]) == seq.page_table
+            assert list(rows.page_tables[0, slot, :rows.num_pages[slot]]) == page_table(seq.seq_id)
             assert not rows.page_tables[0, slot, rows.num_pages[slot]:].any()
             rows_checked.append(seq_id)
         assert all(plain_data(record) for record in (plan.left_seq_ids, plan.new_seqs, plan.cached_seqs,
@@ -125,7 +125,7 @@ def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_d
         state = jax.device_get(engine.runner.batch.slot_state)
         for seq in engine.scheduler.running:
             pages = -(-seq.num_computed_tokens // engine.engine_config.page_size)
-            assert list(state.page_tables[0, seq.slot][:pages]) == seq.page_table[:pages]
+            assert list(state.page_tables[0, seq.slot][:pages]) == page_table(seq.seq_id)[:pages]
             if not seq.is_prefilling:
                 assert state.tokens[seq.slot] == seq.token_ids[-1], seq
                 checked += 1
@@ -176,7 +176,8 @@ def test_decode_inputs_are_one_value_per_row(tiny_llama_dir):
     batch = inputs.batch
     arrays = [batch.slots, batch.positions, inputs.output_index, batch.active]
     assert all(a.shape == (1,) for a in arrays) and batch.pages.shape == (1, 1)  # one KV cache group
-    assert (batch.positions[0], batch.pages[0, 0]) == (position, seq.page_table[position // engine.engine_config.page_size])
+    page = engine.scheduler.page_manager.page_table(seq.seq_id)[position // engine.engine_config.page_size]
+    assert (batch.positions[0], batch.pages[0, 0]) == (position, page)
     assert np.array_equal(batch.active, [True])
     while engine.has_unfinished_requests():
         engine.step()

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, make_attention_backend
+from jaxserve.layers.attention import (ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata, KVPages,
+                                      make_attention_backend)
 
 # Every backend this machine runs: "pallas" compiles Triton kernels (a GPU), "pallas-tpu" Mosaic TPU ones (a TPU).
 NEEDS = {"pallas": "gpu", "pallas-tpu": "tpu"}
@@ -141,8 +142,8 @@ def reference(step: Step, sliding_window: int | None = None, soft_cap: float | N
 @functools.partial(jax.jit, static_argnames=("backend", "sliding_window", "soft_cap"))
 def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, sinks, *, backend, sliding_window, soft_cap=None):
     attention = make_attention_backend(backend)
-    k_pool, v_pool = attention.write_kv(k_pool, v_pool, k_new, v_new, meta.slot_mapping)
-    return attention.attend(q, k_pool, v_pool, meta, sm_scale=1 / math.sqrt(q.shape[-1]),
+    kv = attention.write_kv(KVPages(k_pool, v_pool), k_new, v_new, meta.slot_mapping)
+    return attention.attend(q, kv, meta, sm_scale=1 / math.sqrt(q.shape[-1]),
                             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
 
 
@@ -228,9 +229,9 @@ def test_pallas_prefill_is_one_kernel_call():
     rng = np.random.default_rng(47)
     step = make_step(rng, [(3, 3), (5, 9), (0, 0), (1, 12)], 5, poison="nan")
     meta = step.meta()
-    pools = jnp.asarray(step.k_pool), jnp.asarray(step.v_pool)
-    closed = jax.make_jaxpr(lambda q, k, v, meta: make_attention_backend("pallas-interpret").attend(
-        q, k, v, meta, sm_scale=0.25, sliding_window=None))(jnp.asarray(step.q), *pools, meta)
+    kv = KVPages(jnp.asarray(step.k_pool), jnp.asarray(step.v_pool))
+    closed = jax.make_jaxpr(lambda q, kv, meta: make_attention_backend("pallas-interpret").attend(
+        q, kv, meta, sm_scale=0.25, sliding_window=None))(jnp.asarray(step.q), kv, meta)
     assert _count_primitive(closed.jaxpr, "pallas_call") == 1
     # The text alone cannot tell: jax prints a jaxpr shared by several call sites once.
     assert str(closed).count("pallas_call") == 1

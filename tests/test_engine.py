@@ -223,7 +223,7 @@ def test_kv_pool_is_donated_and_no_compiles_after_warmup(llm, tiny_llama_dir, ca
         llm = LLM(tiny_llama_dir, enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size,
                   **ENGINE_OPTIONS)
     runner = llm.llm_engine.runner
-    old_pool = runner.kv_cache[0][0]
+    old_pool = runner.kv_cache[0].k
     prompts = [{"prompt_token_ids": p} for p in random_prompts(9, 500, 1, 200, seed=15)]
     many_stop_ids = list(range(400, 440))  # more than one chunk of banned ids
     params = [
@@ -255,7 +255,7 @@ def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model
                        max_model_len=64)
         xla = LLM(tiny_model_dirs[family], attention_backend="xla", **options)
         pallas = LLM(tiny_model_dirs[family], attention_backend="pallas-interpret", **options)
-        assert pallas.llm_engine.runner.kv_cache[0][0].shape[0] == 2  # heads-major pool layout for the kernels
+        assert pallas.llm_engine.runner.kv_cache[0].k.shape[0] == 2  # heads-major pool layout for the kernels
         assert token_ids(pallas.generate(prompts, params, use_tqdm=False)) == token_ids(
             xla.generate(prompts, params, use_tqdm=False))
 

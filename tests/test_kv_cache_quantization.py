@@ -22,7 +22,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
 from jaxserve.layers.attention import make_attention_backend
-from jaxserve.layers.paged_kv import QuantizedPages, quantize_kv
+from jaxserve.layers.paged_kv import KVPages, QuantizedPages, quantize_kv
 from tests.conftest import random_prompts, shard_shapes
 from tests.test_attention import BACKENDS, DECODE_ROWS, PREFILL_ROWS, make_step, reference
 
@@ -76,8 +76,8 @@ def _quantized_step(step, kv_cache_dtype: str):
 
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _write_and_attend(q, k_pool, v_pool, k_new, v_new, meta, *, backend):
-    k_pool, v_pool = backend.write_kv(k_pool, v_pool, k_new, v_new, meta.slot_mapping)
-    return backend.attend(q, k_pool, v_pool, meta, sm_scale=1 / math.sqrt(q.shape[-1]), sliding_window=None)
+    kv = backend.write_kv(KVPages(k_pool, v_pool), k_new, v_new, meta.slot_mapping)
+    return backend.attend(q, kv, meta, sm_scale=1 / math.sqrt(q.shape[-1]), sliding_window=None)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
@@ -128,8 +128,8 @@ def test_xla_path_converts_per_block_never_the_whole_pool(kv_cache_dtype):
     values = jnp.zeros((heads, pages, page_size, head_dim), {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype])
     pool = QuantizedPages(values, jnp.zeros((heads, pages, page_size), jnp.float32))
     backend = make_attention_backend("xla", kv_cache_dtype=kv_cache_dtype)
-    closed = jax.make_jaxpr(lambda q, k, v, meta: backend.attend(q, k, v, meta, sm_scale=0.25, sliding_window=None))(
-        jnp.asarray(step.q), pool, pool, step.meta())
+    closed = jax.make_jaxpr(lambda q, kv, meta: backend.attend(q, kv, meta, sm_scale=0.25, sliding_window=None))(
+        jnp.asarray(step.q), KVPages(pool, pool), step.meta())
     row_tokens = 32 * page_size  # one row's whole page table
     sizes = [math.prod(shape) for shape in _float_outputs(closed.jaxpr)]
     assert sizes and max(sizes) < row_tokens * heads * head_dim, sorted(sizes)[-3:]
@@ -149,7 +149,7 @@ def test_pallas_kernels_read_quantized_pages_as_the_xla_path_does(tiny_llama_dir
     options = dict(SMALL, decode_batch_buckets=(4,), kv_cache_dtype=kv_cache_dtype)
     xla = LLM(tiny_llama_dir, attention_backend="xla", **options)
     pallas = LLM(tiny_llama_dir, attention_backend="pallas-interpret", **options)
-    k_pool = pallas.llm_engine.runner.kv_cache[0][0]
+    k_pool = pallas.llm_engine.runner.kv_cache[0].k
     assert isinstance(k_pool, QuantizedPages)
     assert k_pool.values.dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype]
     assert k_pool.scales.shape == k_pool.values.shape[:3] and k_pool.scales.dtype == jnp.float32
@@ -170,7 +170,7 @@ def test_preemption_prefix_caching_and_two_devices_with_quantized_pages(tiny_lla
     reference = token_ids(LLM(tiny_llama_dir, enable_prefix_caching=False, **options).generate(
         prompts, params, use_tqdm=False))
     constrained = LLM(tiny_llama_dir, tensor_parallel_size=2, num_kv_pages=24, **options)
-    k_pool = constrained.llm_engine.runner.kv_cache[0][0]
+    k_pool = constrained.llm_engine.runner.kv_cache[0].k
     assert shard_shapes(k_pool.values) == {(1, *k_pool.shape[1:])}  # 2 KV heads: one per device
     assert shard_shapes(k_pool.scales) == {(1, *k_pool.shape[1:3])}
     assert {s.device for s in k_pool.scales.addressable_shards} == set(constrained.llm_engine.runner.mesh.devices.flat)

@@ -31,7 +31,7 @@ def test_scratch_page_never_allocated_and_counts_balance():
     manager = PageManager(num_pages=5, page_size=4)
     seq = make_seq(list(range(16)))
     run_to_completion(manager, seq)
-    assert SCRATCH_PAGE not in seq.page_table and len(seq.page_table) == 4
+    assert SCRATCH_PAGE not in manager.page_table(seq.seq_id) and len(manager.page_table(seq.seq_id)) == 4
     assert manager.num_free_pages == 0
     assert not manager.allocate(make_seq([1]), 1)
     manager.free(seq)
@@ -44,13 +44,13 @@ def test_prefix_hit_shares_pages_and_leaves_one_token_to_compute():
     run_to_completion(manager, first)
     second = make_seq(list(range(8)) + [99, 98])
     hit = manager.match_prefix(second)
-    assert hit == first.page_table[:2]
+    assert hit == manager.page_table(first.seq_id)[:2]
     admit(manager, second, hit)
     manager.record_lookup(second, second.num_cached_tokens, [])
     assert second.num_computed_tokens == 8 and manager.pool.ref_counts[hit[0]] == 2
     # a prompt that is entirely cached still leaves its last token to compute
     third = make_seq(list(range(8)))
-    assert manager.match_prefix(third) == first.page_table[:1]
+    assert manager.match_prefix(third) == manager.page_table(first.seq_id)[:1]
     assert manager.num_prefix_hits == 8 and manager.num_prefix_queries == 20  # both admissions looked up
 
 
@@ -60,7 +60,7 @@ def test_colliding_key_with_other_tokens_is_a_miss():
     seq = make_seq(list(range(9)))
     run_to_completion(manager, seq)
     assert manager.match_prefix(make_seq([7, 7, 7, 7, 4])) == []
-    assert manager.match_prefix(make_seq(list(range(9)))) == seq.page_table[:1]
+    assert manager.match_prefix(make_seq(list(range(9)))) == manager.page_table(seq.seq_id)[:1]
 
 
 def test_parent_collision_is_a_miss():
@@ -77,8 +77,8 @@ def test_parent_collision_is_a_miss():
     run_to_completion(manager, other)
     # [X1, Y]: X1 is an exact hit; Y's key and tokens match first's second page, computed after X0
     probe = make_seq([9, 9, 9, 9] + [5, 6, 7, 8] + [0])
-    assert manager.match_prefix(probe) == other.page_table[:1]
-    assert manager.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == first.page_table[:2]
+    assert manager.match_prefix(probe) == manager.page_table(other.seq_id)[:1]
+    assert manager.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == manager.page_table(first.seq_id)[:2]
 
 
 def test_keys_are_sha256_of_parent_key_and_tokens():
@@ -98,22 +98,22 @@ def test_same_prefix_computed_twice_keeps_one_exact_chain():
         seq.num_computed_tokens = len(seq)
         manager.commit_full_pages(seq)
     assert len(manager.cached) == 3  # b's equal pages hold the same prefix: a's registrations stand for both
-    assert manager.match_prefix(make_seq(tokens, "c")) == a.page_table[:3]
-    assert manager.match_prefix(make_seq(tokens)) == a.page_table[:3]
+    assert manager.match_prefix(make_seq(tokens, "c")) == manager.page_table(a.seq_id)[:3]
+    assert manager.match_prefix(make_seq(tokens)) == manager.page_table(a.seq_id)[:3]
 
 
 def test_freed_cached_pages_survive_until_evicted_tail_first():
     manager = PageManager(num_pages=5, page_size=4)
     seq = make_seq(list(range(13)))
     run_to_completion(manager, seq)
-    pages = list(seq.page_table)
+    pages = list(manager.page_table(seq.seq_id))
     manager.free(seq)
     assert manager.match_prefix(make_seq(list(range(13)))) == pages[:3]
     # the unhashed partial page goes first, then the tail of the cached prefix
     other = make_seq([50, 51, 52])
     admit(manager, other, [])
-    assert manager.allocate(other, 3) and other.page_table == [pages[3]]
-    assert manager.allocate(other, 7) and other.page_table[1] == pages[2]
+    assert manager.allocate(other, 3) and manager.page_table(other.seq_id) == [pages[3]]
+    assert manager.allocate(other, 7) and manager.page_table(other.seq_id)[1] == pages[2]
     assert manager.match_prefix(make_seq(list(range(13)))) == pages[:2]
 
 

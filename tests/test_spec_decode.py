@@ -188,7 +188,8 @@ def test_rejected_drafts_release_their_pages(tiny_llama_dir):
         for seq in engine.scheduler.running:
             if not seq.is_prefilling:
                 page_size = engine.engine_config.page_size
-                assert -(-seq.num_computed_tokens // page_size) <= len(seq.page_table) <= -(-len(seq) // page_size)
+                num_pages = len(engine.scheduler.page_manager.page_table(seq.seq_id))
+                assert -(-seq.num_computed_tokens // page_size) <= num_pages <= -(-len(seq) // page_size)
                 checked += 1
     assert checked > 20 and engine.stats().spec_decode_num_accepted_tokens < engine.stats().spec_decode_num_draft_tokens
 

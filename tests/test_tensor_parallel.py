@@ -47,7 +47,7 @@ def test_weights_and_kv_pool_are_split_over_the_devices(three_devices):
     assert shard_shapes(layer["mlp"]["gate_up_proj"]["kernel"]) == {(cfg.hidden_size, 2 * cfg.intermediate_size // 3)}
     assert shard_shapes(layer["mlp"]["down_proj"]["kernel"]) == {(cfg.intermediate_size // 3, cfg.hidden_size)}
     assert shard_shapes(runner.params["embed"]["embedding"]) == {(cfg.vocab_size // 3, cfg.hidden_size)}
-    k_pool = runner.kv_cache[0][0]
+    k_pool = runner.kv_cache[0].k
     assert k_pool.shape[0] == 3 and shard_shapes(k_pool) == {(1, *k_pool.shape[1:])}
     assert {shard.device for shard in k_pool.addressable_shards} == set(runner.mesh.devices.flat)
 
@@ -72,7 +72,7 @@ def test_replicated_kv_heads_and_pallas_kernels_under_shard_map(tiny_llama_dir):
                    max_num_batched_tokens=32, warmup=False)
     reference = token_ids(LLM(tiny_llama_dir, **options).generate(prompts, GREEDY, use_tqdm=False))
     four = LLM(tiny_llama_dir, tensor_parallel_size=4, **options)
-    k_pool = four.llm_engine.runner.kv_cache[0][0]
+    k_pool = four.llm_engine.runner.kv_cache[0].k
     assert k_pool.shape[0] == 4 and shard_shapes(k_pool) == {(1, *k_pool.shape[1:])}  # one pool head per device
     assert token_ids(four.generate(prompts, GREEDY, use_tqdm=False)) == reference
 

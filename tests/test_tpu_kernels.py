@@ -279,6 +279,6 @@ def test_engine_tensor_parallel_int8_kv_matches_xla(tiny_llama_dir):
                    max_num_batched_tokens=16, enable_prefix_caching=False, kv_cache_dtype="int8", warmup=False)
     xla = LLM(tiny_llama_dir, attention_backend="xla", **options).generate(prompts, params, use_tqdm=False)
     tpu = LLM(tiny_llama_dir, attention_backend="pallas-tpu-interpret", tensor_parallel_size=2, **options)
-    assert tpu.llm_engine.runner.kv_cache[0][0].values.sharding.spec[0] is not None  # pools split on the heads
+    assert tpu.llm_engine.runner.kv_cache[0].k.values.sharding.spec[0] is not None  # pools split on the heads
     assert [out.outputs[0].token_ids for out in tpu.generate(prompts, params, use_tqdm=False)] == [
         out.outputs[0].token_ids for out in xla]

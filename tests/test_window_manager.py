@@ -47,7 +47,7 @@ def test_pages_behind_the_window_are_released_and_the_rest_kept():
         held = [table.pages[j] for j in range(table.start, len(table.pages))]
         assert table.start == window.first_needed(end) == max(0, end - WINDOW + 1) // PAGE
         assert all(window.pool.ref_counts[page] == 1 for page in held) and len(held) <= 3
-        assert len(seq.page_table) == len(table.pages) == -(-end // PAGE)  # the same indices, all full pages
+        assert len(pm.page_table(seq.seq_id)) == len(table.pages) == -(-end // PAGE)  # the same indices, all full pages
     assert window.pool.num_free_pages == 39 - (len(table.pages) - table.start) == 37
     pm.free(seq)
     assert window.pool.num_free_pages == 39 and all(count == 0 for count in window.pool.ref_counts)
@@ -85,9 +85,9 @@ def test_allocation_fails_when_either_pool_is_short():
     admit(pm, seq, [])
     assert pm.allocate(seq, 8)
     seq.num_computed_tokens = 8  # the next token (8) reads 3..8: page 0 still needed
-    assert not pm.allocate(seq, 12) and len(seq.page_table) == 2  # no third window page: nothing taken
+    assert not pm.allocate(seq, 12) and len(pm.page_table(seq.seq_id)) == 2  # no third window page: nothing taken
     seq.num_computed_tokens = 9  # reads 4..9: page 0 fell behind and is released
-    assert pm.allocate(seq, 12) and pm.windows[0].tables[seq.seq_id].start == 1 and len(seq.page_table) == 3
+    assert pm.allocate(seq, 12) and pm.windows[0].tables[seq.seq_id].start == 1 and len(pm.page_table(seq.seq_id)) == 3
 
 
 def test_the_window_managers_changes_are_what_the_runner_lacks():

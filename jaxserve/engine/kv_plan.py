@@ -1,7 +1,7 @@
 """The KV plan (vLLM's `KVCacheConfig`): what cache each layer keeps (its `KVCacheSpec`), which layers share page
 tables (KV cache groups: layers with equal specs), and how many pages each group's pool gets, decided once from the
 specs and the byte budget (`kv_budget_bytes`, or `num_kv_pages`). The runner allocates the pools the plan names
-(`empty_pools`), the scheduler's page managers count its pages, and the metrics, KV tiers and `jaxserve compile`
+(`empty_kv_cache`), the scheduler's page managers count its pages, and the metrics, KV tiers and `jaxserve compile`
 read it; nothing else sizes a pool.
 
 Group 0 holds the full-attention layers (perhaps none: its page indices then only name pages) and owns the prefix
@@ -22,7 +22,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_budget import cpu_pool_pages, page_bytes
-from jaxserve.layers.attention import PagedAttention
+from jaxserve.layers.attention import KVPages, PagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -181,14 +181,20 @@ def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
                              "pages + 1 scratch page): raise kv_cache_memory_bytes or gpu_memory_utilization")
 
 
-def empty_pools(layer_pages: list[int], config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
-                page_size: int, dtype, allocator: Allocator) -> list:
-    """One (K, V) pool pair per layer of `layer_pages[layer]` pages (arrays, or QuantizedPages: values + per-token
-    scales for an int8/fp8 cache); a plan's are `plan.layer_pages`."""
-    def pool(pages: int) -> tuple:
+def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
+                   page_size: int, dtype, allocator: Allocator) -> list[KVPages]:
+    """Each layer's cache: its K and V pools of `layer_pages[layer]` pages (arrays, or QuantizedPages: values +
+    per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`."""
+    def cache(pages: int) -> KVPages:
         shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
-        return tuple(backend.empty_pool(shape, dtype, allocator) for _ in "kv")
-    return [pool(pages) for pages in layer_pages]
+        return backend.empty_cache(shape, dtype, allocator)
+    return [cache(pages) for pages in layer_pages]
+
+
+def kv_cache_shardings(backend: PagedAttention, num_layers: int) -> list[KVPages]:
+    """The sharding tree of a cache `empty_kv_cache` makes, for jit's in and out shardings; needs the backend's
+    mesh."""
+    return [backend.cache_shardings()] * num_layers
 
 
 def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_dtype: str, backend: PagedAttention,

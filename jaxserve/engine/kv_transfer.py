@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
+from jaxserve.engine.kv_plan import kv_cache_shardings
 from jaxserve.engine.kv_tiers import HostTier, KVTiers, PageToStore, TierPage, numpy_dtype, run_jobs
 from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_inputs import bucket_for
@@ -128,8 +129,7 @@ class KVTransfers:
     def steps(self) -> list[Step]:
         runner = self.runner
         replicated = NamedSharding(runner.mesh, REPLICATED)
-        pool = runner.backend.pool_shardings()
-        kv_in = [(pool, pool)] * runner.model_config.num_layers
+        kv_in = kv_cache_shardings(runner.backend, runner.model_config.num_layers)
         kinds = (self.host_sharding,) * len(self.page_specs)
         store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
         on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, KV_PAGES, memory_kind="device")

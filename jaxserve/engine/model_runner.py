@@ -46,7 +46,8 @@ from jaxserve.engine.allocator import Allocator, DeviceAllocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import kv_budget_bytes
-from jaxserve.engine.kv_plan import KVPlan, empty_pools, group_layers, layer_specs, log_kv_plan, plan_kv_cache
+from jaxserve.engine.kv_plan import (KVPlan, empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
+                                     plan_kv_cache)
 from jaxserve.engine.kv_tiers import KVTiers
 from jaxserve.engine.kv_transfer import KVTransfers
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
@@ -112,7 +113,7 @@ class ModelRunner:
                                              draft.page_bytes if draft is not None else 0)
         if draft is not None:
             draft.allocate_pool(self.kv_plan.num_pages)
-        self.kv_cache = empty_pools(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
+        self.kv_cache = empty_kv_cache(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
                                     self.dtype, self.allocator)
         self.steps = StepRegistry()
         speculator_steps = self.speculator.steps() if self.speculator is not None else []
@@ -138,8 +139,8 @@ class ModelRunner:
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
-        pool = self.backend.pool_shardings()
-        kv_in, replicated = [(pool, pool)] * self.model_config.num_layers, NamedSharding(self.mesh, REPLICATED)
+        kv_in = kv_cache_shardings(self.backend, self.model_config.num_layers)
+        replicated = NamedSharding(self.mesh, REPLICATED)
         params_in = serving_shardings(self.forward_params, self.model_config, self.tp, self.mesh)
         static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)
         if len(self.kv_plan.groups) > 1:

@@ -25,8 +25,8 @@ its page indices name every group's). Each sliding-window group has its own mana
 freeing and trimming release in all, a full page registers in all, and a prefix hit is only as long as every window
 group still holds what its next token's window reads.
 
-The manager owns the prefix-cache chain of every sequence holding pages (the key and registration serial of each
-of its full pages); a sequence's page table is the list it extends. Token counters are the scheduler's.
+The manager owns the page table and the prefix-cache chain (the key and registration serial of each full page) of
+every sequence holding pages; it writes nothing into a `Sequence`. Token counters are the scheduler's.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class PageManager:
         self.cached: dict[int, CachedPage] = {}  # page -> its registration
         self.page_of_key: dict[bytes, int] = {}
         self._serials = itertools.count()
+        self._tables: dict[int, list[int]] = {}  # seq_id -> its pages, in order
         self._chains: dict[int, tuple[list[bytes], list[int | None]]] = {}  # seq_id -> its pages' keys, serials
         self.num_prefix_queries = 0  # prompt tokens looked up by admitted sequences
         self.num_prefix_hits = 0  # of those, tokens found in the cache
@@ -104,9 +105,17 @@ class PageManager:
         """Fraction of usable pages held by running sequences (cached-but-free pages count as free)."""
         return self.pool.usage
 
+    def page_table(self, seq_id: int) -> list[int]:
+        """The pages of sequence `seq_id` in order (empty when it holds none); the manager's own list, to read."""
+        return self._tables.get(seq_id, [])
+
+    def tables(self, seq: Sequence, new: bool) -> tuple[list[int], tuple]:
+        """`seq`'s page table and its window groups' changes (`window_changes`), what the runner is sent."""
+        return self.page_table(seq.seq_id), self.window_changes(seq, new)
+
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages `seq` needs so that its first `num_tokens` tokens have a slot."""
-        return max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
+        return max(0, -(-num_tokens // self.page_size) - len(self.page_table(seq.seq_id)))
 
     def caches(self, seq: Sequence) -> bool:
         """Whether `seq` looks up and registers prefix pages."""
@@ -154,7 +163,7 @@ class PageManager:
         """Gives `seq` the cached prefix pages, taking a reference on each; returns the tokens they hold."""
         for page in cached_pages:
             self.pool.take(page)
-        seq.page_table = list(cached_pages)
+        self._tables[seq.seq_id] = list(cached_pages)
         for window in self.windows:
             window.admit(seq.seq_id, [self.cached[page].serial for page in cached_pages])
         self._chains[seq.seq_id] = ([self.cached[page].key for page in cached_pages],
@@ -169,7 +178,7 @@ class PageManager:
         for tier_page, _ in found:
             index = len(keys)
             tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
-            page = seq.page_table[index]
+            page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, tier_page.key, tokens, index, serials[-1] if serials else None))
             keys.append(tier_page.key)
             restores.append((page, tier_page))
@@ -188,7 +197,8 @@ class PageManager:
         """Adds pages so `seq` can hold `num_tokens` tokens; False (and nothing taken) if the pool is short."""
         for window in self.windows:
             window.release_behind(seq.seq_id, seq.num_computed_tokens)
-        if num_tokens <= len(seq.page_table) * self.page_size:  # most decode steps: the last page has room
+        table = self._tables.setdefault(seq.seq_id, [])
+        if num_tokens <= len(table) * self.page_size:  # most decode steps: the last page has room
             return True
         if any(window.pages_needed(seq.seq_id, num_tokens) > window.pool.num_free_pages for window in self.windows):
             return False
@@ -199,7 +209,7 @@ class PageManager:
             page = self.pool.next_free()
             self._forget(page)
             self.pool.take(page)
-            seq.page_table.append(page)
+            table.append(page)
         for window in self.windows:
             window.allocate(seq.seq_id, num_tokens)
         return True
@@ -215,7 +225,7 @@ class PageManager:
             key = self.hash_fn(keys[-1] if keys else seq.prefix_root, tokens)
             parent_serial = serials[-1] if serials else None
             keys.append(key)
-            page = seq.page_table[index]
+            page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, key, tokens, index, parent_serial))
             if self.tiers is not None and serials[-1] is not None and self.cached.get(page) is not None \
                     and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
@@ -242,9 +252,8 @@ class PageManager:
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references, tail first; pages nobody holds return to the free list."""
-        for page in reversed(seq.page_table):
+        for page in reversed(self._tables.pop(seq.seq_id, [])):
             self._release(page)
-        seq.page_table = []
         self._chains.pop(seq.seq_id, None)
         for window in self.windows:
             window.free(seq.seq_id)
@@ -253,8 +262,9 @@ class PageManager:
         """Releases the pages past those holding `seq`'s tokens (the room a speculative step made for drafts that
         were rejected); a released page holds no cached prefix, so it is the next to be handed out."""
         keep = -(-len(seq.token_ids) // self.page_size)
-        while len(seq.page_table) > keep:
-            self._release(seq.page_table.pop())
+        table = self.page_table(seq.seq_id)
+        while len(table) > keep:
+            self._release(table.pop())
         for window in self.windows:
             window.trim(seq.seq_id, keep)
 

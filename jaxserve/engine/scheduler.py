@@ -171,7 +171,7 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             appended.append(AppendedToken(seq, sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
-            if caches_prefixes and seq.page_table:
+            if caches_prefixes and self.page_manager.page_table(seq.seq_id):
                 self.page_manager.commit_full_pages(seq)
         if self.engine_config.speculative_config is not None:
             for seq_id in {sample.seq_id for sample in sampled}:  # the room made for drafts that were rejected
@@ -181,7 +181,7 @@ class Scheduler:
                     sent = self.sent.get(seq_id)
                     if sent is not None:  # (a preempted sequence's runner row is gone)
                         self.sent[seq_id] = sent._replace(
-                            num_kept_pages=min(sent.num_kept_pages, len(seq.page_table)))
+                            num_kept_pages=min(sent.num_kept_pages, len(self.page_manager.page_table(seq_id))))
         return appended, touched
 
     def _append(self, seq: Sequence, token: int, max_model_len: int) -> bool:
@@ -205,9 +205,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
-        windows = self.page_manager.window_changes if self.page_manager.windows else None
         decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config, self.drafter)
-        output, sent = scheduler_output(plan, tuple(self._left_slots), decodes, self.sent, windows)
+        output, sent = scheduler_output(plan, tuple(self._left_slots), decodes, self.sent, self.page_manager.tables)
         self.sent.update(sent)
         self._left_slots = []
         return output

@@ -101,49 +101,50 @@ class Sent(NamedTuple):
     num_kept_pages: int
 
 
-def new_sequence(seq: Sequence, window_tables: tuple = ()) -> tuple[NewSequence, Sent]:
-    """`seq` as admitted, with its window groups' tables (`PageManager.window_changes`), and what the runner has
-    of it from now on."""
+def new_sequence(seq: Sequence, page_table: list[int], window_tables: tuple = ()) -> tuple[NewSequence, Sent]:
+    """`seq` as admitted, with its page table and its window groups' tables (`PageManager.tables`), and what the
+    runner has of it from now on."""
     new = NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
-                      tuple(seq.page_table), seq.params, seq.seed, window_tables,
+                      tuple(page_table), seq.params, seq.seed, window_tables,
                       -1 if seq.lora_slot is None else seq.lora_slot)
-    return new, Sent(len(seq.token_ids), len(seq.page_table), len(seq.page_table))
+    return new, Sent(len(seq.token_ids), len(page_table), len(page_table))
 
 
-def cached_sequence(seq: Sequence, sent: Sent, with_tokens: bool,
+def cached_sequence(seq: Sequence, sent: Sent, with_tokens: bool, page_table: list[int],
                     window_tables: tuple = ()) -> tuple[CachedSequence, Sent] | None:
     """What the runner lacks of a running `seq` that it has `sent` of (None: nothing), and what it has then: its
     pages always, the tokens the host read only `with_tokens` (a step that reads them: a prefill chunk, or a
     verify's latest tokens; a plain decode reads its input token on the device, so its row's tokens may lag until
-    then). `window_tables`: what changed in its window groups' tables (`PageManager.window_changes`)."""
-    num_pages = len(seq.page_table)
+    then). `page_table`: its pages now; `window_tables`: what changed in its window groups' tables
+    (`PageManager.tables`)."""
+    num_pages = len(page_table)
     pages_changed, first_page = _table_diff(num_pages, sent.num_pages, sent.num_kept_pages)
     window_changed = bool(window_tables) and any(change is not None for change in window_tables)
     tokens_changed = with_tokens and sent.num_tokens != len(seq.token_ids)
     if not (pages_changed or window_changed or tokens_changed):
         return None
     tokens = tuple(seq.token_ids[sent.num_tokens:]) if tokens_changed else ()
-    cached = CachedSequence(seq.seq_id, tokens, first_page, tuple(seq.page_table[first_page:]),
+    cached = CachedSequence(seq.seq_id, tokens, first_page, tuple(page_table[first_page:]),
                             window_tables if window_changed else ())
     return cached, Sent(sent.num_tokens + len(tokens), num_pages, num_pages)
 
 
 def scheduler_output(plan: "Plan", left: tuple[int, ...], decodes: tuple[ScheduledDecode, ...],
-                     sent: dict[int, Sent], windows: Callable | None) -> tuple[SchedulerOutput, dict[int, Sent]]:
+                     sent: dict[int, Sent], tables: Callable) -> tuple[SchedulerOutput, dict[int, Sent]]:
     """`plan` as plain data for the runner, with `left` (the sequences that left their slots) and the step's
     `decodes` (`scheduled_decodes`), given what the runner has of each sequence (`sent`, the scheduler's record);
-    and that record's new entries. `windows(seq, new)`: its window groups' changes (`PageManager.window_changes`;
-    None: the model has no window groups)."""
+    and that record's new entries. `tables(seq, new)`: its page table and its window groups' changes
+    (`PageManager.tables`)."""
     updates: dict[int, Sent] = {}
     new = []
     for seq in plan.admitted:
-        admission, updates[seq.seq_id] = new_sequence(seq, windows(seq, True) if windows else ())
+        admission, updates[seq.seq_id] = new_sequence(seq, *tables(seq, True))
         new.append(admission)
     cached = []
     for seqs, with_tokens in (([chunk.seq for chunk in plan.prefills if chunk.seq.seq_id not in updates], True),
                               (plan.decodes, any(decode.num_draft for decode in decodes))):
         for seq in seqs:
-            change = cached_sequence(seq, sent[seq.seq_id], with_tokens, windows(seq, False) if windows else ())
+            change = cached_sequence(seq, sent[seq.seq_id], with_tokens, *tables(seq, False))
             if change is not None:
                 cached.append(change[0])
                 updates[seq.seq_id] = change[1]

@@ -19,9 +19,10 @@ _seq_ids = itertools.count()
 
 
 class Sequence:
-    """Token ids (prompt + output), how many of them have KV in the cache, and the pages holding it.
+    """Token ids (prompt + output) and how many of them have KV in the cache (in the pages the scheduler's page
+    managers hold for it: `PageManager.page_table`).
 
-    `num_computed_tokens` tokens have K/V in `page_table`; the next step feeds the rest (a prefill
+    `num_computed_tokens` tokens have K/V there; the next step feeds the rest (a prefill
     chunk) or, once only the last sampled token is left, one decode token. Under async scheduling the
     device may be `num_pending` tokens ahead of `token_ids`: sampled by dispatched steps whose results the
     host has not read yet. The device's view of the sequence is then `num_tokens` long.
@@ -49,9 +50,6 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the last admission
         self.num_prompt_cached_tokens = -1  # ... at the first admission (what usage reports); -1 before it
         self.num_scored = 0  # prompt_logprobs: prompt tokens 1..num_scored are scored by dispatched prefills
-        # written by the PageManager: its pages in the full-attention KV cache group (a sliding-window group's are
-        # that group's manager's, `engine/window_manager.py`)
-        self.page_table: list[int] = []
         self.slot: int | None = None
         # LoRA: its adapter (`lora.cache.LoadedAdapter`; None: the base model) and, while running, its device slot
         self.lora = None

@@ -19,7 +19,7 @@ from jaxserve.models import serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.kv_budget import page_bytes
-from jaxserve.engine.kv_plan import empty_pools
+from jaxserve.engine.kv_plan import empty_kv_cache, kv_cache_shardings
 from jaxserve.engine.scheduler_output import ScheduledDecode
 from jaxserve.engine.stats import SpecDecodeCounters
 from jaxserve.engine.step_inputs import VerifyInputs, empty_prefill, empty_verify, verify_inputs
@@ -56,15 +56,15 @@ class DraftModel:
         return page_bytes(self.model_config, self.tp, self.backend, self.page_size, self.dtype)
 
     def allocate_pool(self, num_pages: int) -> None:
-        self.kv_cache = empty_pools([num_pages] * self.model_config.num_layers, self.model_config, self.tp, self.backend,
-                                    self.page_size, self.dtype, self.allocator)
+        self.kv_cache = empty_kv_cache([num_pages] * self.model_config.num_layers, self.model_config, self.tp,
+                                       self.backend, self.page_size, self.dtype, self.allocator)
 
     def jitted(self, mesh: Mesh) -> tuple:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
         with the drafts' distributions), jitted for `mesh`."""
-        pool = self.backend.pool_shardings()
         params_in = serving_shardings(self.params, self.model_config, self.tp, mesh)
-        kv_in, replicated = [(pool, pool)] * self.model_config.num_layers, NamedSharding(mesh, REPLICATED)
+        kv_in = kv_cache_shardings(self.backend, self.model_config.num_layers)
+        replicated = NamedSharding(mesh, REPLICATED)
         static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)
         prefill = jit_step(functools.partial(prefill_step, *static), mesh, (params_in, kv_in, replicated),
                            (kv_in, replicated), donate=(1, 2))

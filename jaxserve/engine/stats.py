@@ -116,8 +116,11 @@ def pools_usage(pools) -> float:
     return held / usable if usable else 0.0
 
 
-def fragmentation(running: list, page_size: int) -> float:
-    """Slots of the running sequences' pages that hold no token yet, over all their slots."""
-    allocated = sum(len(seq.page_table) for seq in running) * page_size
-    used = sum(min(seq.num_computed_tokens, len(seq.page_table) * page_size) for seq in running)
+def fragmentation(running: list, page_manager) -> float:
+    """Slots of the running sequences' pages (`page_manager`'s tables) that hold no token yet, over all their
+    slots."""
+    page_size = page_manager.page_size
+    slots = [len(page_manager.page_table(seq.seq_id)) * page_size for seq in running]
+    allocated = sum(slots)
+    used = sum(min(seq.num_computed_tokens, held) for seq, held in zip(running, slots))
     return 1 - used / allocated if allocated else 0.0

@@ -32,11 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED
 from jaxserve.layers.attention_xla import XlaAttention
 from jaxserve.layers.paged_kv import (HEADS, KV_CACHE_DTYPES, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV,
-                                      AttentionMetadata, QuantizedPages, pool_shape)
+                                      AttentionMetadata, KVPages, QuantizedPages, pool_shape)
 
 ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret", "pallas-tpu", "pallas-tpu-interpret")
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "PagedAttention", "make_attention_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPages", "PagedAttention",
+           "make_attention_backend"]
 
 
 @runtime_checkable
@@ -48,12 +49,12 @@ class AttentionBackend(Protocol):
     @property
     def name(self) -> str: ...
 
-    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-                 kv_cache_dtype: str) -> tuple:
+    def write_kv(self, kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+                 kv_cache_dtype: str) -> KVPages:
         """Scatters `k, v: [B, T, kv_heads, head_dim]` into their slots (padding tokens target the scratch page);
-        returns the new `(k_pool, v_pool)`."""
+        returns the layer's new pools."""
 
-    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+    def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
         """Causal attention of `q: [B, T, q_heads, head_dim]` over each row's pages (after `write_kv`), each query
         seeing the last `sliding_window` positions when set; logits capped as `soft_cap * tanh(x / soft_cap)`
@@ -84,7 +85,8 @@ def make_attention_backend(name: str, mesh: Mesh | None = None, kv_cache_dtype: 
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
-    """A backend and the page pools it reads. Hashable, so jitted functions can take it as static."""
+    """A backend and the page pools it reads (each attention layer's `KVPages`). Hashable, so jitted functions can
+    take it as static."""
 
     backend: AttentionBackend
     mesh: Mesh | None = None  # tensor parallelism: the pool and the heads are split over its model axis
@@ -132,22 +134,27 @@ class PagedAttention:
         scale_bytes = KV_SCALE_BYTES if self.quantized else 0
         return self.stored_head_dim(head_dim) * jnp.dtype(self.storage_dtype(model_dtype)).itemsize + scale_bytes
 
-    def pool_specs(self):
-        """The `PartitionSpec` tree of one K (or V) pool: split on the heads, scales like their values."""
-        return QuantizedPages(KV_POOL, KV_SCALES) if self.quantized else KV_POOL
+    def cache_specs(self) -> KVPages:
+        """The `PartitionSpec` tree of one layer's pools: split on the heads, scales like their values."""
+        pool = QuantizedPages(KV_POOL, KV_SCALES) if self.quantized else KV_POOL
+        return KVPages(pool, pool)
 
-    def empty_pool(self, shape: tuple[int, ...], model_dtype, allocator):
-        """One zeroed K (or V) pool of `pool_shape` `shape`, placed on the mesh as `pool_shardings` says (the
+    def empty_cache(self, shape: tuple[int, ...], model_dtype, allocator) -> KVPages:
+        """One layer's zeroed pools, each of `pool_shape` `shape`, placed on the mesh as `cache_shardings` says (the
         default device without a mesh), made by `allocator` (`engine/allocator.py`)."""
-        placed = self.pool_shardings() if self.mesh is not None else jax.tree.map(
-            lambda spec: None, self.pool_specs(), is_leaf=lambda x: isinstance(x, P))
-        if not self.quantized:
-            return allocator.full(shape, self.storage_dtype(model_dtype), placed)
-        return QuantizedPages(allocator.full(shape, self.storage_dtype(model_dtype), placed.values),
-                              allocator.full(shape[:3], jnp.float32, placed.scales))
+        placed = self.cache_shardings() if self.mesh is not None else jax.tree.map(
+            lambda spec: None, self.cache_specs(), is_leaf=lambda x: isinstance(x, P))
 
-    def pool_shardings(self):
-        """The sharding tree of one pool (for jit's in/out shardings and its allocation); needs `mesh`. A backend
+        def pool(placed):
+            if not self.quantized:
+                return allocator.full(shape, self.storage_dtype(model_dtype), placed)
+            return QuantizedPages(allocator.full(shape, self.storage_dtype(model_dtype), placed.values),
+                                  allocator.full(shape[:3], jnp.float32, placed.scales))
+        return KVPages(pool(placed.k), pool(placed.v))
+
+    def cache_shardings(self) -> KVPages:
+        """The sharding tree of one layer's pools (for jit's in/out shardings and their allocation); needs `mesh`. A
+        backend
         with `row_major_pools` gets `Format`s that pin every pool array row-major, in and out of every step: its
         kernels read only that layout, and a TPU's default layout for some pool shapes is another (a small leading
         heads axis of the scales moved inward), which cost a copy of the array around each kernel call."""
@@ -156,9 +163,8 @@ class PagedAttention:
             if not getattr(self.backend, "row_major_pools", False):
                 return sharding
             return Format(Layout(major_to_minor=tuple(range(ndim))), sharding)
-        if self.quantized:
-            return QuantizedPages(placed(KV_POOL, 4), placed(KV_SCALES, 3))
-        return placed(KV_POOL, 4)
+        pool = QuantizedPages(placed(KV_POOL, 4), placed(KV_SCALES, 3)) if self.quantized else placed(KV_POOL, 4)
+        return KVPages(pool, pool)
 
     def per_device(self, function, in_specs: tuple, out_specs):
         """`function` run on each device's heads when the heads are split, else as it is."""
@@ -167,26 +173,25 @@ class PagedAttention:
         # check_vma off: pallas_call does not declare how its outputs vary over the mesh
         return jax.shard_map(function, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> tuple:
+    def write_kv(self, kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
         """Scatters `k, v: [B, T, kv_heads, head_dim]` into their slots. Padding tokens target the scratch page."""
-        pool = self.pool_specs()
+        cache = self.cache_specs()
         write = functools.partial(self.backend.write_kv, kv_cache_dtype=self.kv_cache_dtype)
-        write = self.per_device(write, (pool, pool, HEADS, HEADS, REPLICATED), (pool, pool))
-        return write(k_pool, v_pool, self._stored(k), self._stored(v), slot_mapping)
+        write = self.per_device(write, (cache, HEADS, HEADS, REPLICATED), cache)
+        return write(kv, self._stored(k), self._stored(v), slot_mapping)
 
-    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+    def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None
                ) -> jax.Array:
         """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`);
         `sinks [q_heads]` split over the devices like the heads."""
-        def attend(q, k_pool, v_pool, meta, sinks):
-            return self.backend.attend(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window,
+        def attend(q, kv, meta, sinks):
+            return self.backend.attend(q, kv, meta, sm_scale=sm_scale, sliding_window=sliding_window,
                                        soft_cap=soft_cap, sinks=sinks)
 
-        pool = self.pool_specs()
         sinks = None if sinks is None else sinks.astype(jnp.float32)
-        specs = (HEADS, pool, pool, REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: its spec unused
-        out = self.per_device(attend, specs, HEADS)(self._stored(q), k_pool, v_pool, meta, sinks)
+        specs = (HEADS, self.cache_specs(), REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: spec unused
+        out = self.per_device(attend, specs, HEADS)(self._stored(q), kv, meta, sinks)
         return out[..., :q.shape[-1]]
 
     def _stored(self, x: jax.Array) -> jax.Array:

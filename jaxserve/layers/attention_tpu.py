@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.layers.paged_kv import AttentionMetadata, QuantizedPages, quantize_kv, split_quantized
+from jaxserve.layers.paged_kv import AttentionMetadata, KVPages, QuantizedPages, quantize_kv, split_quantized
 from pallas_kernels.tpu import ragged_paged_attention, write_to_pages
 
 
@@ -32,7 +32,7 @@ class MosaicTpuAttention:
 
     @property
     def row_major_pools(self) -> bool:
-        """Mosaic reads its operands row-major (`PagedAttention.pool_shardings`); the interpreter, on a CPU, needs
+        """Mosaic reads its operands row-major (`PagedAttention.cache_shardings`); the interpreter, on a CPU, needs
         no pinned layout."""
         return not self.interpret
 
@@ -53,8 +53,8 @@ class MosaicTpuAttention:
         """`InterpretParams` for the interpreted backend, None (compile with Mosaic) otherwise."""
         return pltpu.InterpretParams() if self.interpret else None
 
-    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-                 kv_cache_dtype: str) -> tuple:
+    def write_kv(self, kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+                 kv_cache_dtype: str) -> KVPages:
         """Writes `k, v: [B, T, kv_heads, head_dim]` into their slots (padding -> scratch page, skipped); quantizes
         each new token's heads first when the pools are `QuantizedPages`."""
         heads, head_dim = k.shape[2:]
@@ -63,17 +63,17 @@ class MosaicTpuAttention:
         slots = slot_mapping.reshape(-1)
         interpret = self.interpret_params()
         if kv_cache_dtype == "auto":
-            return write_to_pages((k_pool, v_pool), (k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)), slots,
-                                  interpret=interpret)
+            new = (k_new.astype(kv.k.dtype), v_new.astype(kv.v.dtype))
+            return KVPages(*write_to_pages((kv.k, kv.v), new, slots, interpret=interpret))
         (k_values, k_scales), (v_values, v_scales) = quantize_kv(k_new, kv_cache_dtype), quantize_kv(v_new,
                                                                                                      kv_cache_dtype)
-        pools = write_to_pages((k_pool.values, k_pool.scales, v_pool.values, v_pool.scales),
+        pools = write_to_pages((kv.k.values, kv.k.scales, kv.v.values, kv.v.scales),
                                (k_values, k_scales, v_values, v_scales), slots, interpret=interpret)
-        return QuantizedPages(*pools[:2]), QuantizedPages(*pools[2:])
+        return KVPages(QuantizedPages(*pools[:2]), QuantizedPages(*pools[2:]))
 
-    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+    def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
-        k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
+        k_pool, v_pool, scales = split_quantized(kv)
         # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
         return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxserve.layers.paged_kv import AttentionMetadata, scatter_kv, split_quantized
+from jaxserve.layers.paged_kv import AttentionMetadata, KVPages, scatter_kv, split_quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +28,13 @@ class TritonAttention:
     def name(self) -> str:
         return "pallas-interpret" if self.interpret else "pallas"
 
-    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-                 kv_cache_dtype: str) -> tuple:
-        return scatter_kv(k_pool, v_pool, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
+    def write_kv(self, kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+                 kv_cache_dtype: str) -> KVPages:
+        return scatter_kv(kv, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
 
-    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+    def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
-        k_pool, v_pool, scales = split_quantized(k_pool, v_pool)
+        k_pool, v_pool, scales = split_quantized(kv)
         batch, num_tokens = q.shape[:2]
         if num_tokens == 1:
             out = pallas_kernels.paged_attention(q[:, 0], k_pool, v_pool, meta.context_lens, meta.page_tables,

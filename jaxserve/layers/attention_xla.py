@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.layers.paged_kv import AttentionMetadata, QuantizedPages, scatter_kv
+from jaxserve.layers.paged_kv import AttentionMetadata, KVPages, QuantizedPages, scatter_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +22,13 @@ class XlaAttention:
 
     name: str = "xla"
 
-    def write_kv(self, k_pool, v_pool, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-                 kv_cache_dtype: str) -> tuple:
-        return scatter_kv(k_pool, v_pool, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
+    def write_kv(self, kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+                 kv_cache_dtype: str) -> KVPages:
+        return scatter_kv(kv, k, v, slot_mapping, kv_cache_dtype=kv_cache_dtype)
 
-    def attend(self, q: jax.Array, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float,
+    def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
-        return xla_paged_attention(q, k_pool, v_pool, meta, sm_scale=sm_scale, sliding_window=sliding_window,
+        return xla_paged_attention(q, kv, meta, sm_scale=sm_scale, sliding_window=sliding_window,
                                    soft_cap=soft_cap, sinks=sinks)
 
 
@@ -36,7 +36,7 @@ DECODE_BLOCK_TOKENS = 32  # keys per loop iteration for one query token: the fas
 PREFILL_BLOCK_TOKENS = 128  # with many query tokens per row a block has more work, so fewer, larger blocks
 
 
-def xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
+def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
                         soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention blockwise over each row's pages with an online softmax (flash attention in plain XLA).
 
@@ -45,6 +45,7 @@ def xla_paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, *, sm_scale:
     attending to every page (prefill); figures in benchmarks/RESULTS.md.
     """
     batch, num_tokens, num_q_heads, head_dim = q.shape
+    k_pool, v_pool = kv.k, kv.v
     num_kv_heads, _, page_size, _ = k_pool.shape
     quantized = isinstance(k_pool, QuantizedPages)
     group = num_q_heads // num_kv_heads

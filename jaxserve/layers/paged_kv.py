@@ -1,14 +1,16 @@
 """The paged KV cache every attention backend shares: the step's metadata, the pool layout, its quantized form,
 and the plain scatter that writes new tokens into it.
 
-One layout per layer's page pool: `[kv_heads, num_pages, page_size, head_dim]`; one page of one head is a
-contiguous `[page_size, head_dim]` tile. With a quantized KV cache (`kv_cache_dtype` "int8" or "fp8") each pool is
+An attention layer's cache is a `KVPages`: its K and V page pools, named. One layout per pool: `[kv_heads,
+num_pages, page_size, head_dim]`; one page of one head is a contiguous `[page_size, head_dim]` tile. With a quantized KV cache (`kv_cache_dtype` "int8" or "fp8") each pool is
 a `QuantizedPages` pytree instead: int8 or float8_e4m3fn values in that layout plus float32 per-token scales
 `[kv_heads, num_pages, page_size]` (one per token and head: value = stored * scale). Under tensor parallelism the
 pool (and its scales) is split on the heads axis (`KV_POOL`, `KV_SCALES`), and so are the queries (`HEADS`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.struct
 import jax
@@ -51,6 +53,15 @@ class QuantizedPages:
 
 
 @flax.struct.dataclass
+class KVPages:
+    """One attention layer's cache: its K pool and its V pool (each an array or `QuantizedPages`). A pytree with
+    named leaves, so code that moves pages (`engine/kv_transfer.py`) reads them by name, never by position."""
+
+    k: Any
+    v: Any
+
+
+@flax.struct.dataclass
 class AttentionMetadata:
     """Where a step's query tokens sit in the paged cache. `B` sequences, `T` query tokens each (padded)."""
 
@@ -83,12 +94,12 @@ def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int)
     return (num_kv_heads, num_pages, page_size, head_dim)
 
 
-def split_quantized(k_pool, v_pool) -> tuple[jax.Array, jax.Array, dict]:
-    """`(k values, v values, scales)` for a kernel call: a quantized pool's stored values and its
-    `k_scales`/`v_scales` keyword arguments, or a float pool as it is with no scales."""
-    if isinstance(k_pool, QuantizedPages):
-        return k_pool.values, v_pool.values, dict(k_scales=k_pool.scales, v_scales=v_pool.scales)
-    return k_pool, v_pool, {}
+def split_quantized(kv: KVPages) -> tuple[jax.Array, jax.Array, dict]:
+    """`(k values, v values, scales)` for a kernel call: quantized pools' stored values and their
+    `k_scales`/`v_scales` keyword arguments, or float pools as they are with no scales."""
+    if isinstance(kv.k, QuantizedPages):
+        return kv.k.values, kv.v.values, dict(k_scales=kv.k.scales, v_scales=kv.v.scales)
+    return kv.k, kv.v, {}
 
 
 def quantize_kv(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
@@ -105,7 +116,7 @@ def quantize_kv(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array
     return jnp.clip(scaled, -largest, largest).astype(dtype), scales
 
 
-def scatter_kv(k_pool, v_pool, k, v, slot_mapping, *, kv_cache_dtype: str = "auto"):
+def scatter_kv(kv: KVPages, k, v, slot_mapping, *, kv_cache_dtype: str = "auto") -> KVPages:
     """One device's write of `k, v: [B, T, kv_heads, head_dim]` into their slots by an XLA scatter (padding tokens
     target the scratch page); quantizes each new token's heads first when `kv_cache_dtype` says so."""
     slots = slot_mapping.reshape(-1)
@@ -114,7 +125,7 @@ def scatter_kv(k_pool, v_pool, k, v, slot_mapping, *, kv_cache_dtype: str = "aut
         # pool every step, slow for a large pool; writing the row twice keeps it a scatter.
         slots = jnp.concatenate([slots, slots])
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
-    heads, pages, page_size, head_dim = k_pool.shape
+    heads, pages, page_size, head_dim = kv.k.shape
     k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1)  # [heads, tokens, head_dim]
     v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1)
     flat_shape = (heads, pages * page_size, head_dim)
@@ -127,4 +138,4 @@ def scatter_kv(k_pool, v_pool, k, v, slot_mapping, *, kv_cache_dtype: str = "aut
             values=pool.values.reshape(flat_shape).at[:, slots].set(values).reshape(pool.shape),
             scales=pool.scales.reshape(flat_shape[:2]).at[:, slots].set(scales).reshape(pool.shape[:3]))
 
-    return scatter(k_pool, k_new), scatter(v_pool, v_new)
+    return KVPages(scatter(kv.k, k_new), scatter(kv.v, v_new))

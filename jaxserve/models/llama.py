@@ -5,7 +5,7 @@ mixture-of-experts families on this decoder (`qwen_moe`, `mixtral`) swap the MLP
 
 The decoder reads the serving layout: q/k/v fused into one `qkv_proj` and gate/up into one `gate_up_proj`, each
 device's columns together (`[q_d | k_d | v_d]` for device d), so a tensor-parallel split on output features hands
-every device whole heads. Layers are unrolled (one Python loop), each with its own pair of page pools: measured
+every device whole heads. Layers are unrolled (one Python loop), each with its own page pools (`KVPages`): measured
 faster on CPU than a `lax.scan` over a stacked pool, which copies the carried pool slice every layer.
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import LayerSpec, ModelConfig, MoEConfig, token_ids
 from jaxserve.distributed.tensor_parallel import TensorParallel
-from jaxserve.layers.attention import AttentionMetadata, PagedAttention
+from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.moe import MoE
 from jaxserve.layers.norms import RMSNorm
@@ -91,7 +91,7 @@ class Attention(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, k_pool, v_pool, meta: AttentionMetadata):
+    def __call__(self, x, kv: KVPages, meta: AttentionMetadata):
         cfg, tp = self.config, self.tp
         batch, num_tokens, _ = x.shape
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
@@ -114,16 +114,16 @@ class Attention(nn.Module):
         rope_scale = rope_attention_factor(scaling)
         q = apply_rope(q, meta.positions, inv_freq, rope_scale)
         k = apply_rope(k, meta.positions, inv_freq, rope_scale)
-        k_pool, v_pool = self.attention.write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        kv = self.attention.write_kv(kv, k, v, meta.slot_mapping)
         sm_scale = cfg.attention_scale or cfg.head_dim ** -0.5
         sinks = self.param("sinks", nn.initializers.zeros_init(), (cfg.num_q_heads,), self.dtype) \
             if cfg.attention_sinks else None
-        out = self.attention.attend(q, k_pool, v_pool, meta, sm_scale=sm_scale,
+        out = self.attention.attend(q, kv, meta, sm_scale=sm_scale,
                                     sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap,
                                     sinks=sinks)
         out = out.reshape(batch, num_tokens, cfg.q_size)
         out = Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=tp.size, name="o_proj")(out)
-        return out, k_pool, v_pool
+        return out, kv
 
 
 class DecoderLayer(nn.Module):
@@ -134,23 +134,23 @@ class DecoderLayer(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, k_pool, v_pool, meta):
+    def __call__(self, x, kv: KVPages, meta: AttentionMetadata):
         cfg = self.config
 
         def norm(name: str):
             return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
 
-        attn_out, k_pool, v_pool = Attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
-            norm("input_norm")(x), k_pool, v_pool, meta)
+        attn_out, kv = Attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
+            norm("input_norm")(x), kv, meta)
         if self.layer.feed_forward == "moe":
             feed_forward = MoE(cfg, self.tp, self.dtype, name="mlp")
         else:
             feed_forward = MLP(cfg.hidden_size, cfg.intermediate_size, self.tp, self.dtype, cfg.activation, name="mlp")
         if cfg.sandwich_norms:  # Gemma: each sublayer's output normed too, "post_attention_norm" on the attention's
             x = x + norm("post_attention_norm")(attn_out)
-            return x + norm("post_feedforward_norm")(feed_forward(norm("pre_feedforward_norm")(x))), k_pool, v_pool
+            return x + norm("post_feedforward_norm")(feed_forward(norm("pre_feedforward_norm")(x))), kv
         x = x + attn_out
-        return x + feed_forward(norm("post_attention_norm")(x)), k_pool, v_pool
+        return x + feed_forward(norm("post_attention_norm")(x)), kv
 
 
 def vocab_shards(config: ModelConfig, tp: TensorParallel) -> int:
@@ -175,10 +175,10 @@ class LlamaModel(nn.Module):
         if cfg.embedding_scale is not None:  # rounded to the serving dtype first, as transformers rounds it
             x = x * jnp.asarray(cfg.embedding_scale, self.dtype)
         new_cache = []
-        for index, (k_pool, v_pool) in enumerate(kv_cache):
-            x, k_pool, v_pool = DecoderLayer(cfg, self.tp, self.attention, cfg.layers[index], self.dtype,
-                                             name=f"layers_{index}")(x, k_pool, v_pool, meta.for_layer(index))
-            new_cache.append((k_pool, v_pool))
+        for index, kv in enumerate(kv_cache):
+            x, kv = DecoderLayer(cfg, self.tp, self.attention, cfg.layers[index], self.dtype,
+                                 name=f"layers_{index}")(x, kv, meta.for_layer(index))
+            new_cache.append(kv)
         return x, new_cache
 
 

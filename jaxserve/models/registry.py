@@ -30,7 +30,7 @@ from jaxserve.layers.lora import lora_variables
 from jaxserve.models import gemma, gpt_oss, llama, mixtral, phi3, qwen_moe
 from jaxserve.models.spec import ModelSpec
 
-KVCache = list  # one (k_pool, v_pool) pair per layer, layout chosen by the attention backend
+KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
 
 
 FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC,
