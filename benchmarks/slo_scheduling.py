@@ -1,21 +1,28 @@
-"""Scheduling for latency targets: the same mixed workload against jaxserve servers that differ only in policy.
+"""Scheduling for latency targets: the same workload against jaxserve servers that differ only in policy.
 
-The workload is `jaxserve bench serve --dataset-name mixed`: Poisson arrivals (`--request-rate`) of short chats (40-128 prompt
-tokens, 16-64 output) with `--long-fraction` of long prompts (1,500-2,000 tokens), every request carrying its
-category's latency targets (`--short-slo`, `--long-slo`: TTFT_MS:TPOT_MS). Each arm starts a fresh
-`python -m jaxserve serve` with its flags (`ARMS`) and sends the identical requests on the identical schedule.
+Two workloads (`--workload`), both `jaxserve bench serve --dataset-name mixed` streams:
+- `mixed`: Poisson arrivals (`--request-rate`) of short chats (40-128 prompt tokens, 16-64 output) with
+  `--long-fraction` of long prompts (1,500-2,000 tokens), every request carrying its category's latency targets
+  (`--short-slo`, `--long-slo`: TTFT_MS:TPOT_MS);
+- `burst`: `--burst-longs` long prompts at once, then from a second later a Poisson stream of `--num-prompts` short
+  chats; no request sets targets: every one takes the server's (`--server-slo`, given to every arm).
+Each arm starts a fresh `python -m jaxserve serve` with its flags (`ARMS`) and sends the identical requests on the
+identical schedule.
 Reported per arm: the short requests' TTFT p50/p90/p99 and TPOT p50/p90, goodput (requests that met both of their
 targets, client-side), output and total throughput, and the long requests' completion times; plus a plot of each
 request's TTFT over its send time for every arm.
 
     python benchmarks/slo_scheduling.py                          # fcfs vs slo, 120 requests at 0.7 req/s
-    python benchmarks/slo_scheduling.py --arms fcfs fcfs+limits slo --request-rate 0.8   # + the threshold alone
+    python benchmarks/slo_scheduling.py --arms fcfs fcfs+limits slo slo+limits --request-rate 0.8
+    python benchmarks/slo_scheduling.py --workload burst --num-prompts 40 --request-rate 1
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
+import threading
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +42,9 @@ NAME = "slo_scheduling"
 LIMITS = ["--long-prefill-token-threshold", "128"]
 ARMS = {"fcfs": ["--scheduling-policy", "fcfs"],
         "fcfs+limits": ["--scheduling-policy", "fcfs", *LIMITS],
-        "slo": ["--scheduling-policy", "slo", *LIMITS]}
+        "slo": ["--scheduling-policy", "slo"],
+        "slo+limits": ["--scheduling-policy", "slo", *LIMITS]}
+BURST_DELAY = 1.0  # seconds from the long prompts to the first short one
 SERVER = ["--max-model-len", "2112", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
           "--log-stats-interval", "0"]
 
@@ -82,17 +91,54 @@ def request_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_arm(arm: str, client_args: list[str], python: str, timeout_s: float) -> dict[str, Any]:
-    """Starts the arm's server, runs `jaxserve bench serve` against it, stops it; returns its detailed result."""
+def merged(payloads: list[dict[str, Any]], delays: list[float]) -> dict[str, Any]:
+    """Several clients' detailed results as one run's: their per-request lists joined, send times from the first
+    client's start (client i started `delays[i]` seconds after it), the duration until the last one ended."""
+    keys = ("categories", "errors", "input_lens", "output_lens", "ttfts", "latencies")
+    out: dict[str, Any] = {key: [v for p in payloads for v in p[key]] for key in keys}
+    out["start_times"] = [t + delay for p, delay in zip(payloads, delays) for t in p["start_times"]]
+    out["duration"] = max(delay + p["duration"] for p, delay in zip(payloads, delays))
+    return out
+
+
+def run_clients(clients: list[tuple[float, list[str]]], base_url: str, arm: str) -> dict[str, Any]:
+    """Runs `jaxserve bench serve` once per `(delay, flags)` client, each started `delay` seconds after the first,
+    concurrently; returns their merged detailed result."""
+    payloads: list[Any] = [None] * len(clients)
+    errors: list[BaseException] = []
+    start = time.monotonic()
+    delays = [0.0] * len(clients)
+
+    def run(index: int, delay: float, flags: list[str]) -> None:
+        time.sleep(delay)
+        delays[index] = time.monotonic() - start
+        try:
+            payloads[index] = serve.main([*flags, "--base-url", base_url, "--save-result", "--save-detailed",
+                                          "--result-dir", tempfile.mkdtemp(prefix="slo-"), "--label", arm])[0]
+        except BaseException as err:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i, delay, flags)) for i, (delay, flags) in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return payloads[0] if len(payloads) == 1 else merged(payloads, delays)
+
+
+def run_arm(arm: str, clients: list[tuple[float, list[str]]], server_flags: list[str], python: str,
+            timeout_s: float) -> dict[str, Any]:
+    """Starts the arm's server, runs the workload's clients against it, stops it; returns the detailed result."""
     port = free_port()
-    command = [python, "-m", "jaxserve", "serve", "--port", str(port), *SERVER, *ARMS[arm]]
+    command = [python, "-m", "jaxserve", "serve", "--port", str(port), *SERVER, *server_flags, *ARMS[arm]]
     print(f"\n$ {' '.join(command)} &", flush=True)
     with tempfile.NamedTemporaryFile("w", prefix=f"jaxserve-{arm}-", suffix=".log", delete=False) as log:
         server = subprocess.Popen(command, cwd=common.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         client.wait_for_server(f"http://127.0.0.1:{port}", timeout_s, server)
-        payload = serve.main([*client_args, "--base-url", f"http://127.0.0.1:{port}", "--save-result",
-                              "--save-detailed", "--result-dir", tempfile.mkdtemp(prefix="slo-"), "--label", arm])[0]
+        payload = run_clients(clients, f"http://127.0.0.1:{port}", arm)
     finally:
         stop_server(server)
     payload["server_command"] = " ".join(command)
@@ -124,21 +170,35 @@ def draw(arms: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=["mixed", "burst"], default="mixed")
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["fcfs", "slo"])
     parser.add_argument("--num-prompts", type=int, default=120)
     parser.add_argument("--request-rate", type=float, default=0.7)
     parser.add_argument("--long-fraction", type=float, default=0.1)
     parser.add_argument("--short-slo", default="1000:500", metavar="TTFT_MS:TPOT_MS")
     parser.add_argument("--long-slo", default="20000:500", metavar="TTFT_MS:TPOT_MS")
+    parser.add_argument("--burst-longs", type=int, default=4, help="burst: long prompts sent at once")
+    parser.add_argument("--server-slo", default="1500:400", metavar="TTFT_MS:TPOT_MS",
+                        help="burst: the server's targets (--ttft-slo-ms, --tpot-slo-ms), which every request takes")
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to start")
     common.add_common_args(parser)
     args = parser.parse_args(argv)
-    targets = serve.request_slos([f"short:{args.short_slo}", f"long:{args.long_slo}"])
-    client_args = ["--dataset-name", "mixed", "--num-prompts", str(args.num_prompts), "--mixed-long-fraction",
-                   str(args.long_fraction), "--request-rate", str(args.request_rate), "--ignore-eos",
-                   "--request-slo", f"short:{args.short_slo}", f"long:{args.long_slo}", "--seed", str(args.seed),
-                   "--disable-tqdm"]
-    arms = {arm: run_arm(arm, client_args, sys.executable, args.server_timeout) for arm in args.arms}
+    common_args = ["--dataset-name", "mixed", "--ignore-eos", "--disable-tqdm"]
+    if args.workload == "mixed":
+        targets = serve.request_slos([f"short:{args.short_slo}", f"long:{args.long_slo}"])
+        server_flags = []
+        clients = [(0.0, [*common_args, "--num-prompts", str(args.num_prompts), "--mixed-long-fraction",
+                          str(args.long_fraction), "--request-rate", str(args.request_rate), "--request-slo",
+                          f"short:{args.short_slo}", f"long:{args.long_slo}", "--seed", str(args.seed)])]
+    else:
+        targets = serve.request_slos([f"short:{args.server_slo}", f"long:{args.server_slo}"])
+        ttft_ms, tpot_ms = args.server_slo.split(":")
+        server_flags = ["--ttft-slo-ms", ttft_ms, "--tpot-slo-ms", tpot_ms]
+        clients = [(0.0, [*common_args, "--num-prompts", str(args.burst_longs), "--mixed-long-fraction", "1",
+                          "--request-rate", "inf", "--seed", str(args.seed)]),
+                   (BURST_DELAY, [*common_args, "--num-prompts", str(args.num_prompts), "--mixed-long-fraction", "0",
+                                  "--request-rate", str(args.request_rate), "--seed", str(args.seed + 1)])]
+    arms = {arm: run_arm(arm, clients, server_flags, sys.executable, args.server_timeout) for arm in args.arms}
     figures = {arm: summarize(request_rows(p), targets, p["duration"])
                for arm, p in arms.items()}
     print(common.format_table(
@@ -150,11 +210,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          for arm, f in figures.items()]))
     payload = {"arms": {arm: {"figures": figures[arm], "server_command": p["server_command"],
                               "requests": request_rows(p)} for arm, p in arms.items()},
-               "client_args": client_args, "targets_ms": targets, "load_average_after": common.load_average()}
+               "workload": args.workload, "clients": clients, "targets_ms": targets, "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, list(argv or sys.argv[1:]),
                                machine=common.machine_info(include_jax=False))
     if not args.no_plot:
-        print(f"plot: {draw(arms, path.with_suffix('.png'), 'TTFT over time: ' + ', '.join(arms))}")
+        title = f"TTFT over time ({args.workload}): {', '.join(arms)}"
+        print(f"plot: {draw(arms, path.with_suffix('.png'), title)}")
     print(f"result: {path}")
     return payload
 

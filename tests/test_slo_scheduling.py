@@ -192,6 +192,52 @@ def test_step_costs_are_measured_from_the_steps():
     assert costs.estimate(1, 64) == pytest.approx(0.52)
 
 
+def test_slo_chunks_long_prefills_by_the_targets_without_a_threshold_and_fcfs_does_not():
+    """No --long-prefill-token-threshold: under slo a running long prompt's chunk fits half the server's TTFT target
+    at the measured cost (1 ms a token, 64 ms: 32 tokens), and a short request arriving meanwhile is admitted in the
+    next step beside the next chunk; fcfs keeps vLLM's behaviour (the whole budget, the short one waits)."""
+    expected = {"fcfs": ([("long", 0, 64)], [("long", 64, 64)]),
+                "slo": ([("long", 0, 32)], [("short", 0, 20), ("long", 32, 32)])}
+    for policy, (first, second) in expected.items():
+        scheduler, clock = make_scheduler(policy, ttft_slo_ms=64.0)
+        if scheduler.slo is not None:
+            scheduler.slo.costs.seed({}, 0.001)
+        add(scheduler, 200, "long", arrival=0.0, ttft=0.064)
+        assert step(scheduler, clock, 0.032)[0] == first, policy
+        add(scheduler, 20, "short", arrival=clock.now, ttft=0.064)
+        assert step(scheduler, clock, 0.032)[0] == second, policy
+
+
+def test_slo_long_prefills_share_the_step_threshold_unless_one_is_set():
+    for options, first in (({}, [("long1", 0, 32)]),
+                           (dict(long_prefill_token_threshold=32), [("long1", 0, 32), ("long2", 0, 32)])):
+        scheduler, clock = make_scheduler(ttft_slo_ms=64.0, **options)
+        scheduler.slo.costs.seed({}, 0.001)
+        add(scheduler, 200, "long1", arrival=0.0)
+        add(scheduler, 200, "long2", arrival=0.0)
+        assert step(scheduler, clock, 0.032)[0] == first, options
+
+
+def test_the_step_threshold_fits_the_tightest_target_and_never_drops_below_the_floor():
+    scheduler, _ = make_scheduler(ttft_slo_ms=1000.0)
+    slo = scheduler.slo
+    assert slo.floor == 16  # 4% of max_model_len 256 is below every bucket: the smallest
+    slo.costs.seed({1: 0.004}, 0.001)  # a decode step of one row: 4 ms; a prefill token: 1 ms
+    assert slo.long_prefill_threshold([], [], 0.0) == 64  # half of 1 s fits the whole budget
+    short = Sequence("s", 0, list(range(20)), SamplingParams(), seed=0, arrival_time=0.0)
+    short.ttft_slo = 0.06  # 40 ms of slack after its own 20 tokens: 32 tokens of a long prefill fit beside it
+    assert slo.long_prefill_threshold([], [short], 0.0) == 32
+    decoding = Sequence("d", 0, list(range(20)), SamplingParams(), seed=0, arrival_time=0.0)
+    decoding.token_ids.append(7)
+    decoding.first_token_time, decoding.tpot_slo = 0.0, 0.028  # 28 ms of room less its own decode: 24 tokens
+    assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
+    decoding.tpot_slo = 0.005  # no bucket fits: the floor
+    assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
+    slo.costs.seed({}, 0.0)
+    assert slo.long_prefill_threshold([], [short], 0.0) == 16  # nothing measured: the floor
+    assert make_scheduler()[0].slo.long_prefill_threshold([], [], 0.0) == 64  # no target anywhere: no limit
+
+
 @pytest.mark.parametrize("options, field", [
     (dict(ttft_slo_ms=-1.0), "ttft_slo_ms"), (dict(tpot_slo_ms=0), "tpot_slo_ms"),
     (dict(slo_max_wait_ms=-5.0), "slo_max_wait_ms"), (dict(scheduling_policy="edf"), "scheduling_policy"),
@@ -222,7 +268,8 @@ def test_bad_request_targets_are_refused_naming_the_field(field, value):
 # -- the engine ---------------------------------------------------------------------------------------------------
 
 
-def test_outputs_do_not_depend_on_the_policy_and_goodput_is_counted(tiny_llama_dir):
+def test_outputs_do_not_depend_on_the_policy_and_goodput_is_counted(tiny_llama_dir, caplog):
+    """fcfs, slo with vLLM's limits set, and slo left to set its own (start-up measures the step costs it uses)."""
     from conftest import random_prompts
     from jaxserve import LLM
 
@@ -232,11 +279,19 @@ def test_outputs_do_not_depend_on_the_policy_and_goodput_is_counted(tiny_llama_d
     options = dict(max_num_seqs=4, max_model_len=160, page_size=8, max_num_batched_tokens=64,
                    enable_prefix_caching=False, warmup=False, tpot_slo_ms=600_000.0)
     outputs = {}
-    for policy, extra in (("fcfs", {}), ("slo", dict(long_prefill_token_threshold=32, max_num_partial_prefills=2))):
-        llm = LLM(tiny_llama_dir, scheduling_policy=policy, num_kv_pages=24, **options, **extra)
-        outputs[policy] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    arms = {"fcfs": dict(scheduling_policy="fcfs"),
+            "slo": dict(scheduling_policy="slo", long_prefill_token_threshold=32, max_num_partial_prefills=2),
+            "slo-own-limits": dict(scheduling_policy="slo", warmup=True)}
+    for arm, extra in arms.items():
+        with caplog.at_level("INFO", logger="jaxserve.engine.slo"):
+            llm = LLM(tiny_llama_dir, num_kv_pages=24, **{**options, **extra})
+        if arm == "slo-own-limits":
+            costs = llm.llm_engine.scheduler.slo.costs
+            assert costs.per_prefill_token > 0 and all(costs.decode_seconds(rows) > 0 for rows in (1, 4))
+            assert "long prefills take at most" in caplog.text
+        outputs[arm] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         goodput = {kind: (checked, met) for kind, checked, met in llm.llm_engine.stats().request_slo}
         # every request had both targets; the 600 s ones were met, the 1 microsecond TTFTs were not
-        assert goodput == {"ttft": (6, 3), "tpot": (6, 6), "both": (6, 3)}, policy
+        assert goodput == {"ttft": (6, 3), "tpot": (6, 6), "both": (6, 3)}, arm
         assert llm.llm_engine.stats().num_preemptions > 0  # and under preemption
-    assert outputs["slo"] == outputs["fcfs"]
+    assert outputs["slo"] == outputs["fcfs"] == outputs["slo-own-limits"]

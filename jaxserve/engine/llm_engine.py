@@ -31,6 +31,7 @@ from jaxserve.engine.kv_transfer import attach_kv_tiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager
+from jaxserve.engine.runner_steps import measure_step_costs
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.stats import IterationStats, SchedulerStats, fragmentation, pools_usage
 from jaxserve.engine.window_manager import WindowManager
@@ -104,6 +105,9 @@ class LLMEngine:
             seconds = self.runner.warmup()
             logger.info("warm-up compiled %d prefill and %d decode shapes (and their samplers) in %.1fs",
                         len(self.engine_config.prefill_shapes), len(self.engine_config.decode_batch_buckets), seconds)
+            if self.scheduler.slo is not None:
+                self.scheduler.slo.costs.seed(*measure_step_costs(self.runner))
+                self.scheduler.slo.log_start()
 
     @property
     def vocab_size(self) -> int:

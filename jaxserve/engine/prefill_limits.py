@@ -7,10 +7,13 @@
   `max_long_partial_prefills` (L): a long waiting sequence is admitted only while fewer than L long ones are
   prefilling, so short prompts go past long ones. N = 1, the default, leaves the budget whole: each prefill takes
   what it can of what is left, and any number may share a step.
+- A step's own threshold (the slo policy's when none is set, `SloPolicy.long_prefill_threshold`) is T for that
+  step, and the step's long prefills share T tokens.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence as SequenceType
 
 from jaxserve.engine.config import EngineConfig
@@ -20,11 +23,13 @@ from jaxserve.engine.sequence import Sequence
 class PrefillLimits:
     """The limits for one step; `candidates` is its prefill work in order (running prefills have a slot)."""
 
-    def __init__(self, config: EngineConfig, candidates: SequenceType[Sequence]):
-        self.threshold = threshold = config.long_prefill_token_threshold
+    def __init__(self, config: EngineConfig, candidates: SequenceType[Sequence], step_threshold: int | None = None):
+        threshold = config.long_prefill_token_threshold if step_threshold is None else step_threshold
+        self.threshold = threshold
         buckets = config.prefill_buckets
         within = [bucket for bucket in buckets if bucket <= threshold]
         self.cap = (max(within) if within else threshold) if threshold else config.max_num_batched_tokens
+        self.long_tokens = math.inf if step_threshold is None else self.cap  # what long prefills may take together
         self.max_partial = config.max_num_partial_prefills
         self.max_long = config.max_long_partial_prefills
         self.num_long = sum(1 for seq in candidates if seq.slot is not None and self.is_long(seq))
@@ -53,11 +58,17 @@ class PrefillLimits:
             return False
         return not (admit and self.is_long(seq) and self.num_long >= self.max_long)
 
+    def chunk_cap(self, seq: Sequence) -> float:
+        """The most tokens `seq`'s chunk may have (a long one: what the step's long prefills have left)."""
+        return min(self.cap, self.long_tokens) if self.is_long(seq) else self.cap
+
     def share(self, available: float) -> float:
         """What one prefill may take of `available` tokens."""
         return available if self._share is None else min(available, self._share)
 
-    def took(self, admitted_long: bool) -> None:
-        """A prefill got its chunk (`admitted_long`: a long one newly admitted)."""
+    def took(self, long: bool, admitted: bool, num_tokens: int) -> None:
+        """A prefill got its chunk of `num_tokens` (`long`: it was long; `admitted`: newly admitted)."""
         self.num_taken += 1
-        self.num_long += admitted_long
+        self.num_long += long and admitted
+        if long:
+            self.long_tokens -= num_tokens

@@ -5,8 +5,10 @@ warm-up compiles and runs each once)."""
 from __future__ import annotations
 
 import functools
+import time
 from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -59,6 +61,26 @@ def runner_steps(runner: RunnerState) -> list[Step]:
         Step("ban", jit_step(functools.partial(ban_step, vocab), **on_every_device), *penalties,
              functools.partial(ban_examples, ec)),
     ]
+
+
+def measure_step_costs(runner: RunnerState, repeats: int = 2) -> tuple[dict[int, float], float]:
+    """What the forwards take on this device once warm (the fastest of `repeats` runs of each): seconds per decode
+    step by decode bucket, and seconds per prefill token (the largest one-row prefill's time over its tokens). The
+    slo policy's first estimates (`slo.StepCosts.seed`) until real steps are measured."""
+    ec, groups = runner.engine_config, len(runner.kv_plan.groups)
+
+    def seconds(name: str, inputs) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            jax.block_until_ready(runner.steps.run(name, inputs))
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    decode = {rows: seconds("decode", empty_decode(rows, groups, ec.enable_lora)) for rows in ec.decode_batch_buckets}
+    tokens = ec.prefill_buckets[-1]
+    prefill = seconds("prefill", empty_prefill(1, tokens, ec.pages_per_seq, groups, ec.enable_lora))
+    return decode, prefill / tokens
 
 
 def sampler_rows(ec: EngineConfig) -> list[int]:

@@ -39,7 +39,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, Sent, scheduled_decodes,
                                               scheduler_output)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
-from jaxserve.engine.slo import SloPolicy, StepCosts
+from jaxserve.engine.slo import slo_policy
 from jaxserve.engine.step_output import SampledToken
 from jaxserve.spec_decode.ngram import NgramDrafter
 from jaxserve.lora.cache import AdapterSlots
@@ -62,9 +62,7 @@ class Scheduler:
                  rope_length_rule: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic):
         self.engine_config = config
         self.clock = clock  # the arrival times' clock (a fake one in tests)
-        self.slo = (SloPolicy(config.slo_max_wait_ms / 1000, StepCosts(config.decode_batch_buckets,
-                                                                         config.prefill_buckets))
-                    if config.scheduling_policy == "slo" else None)
+        self.slo = slo_policy(config)
         self._dispatched: deque[tuple[float, int, int]] = deque()  # slo: (time, decodes, padded prefill tokens)
         self._last_read = -math.inf
         self.rope_length_rule = rope_length_rule  # ModelConfig.rope_length_rule
@@ -240,10 +238,10 @@ class Scheduler:
         if slo is not None:
             order = slo.order(running + list(self.waiting), now)
             allowance = slo.prefill_allowance(out.decodes, now)
+            threshold = slo.long_prefill_threshold(out.decodes, order, now) if slo.floor else None
         else:
-            order = running + self._waiting_order(now)
-            allowance = math.inf
-        limits, prefilling = PrefillLimits(self.engine_config, order), set(running)
+            order, allowance, threshold = running + self._waiting_order(now), math.inf, None
+        limits, prefilling = PrefillLimits(self.engine_config, order, threshold), set(running)
         smallest = self.engine_config.prefill_buckets[0]
         admitting = bool(self.free_slots)
         for seq in order:
@@ -260,15 +258,17 @@ class Scheduler:
             available = int(limits.share(min(budget, allowance) if held else budget))
             if available < smallest:
                 continue
-            long = limits.is_long(seq)
+            long, cap = limits.is_long(seq), limits.chunk_cap(seq)
+            if cap <= 0:  # the step's long prefills have their tokens
+                continue
             if admit:
-                chunk = self._admit(seq, available, limits.cap, out)
+                chunk = self._admit(seq, available, cap, out)
                 if chunk is None:  # no page: nothing after it is admitted this step (the order holds)
                     admitting = False
                     continue
                 admitting = bool(self.free_slots)
             else:
-                num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, limits.cap), available)
+                num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
                 if not self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
                     continue
                 chunk = PrefillChunk(seq, seq.num_computed_tokens, num_tokens)
@@ -276,7 +276,7 @@ class Scheduler:
             padded = self._bucket(chunk.num_tokens)
             budget -= padded
             allowance -= padded
-            limits.took(admit and long)
+            limits.took(long, admit, chunk.num_tokens)
 
     def _admit(self, seq: Sequence, available: int, cap: int, out: Plan) -> PrefillChunk | None:
         """Admits waiting `seq` into a free slot with its first chunk (after its longest cached prefix, continued in

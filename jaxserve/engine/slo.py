@@ -20,6 +20,15 @@ and `tpot_slo` (mean time per output token after the first), from its request or
   planned so far) stays within tpot_slo x its output tokens after the step (less one). Decode steps faster than
   the target build that room up, and prefills spend it. Running prefills are not held (they hold their slot and
   pages already), and due sequences are admitted whatever the room, so the bound above holds.
+- Long prefills (when no `long_prefill_token_threshold` is set): each step's threshold is the largest prefill
+  bucket whose tokens, at the measured per-token cost, fit the time the step may take: the least TTFT slack of the
+  sequences that can still make their target and are short (their prefill takes at most half their TTFT target;
+  they are admitted beside the long prefills, so the step ends before their first token), the least TPOT room of the decoding sequences less the
+  decodes' own time, and half the server's TTFT target (a request arriving during a step waits for it and then
+  runs in the next, so two such steps fit its target). A sequence with more tokens left is long, and the long
+  prefills of a step share that many tokens. The threshold is never below `floor` (vLLM's 4% of max_model_len,
+  at least the smallest bucket), so long prompts always progress; with no target to keep, no threshold; with no
+  measured cost yet, the floor.
 - Preemption victim: the running sequence with the most slack (TTFT slack before its first token, TPOT room
   after it, less the time to recompute what it loses; none set: unbounded), the newest among equals.
 """
@@ -27,10 +36,14 @@ and `tpot_slo` (mean time per output token after the first), from its request or
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from typing import Iterable
 
+from jaxserve.engine.config import LONG_PREFILL_FRACTION, EngineConfig
 from jaxserve.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 DECAY = 0.2  # weight of the newest measurement in the moving averages
 
@@ -63,6 +76,11 @@ class StepCosts:
     def estimate(self, num_decodes: int, num_prefill_tokens: int) -> float:
         return self.decode_seconds(num_decodes) + num_prefill_tokens * self.per_prefill_token
 
+    def seed(self, decode_seconds: dict[int, float], per_prefill_token: float) -> None:
+        """Start-up measurements (`ModelRunner.measure_step_costs`), before any real step is observed."""
+        self._decode.update(decode_seconds)
+        self.per_prefill_token = per_prefill_token
+
     def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         """One measured step: `num_prefill_tokens` padded."""
         if num_prefill_tokens == 0:
@@ -75,16 +93,33 @@ class StepCosts:
         self.per_prefill_token = _average(self.per_prefill_token or None, per_token)
 
 
+def slo_policy(config: EngineConfig) -> "SloPolicy | None":
+    """The policy `config` asks for (None: fcfs or priority). It sets each step's long-prefill threshold when
+    `long_prefill_token_threshold` is not set, never below vLLM's default (4% of max_model_len, as a bucket)."""
+    if config.scheduling_policy != "slo":
+        return None
+    buckets = config.prefill_buckets
+    floor = None
+    if config.long_prefill_token_threshold == 0:
+        floor = max((b for b in buckets if b <= config.max_model_len * LONG_PREFILL_FRACTION), default=buckets[0])
+    ttft = config.ttft_slo_ms / 1000 if config.ttft_slo_ms is not None else None
+    return SloPolicy(config.slo_max_wait_ms / 1000, StepCosts(config.decode_batch_buckets, buckets), ttft, floor)
+
+
 def _average(old: float | None, new: float) -> float:
     return new if old is None else (1 - DECAY) * old + DECAY * new
 
 
 class SloPolicy:
-    """The rules above, over the scheduler's sequences, with `costs` measured by the scheduler."""
+    """The rules above, over the scheduler's sequences, with `costs` measured by the scheduler. `ttft_slo`: the
+    server's TTFT target in seconds (None: none); `floor`: the least long-prefill threshold, None when one is set
+    (`long_prefill_token_threshold`) and the policy leaves long prefills to it."""
 
-    def __init__(self, max_wait: float, costs: StepCosts):
+    def __init__(self, max_wait: float, costs: StepCosts, ttft_slo: float | None = None, floor: int | None = None):
         self.max_wait = max_wait
         self.costs = costs
+        self.ttft_slo = ttft_slo
+        self.floor = floor
 
     def is_due(self, seq: Sequence, now: float) -> bool:
         """Waited max_wait without output, or recomputing after a preemption that came after its first token."""
@@ -118,6 +153,38 @@ class SloPolicy:
         if room == math.inf:
             return math.inf
         return max(0.0, room - self.costs.decode_seconds(len(decodes))) / per_token
+
+    def long_prefill_threshold(self, decodes: list[Sequence], prefills: Iterable[Sequence], now: float) -> int:
+        """This step's long-prefill threshold (see the module docstring); `prefills`: the running prefills and
+        waiting sequences."""
+        per_token = self.costs.per_prefill_token
+        buckets = self.costs.prefill_buckets
+        seconds = self.ttft_slo / 2 if self.ttft_slo is not None else math.inf
+        room = min((self._tpot_room(seq, now) for seq in decodes), default=math.inf)
+        seconds = min(seconds, room - self.costs.decode_seconds(len(decodes)))
+        for seq in prefills:
+            slack = self.ttft_slack(seq, now)
+            short = (len(seq) - seq.num_computed_tokens) * per_token <= (seq.ttft_slo or 0) / 2
+            if short and 0 <= slack < math.inf and not self.is_due(seq, now):
+                seconds = min(seconds, slack - self.costs.decode_seconds(len(decodes)))
+        if seconds == math.inf:
+            return buckets[-1]
+        fits = [bucket for bucket in buckets if bucket * per_token <= seconds] if per_token else []
+        return max(self.floor, max(fits, default=0))
+
+    def log_start(self) -> None:
+        """Logs the costs measured at start-up and the long-prefill threshold they give with no request waiting."""
+        costs = self.costs
+        logger.info("slo scheduling: %.2f ms per prefill token, %.1f ms per decode step of %d rows (measured)",
+                    1000 * costs.per_prefill_token, 1000 * costs.decode_seconds(costs.decode_buckets[-1]),
+                    costs.decode_buckets[-1])
+        if self.floor is None:
+            return
+        target = f"half the TTFT target of {1000 * self.ttft_slo:.0f} ms" if self.ttft_slo is not None else \
+            "no server TTFT target"
+        logger.info("slo scheduling: long prefills take at most %d tokens a step (from %s; lower while requests "
+                    "need it, never below %d; --long-prefill-token-threshold sets one instead)",
+                    self.long_prefill_threshold([], [], 0.0), target, self.floor)
 
     def _tpot_room(self, seq: Sequence, now: float) -> float:
         """How long the next step may take with `seq` still within its TPOT target (inf: no target yet)."""
