@@ -82,6 +82,15 @@ def test_a_request_past_its_target_is_served_behind_those_that_can_make_theirs()
     assert order == ["on-time", "late", "none"]
 
 
+def test_among_the_late_a_short_request_goes_before_a_long_one_that_arrived_first():
+    scheduler, clock = make_scheduler()
+    scheduler.slo.costs.seed({}, 0.001)
+    clock.now = 1.0
+    add(scheduler, 200, "long", arrival=0.0, ttft=0.1)  # 200 ms of prefill: never within its 100 ms target
+    add(scheduler, 30, "short", arrival=0.5, ttft=0.1)  # late too, and by arrival after the long one
+    assert step(scheduler, clock)[0][0] == ("short", 0, 30)
+
+
 def test_no_request_waits_past_the_bound_under_a_stream_of_short_ones():
     """Every step brings two short requests with tight targets, which fill the budget; a long request with a loose
     target still gets its first chunk at the first step after it has waited slo_max_wait_ms, and not later."""

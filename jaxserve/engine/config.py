@@ -103,7 +103,8 @@ class EngineConfig:
     tpot_slo_ms: float | None = None
     slo_max_wait_ms: float = 10_000.0  # "slo": a sequence waiting this long goes before all that waited less
     # vLLM's chunked-prefill limits (any policy): a chunk has at most long_prefill_token_threshold tokens (0: no
-    # cap; default 4% of max_model_len when max_num_partial_prefills > 1) and a prompt with more left is "long";
+    # cap; default 4% of max_model_len when max_num_partial_prefills > 1; under "slo", each step's own from the
+    # targets and the measured step costs, `engine/slo.py`) and a prompt with more left is "long";
     # with max_num_partial_prefills > 1, that many prefills share a step's budget, at most max_long_partial_prefills
     # of them long
     long_prefill_token_threshold: int = 0

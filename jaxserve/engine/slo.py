@@ -14,7 +14,9 @@ and `tpot_slo` (mean time per output token after the first), from its request or
      came after its first token; by arrival. This is the bound: while slots, pages and budget exist, no sequence waits longer than slo_max_wait
      plus the time to admit the due sequences that arrived before it;
   2. those that can still make their TTFT target (slack >= 0), least slack first;
-  3. the rest (target passed or out of reach, or none set), by arrival: best effort, never dropped.
+  3. the rest (target passed or out of reach, or none set), fewest tokens left first, then by arrival: best
+     effort, never dropped (a short request that missed its target goes before a long prompt that never could
+     make its own; the bound keeps the long ones from starving).
 - Decode protection: a step admits new prefills only as long as every decoding sequence with a TPOT target still
   meets it after the step: its time since its first token plus the step's estimated time (with the prefill chunks
   planned so far) stays within tpot_slo x its output tokens after the step (less one). Decode steps faster than
@@ -22,8 +24,8 @@ and `tpot_slo` (mean time per output token after the first), from its request or
   pages already), and due sequences are admitted whatever the room, so the bound above holds.
 - Long prefills (when no `long_prefill_token_threshold` is set): each step's threshold is the largest prefill
   bucket whose tokens, at the measured per-token cost, fit the time the step may take: the least TTFT slack of the
-  sequences that can still make their target and are short (their prefill takes at most half their TTFT target;
-  they are admitted beside the long prefills, so the step ends before their first token), the least TPOT room of the decoding sequences less the
+  short sequences (their prefill takes at most half their TTFT target) that can still make their target, waiting
+  or prefilling (they go beside the long prefills, so the step ends before their first token), the least TPOT room of the decoding sequences less the
   decodes' own time, and half the server's TTFT target (a request arriving during a step waits for it and then
   runs in the next, so two such steps fit its target). A sequence with more tokens left is long, and the long
   prefills of a step share that many tokens. The threshold is never below `floor` (vLLM's 4% of max_model_len,
@@ -140,7 +142,7 @@ class SloPolicy:
             slack = self.ttft_slack(seq, now)
             if 0 <= slack < math.inf:
                 return 1, slack, seq.arrival_time
-            return 2, seq.arrival_time, 0.0
+            return 2, len(seq) - seq.num_computed_tokens, seq.arrival_time
         return sorted(seqs, key=key)
 
     def prefill_allowance(self, decodes: list[Sequence], now: float) -> float:
@@ -165,7 +167,7 @@ class SloPolicy:
         for seq in prefills:
             slack = self.ttft_slack(seq, now)
             short = (len(seq) - seq.num_computed_tokens) * per_token <= (seq.ttft_slo or 0) / 2
-            if short and 0 <= slack < math.inf and not self.is_due(seq, now):
+            if short and 0 <= slack < math.inf:
                 seconds = min(seconds, slack - self.costs.decode_seconds(len(decodes)))
         if seconds == math.inf:
             return buckets[-1]

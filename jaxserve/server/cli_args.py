@@ -129,7 +129,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--long-prefill-token-threshold", type=int,
                         default=ENGINE_DEFAULTS["long_prefill_token_threshold"],
                         help="a prefill chunk has at most this many tokens, and a prompt with more left is long "
-                             "(0: no cap; default 4%% of max-model-len when --max-num-partial-prefills > 1)")
+                             "(0: no cap; default 4%% of max-model-len when --max-num-partial-prefills > 1; under "
+                             "'slo', each step's own from the latency targets and the measured step costs)")
     engine.add_argument("--max-num-partial-prefills", type=int, default=ENGINE_DEFAULTS["max_num_partial_prefills"],
                         help="prefills sharing one step's token budget equally (1: the budget stays whole)")
     engine.add_argument("--max-long-partial-prefills", type=int,
