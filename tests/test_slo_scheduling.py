@@ -238,7 +238,10 @@ def test_the_step_threshold_fits_the_tightest_target_and_never_drops_below_the_f
     assert slo.long_prefill_threshold([], [short], 0.0) == 32
     decoding = Sequence("d", 0, list(range(20)), SamplingParams(), seed=0, arrival_time=0.0)
     decoding.token_ids.append(7)
-    decoding.first_token_time, decoding.tpot_slo = 0.0, 0.028  # 28 ms of room less its own decode: 24 tokens
+    decoding.first_token_time, decoding.tpot_slo = 0.0, 0.06  # half its TPOT target less its decode: 26 tokens
+    assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
+    decoding.token_ids += [7] * 100
+    decoding.first_token_time = -1.0  # 101 tokens in 1 s: 5 s of TPOT room built up, not for long prefills
     assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
     decoding.tpot_slo = 0.005  # no bucket fits: the floor
     assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16

@@ -23,14 +23,15 @@ and `tpot_slo` (mean time per output token after the first), from its request or
   the target build that room up, and prefills spend it. Running prefills are not held (they hold their slot and
   pages already), and due sequences are admitted whatever the room, so the bound above holds.
 - Long prefills (when no `long_prefill_token_threshold` is set): each step's threshold is the largest prefill
-  bucket whose tokens, at the measured per-token cost, fit the time the step may take: the least TTFT slack of the
-  short sequences (their prefill takes at most half their TTFT target) that can still make their target, waiting
-  or prefilling (they go beside the long prefills, so the step ends before their first token), the least TPOT room of the decoding sequences less the
-  decodes' own time, and half the server's TTFT target (a request arriving during a step waits for it and then
-  runs in the next, so two such steps fit its target). A sequence with more tokens left is long, and the long
-  prefills of a step share that many tokens. The threshold is never below `floor` (vLLM's 4% of max_model_len,
-  at least the smallest bucket), so long prompts always progress; with no target to keep, no threshold; with no
-  measured cost yet, the floor.
+  bucket whose tokens, at the measured per-token cost, fit the time the step may give them besides its decodes:
+  half the server's TTFT target and half the TPOT target of every decoding sequence (a request arriving during a
+  step waits for it and then runs in the next; a decode step shares the other half with short prompts admitted
+  beside the long ones), and the TTFT slack of every short sequence (its prefill takes at most half its own TTFT
+  target) that can still make its target, waiting or prefilling (it goes in the same step, so the step must end
+  before its deadline). A sequence with more tokens left is long, and the long prefills of a step share that many
+  tokens. The threshold is never below `floor` (vLLM's 4% of max_model_len, at least the smallest bucket), so long
+  prompts always progress; with no target anywhere there is none; with no measured cost yet it is the floor. Long
+  prefills never spend the TPOT room that fast decode steps build up: that room is for admissions.
 - Preemption victim: the running sequence with the most slack (TTFT slack before its first token, TPOT room
   after it, less the time to recompute what it loses; none set: unbounded), the newest among equals.
 """
@@ -104,8 +105,9 @@ def slo_policy(config: EngineConfig) -> "SloPolicy | None":
     floor = None
     if config.long_prefill_token_threshold == 0:
         floor = max((b for b in buckets if b <= config.max_model_len * LONG_PREFILL_FRACTION), default=buckets[0])
-    ttft = config.ttft_slo_ms / 1000 if config.ttft_slo_ms is not None else None
-    return SloPolicy(config.slo_max_wait_ms / 1000, StepCosts(config.decode_batch_buckets, buckets), ttft, floor)
+    ttft, tpot = (ms / 1000 if ms is not None else None for ms in (config.ttft_slo_ms, config.tpot_slo_ms))
+    return SloPolicy(config.slo_max_wait_ms / 1000, StepCosts(config.decode_batch_buckets, buckets), ttft, tpot,
+                     floor)
 
 
 def _average(old: float | None, new: float) -> float:
@@ -113,14 +115,15 @@ def _average(old: float | None, new: float) -> float:
 
 
 class SloPolicy:
-    """The rules above, over the scheduler's sequences, with `costs` measured by the scheduler. `ttft_slo`: the
-    server's TTFT target in seconds (None: none); `floor`: the least long-prefill threshold, None when one is set
+    """The rules above, over the scheduler's sequences, with `costs` measured by the scheduler. `ttft_slo`,
+    `tpot_slo`: the server's targets in seconds (None: none); `floor`: the least long-prefill threshold, None when one is set
     (`long_prefill_token_threshold`) and the policy leaves long prefills to it."""
 
-    def __init__(self, max_wait: float, costs: StepCosts, ttft_slo: float | None = None, floor: int | None = None):
+    def __init__(self, max_wait: float, costs: StepCosts, ttft_slo: float | None = None,
+                 tpot_slo: float | None = None, floor: int | None = None):
         self.max_wait = max_wait
         self.costs = costs
-        self.ttft_slo = ttft_slo
+        self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
         self.floor = floor
 
     def is_due(self, seq: Sequence, now: float) -> bool:
@@ -160,15 +163,18 @@ class SloPolicy:
         """This step's long-prefill threshold (see the module docstring); `prefills`: the running prefills and
         waiting sequences."""
         per_token = self.costs.per_prefill_token
-        buckets = self.costs.prefill_buckets
-        seconds = self.ttft_slo / 2 if self.ttft_slo is not None else math.inf
-        room = min((self._tpot_room(seq, now) for seq in decodes), default=math.inf)
-        seconds = min(seconds, room - self.costs.decode_seconds(len(decodes)))
+        targets = [seq.tpot_slo for seq in decodes if seq.tpot_slo is not None]
+        seconds = min([*targets, self.ttft_slo if self.ttft_slo is not None else math.inf]) / 2
         for seq in prefills:
             slack = self.ttft_slack(seq, now)
             short = (len(seq) - seq.num_computed_tokens) * per_token <= (seq.ttft_slo or 0) / 2
-            if short and 0 <= slack < math.inf:
-                seconds = min(seconds, slack - self.costs.decode_seconds(len(decodes)))
+            if short and 0 <= slack < seconds:
+                seconds = slack
+        return self._threshold(seconds - self.costs.decode_seconds(len(decodes)))
+
+    def _threshold(self, seconds: float) -> int:
+        """The largest prefill bucket whose tokens take at most `seconds`, at least the floor (inf: the largest)."""
+        buckets, per_token = self.costs.prefill_buckets, self.costs.per_prefill_token
         if seconds == math.inf:
             return buckets[-1]
         fits = [bucket for bucket in buckets if bucket * per_token <= seconds] if per_token else []
@@ -182,11 +188,15 @@ class SloPolicy:
                     costs.decode_buckets[-1])
         if self.floor is None:
             return
-        target = f"half the TTFT target of {1000 * self.ttft_slo:.0f} ms" if self.ttft_slo is not None else \
-            "no server TTFT target"
-        logger.info("slo scheduling: long prefills take at most %d tokens a step (from %s; lower while requests "
-                    "need it, never below %d; --long-prefill-token-threshold sets one instead)",
-                    self.long_prefill_threshold([], [], 0.0), target, self.floor)
+        targets = {name: target for name, target in (("TTFT", self.ttft_slo), ("TPOT", self.tpot_slo))
+                   if target is not None}
+        full = costs.decode_buckets[-1]
+        seconds = min(targets.values(), default=math.inf) / 2 - costs.decode_seconds(full)
+        named = " and ".join(f"{name} {1000 * target:.0f} ms" for name, target in targets.items())
+        logger.info("slo scheduling: long prefills take at most %d tokens a step beside %d decodes (from half the "
+                    "server's targets: %s; lower while requests need it, never below %d; "
+                    "--long-prefill-token-threshold sets one instead)", self._threshold(seconds), full,
+                    named or "none set", self.floor)
 
     def _tpot_room(self, seq: Sequence, now: float) -> float:
         """How long the next step may take with `seq` still within its TPOT target (inf: no target yet)."""
