@@ -45,7 +45,7 @@ ARMS = {"fcfs": ["--scheduling-policy", "fcfs"],
         "slo": ["--scheduling-policy", "slo"],
         "slo+limits": ["--scheduling-policy", "slo", *LIMITS]}
 BURST_DELAY = 1.0  # seconds from the long prompts to the first short one
-SERVER = ["--max-model-len", "2112", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+SERVER = ["--max-model-len", "2112", "--max-num-batched-tokens", "512",
           "--log-stats-interval", "0"]
 
 
@@ -177,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--long-fraction", type=float, default=0.1)
     parser.add_argument("--short-slo", default="1000:500", metavar="TTFT_MS:TPOT_MS")
     parser.add_argument("--long-slo", default="20000:500", metavar="TTFT_MS:TPOT_MS")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="the servers' decode slots")
     parser.add_argument("--burst-longs", type=int, default=4, help="burst: long prompts sent at once")
     parser.add_argument("--server-slo", default="1500:400", metavar="TTFT_MS:TPOT_MS",
                         help="burst: the server's targets (--ttft-slo-ms, --tpot-slo-ms), which every request takes")
@@ -186,14 +187,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     common_args = ["--dataset-name", "mixed", "--ignore-eos", "--disable-tqdm"]
     if args.workload == "mixed":
         targets = serve.request_slos([f"short:{args.short_slo}", f"long:{args.long_slo}"])
-        server_flags = []
+        server_flags = ["--max-num-seqs", str(args.max_num_seqs)]
         clients = [(0.0, [*common_args, "--num-prompts", str(args.num_prompts), "--mixed-long-fraction",
                           str(args.long_fraction), "--request-rate", str(args.request_rate), "--request-slo",
                           f"short:{args.short_slo}", f"long:{args.long_slo}", "--seed", str(args.seed)])]
     else:
         targets = serve.request_slos([f"short:{args.server_slo}", f"long:{args.server_slo}"])
         ttft_ms, tpot_ms = args.server_slo.split(":")
-        server_flags = ["--ttft-slo-ms", ttft_ms, "--tpot-slo-ms", tpot_ms]
+        server_flags = ["--max-num-seqs", str(args.max_num_seqs), "--ttft-slo-ms", ttft_ms, "--tpot-slo-ms", tpot_ms]
         clients = [(0.0, [*common_args, "--num-prompts", str(args.burst_longs), "--mixed-long-fraction", "1",
                           "--request-rate", "inf", "--seed", str(args.seed)]),
                    (BURST_DELAY, [*common_args, "--num-prompts", str(args.num_prompts), "--mixed-long-fraction", "0",
