@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          for arm, f in figures.items()]))
     payload = {"arms": {arm: {"figures": figures[arm], "server_command": p["server_command"],
                               "requests": request_rows(p)} for arm, p in arms.items()},
-               "workload": args.workload, "clients": clients, "targets_ms": targets, "load_average_after": common.load_average()}
+               "workload": args.workload, "clients": clients, "targets_ms": targets,
+               "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, list(argv or sys.argv[1:]),
                                machine=common.machine_info(include_jax=False))
     if not args.no_plot:

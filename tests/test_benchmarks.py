@@ -175,6 +175,14 @@ def test_request_slos_and_the_slo_benchmarks_figures_by_hand():
     assert figures["goodput"] == 0.4 and figures["goodput_short"] == pytest.approx(1 / 3, abs=1e-3)  # 1st, 4th
     assert figures["output_tok_s"] == 4.0 and figures["total_tok_s"] == 44.0
     assert figures["long_completed"] == "1/2" and figures["long_latency_ms"]["max"] == 12600.0
+    # the burst workload's two clients as one run: send times from the first client's start
+    lists = ("categories", "errors", "input_lens", "output_lens", "ttfts", "latencies")
+    longs = {**{key: ["long"] if key == "categories" else [1] for key in lists}, "start_times": [0.0], "duration": 9.0}
+    shorts = {**{key: ["short"] * 2 if key == "categories" else [2, 3] for key in lists}, "start_times": [0.0, 2.0],
+              "duration": 4.0}
+    merged = slo_scheduling.merged([longs, shorts], [0.0, 1.0])
+    assert merged["categories"] == ["long", "short", "short"] and merged["start_times"] == [0.0, 1.0, 3.0]
+    assert merged["duration"] == 9.0 and merged["ttfts"] == [1, 2, 3]
 
 
 def test_prompt_file_is_diverse():

@@ -227,6 +227,17 @@ def test_slo_long_prefills_share_the_step_threshold_unless_one_is_set():
         assert step(scheduler, clock, 0.032)[0] == first, options
 
 
+def test_a_short_request_longer_than_the_step_threshold_is_no_long_prefill():
+    """A due long prompt takes the step's long-prefill tokens first; a short request (its prefill well within its
+    target) with more tokens than the threshold still gets its whole chunk beside it."""
+    scheduler, clock = make_scheduler(ttft_slo_ms=32.0, slo_max_wait_ms=1.0)  # half of 32 ms: 16 tokens
+    scheduler.slo.costs.seed({}, 0.001)
+    clock.now = 1.0
+    add(scheduler, 200, "long", arrival=0.0, ttft=0.032)  # waited past the bound: due, first
+    add(scheduler, 24, "short", arrival=1.0, ttft=0.1)
+    assert step(scheduler, clock)[0] == [("long", 0, 16), ("short", 0, 24)]
+
+
 def test_the_step_threshold_fits_the_tightest_target_and_never_drops_below_the_floor():
     scheduler, _ = make_scheduler(ttft_slo_ms=1000.0)
     slo = scheduler.slo

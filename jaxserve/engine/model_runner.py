@@ -46,7 +46,7 @@ from jaxserve.engine.allocator import Allocator, DeviceAllocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import kv_budget_bytes
-from jaxserve.engine.kv_plan import (KVPlan, empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
+from jaxserve.engine.kv_plan import (empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
                                      plan_kv_cache)
 from jaxserve.engine.kv_tiers import KVTiers
 from jaxserve.engine.kv_transfer import KVTransfers
@@ -109,8 +109,8 @@ class ModelRunner:
             budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
                                      config, engine_config)
         draft = self.speculator.draft if self.speculator is not None else None  # its pool has group 0's pages
-        self.kv_plan: KVPlan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
-                                             draft.page_bytes if draft is not None else 0)
+        self.kv_plan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
+                                     draft.page_bytes if draft is not None else 0)
         if draft is not None:
             draft.allocate_pool(self.kv_plan.num_pages)
         self.kv_cache = empty_kv_cache(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
@@ -241,8 +241,7 @@ class ModelRunner:
         length = len(new.token_ids)
         ids = np.zeros(bucket_for(length, runner_steps.reset_buckets(self.engine_config)), np.int32)
         ids[:length] = new.token_ids
-        self.steps.run("reset", ResetInputs(np.int32(new.slot), ids, np.int32(new.num_prompt_tokens),
-                                            np.int32(length)))
+        self.steps.run("reset", ResetInputs(np.int32(new.slot), ids, np.int32(new.num_prompt_tokens), np.int32(length)))
         bans = ([] if params.ignore_eos else sorted(self.eos_token_ids)) + params.stop_token_ids
         size = runner_steps.BAN_IDS_CHUNK
         for start in range(0, len(bans) if params.min_tokens else 0, size):

@@ -8,13 +8,14 @@
   prefilling, so short prompts go past long ones. N = 1, the default, leaves the budget whole: each prefill takes
   what it can of what is left, and any number may share a step.
 - A step's own threshold (the slo policy's when none is set, `SloPolicy.long_prefill_threshold`) is T for that
-  step, and the step's long prefills share T tokens.
+  step, with the policy's test of a short sequence (`SloPolicy.is_short`): a sequence with more than T tokens left
+  is long unless it is short, the step's long prefills share T tokens, and a short one's chunk is not capped.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence as SequenceType
+from typing import Callable, Sequence as SequenceType
 
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sequence import Sequence
@@ -23,13 +24,16 @@ from jaxserve.engine.sequence import Sequence
 class PrefillLimits:
     """The limits for one step; `candidates` is its prefill work in order (running prefills have a slot)."""
 
-    def __init__(self, config: EngineConfig, candidates: SequenceType[Sequence], step_threshold: int | None = None):
+    def __init__(self, config: EngineConfig, candidates: SequenceType[Sequence], step_threshold: int | None = None,
+                 short: Callable[[Sequence], bool] | None = None):
         threshold = config.long_prefill_token_threshold if step_threshold is None else step_threshold
         self.threshold = threshold
         buckets = config.prefill_buckets
         within = [bucket for bucket in buckets if bucket <= threshold]
         self.cap = (max(within) if within else threshold) if threshold else config.max_num_batched_tokens
         self.long_tokens = math.inf if step_threshold is None else self.cap  # what long prefills may take together
+        self.short = short
+        self.budget = config.max_num_batched_tokens
         self.max_partial = config.max_num_partial_prefills
         self.max_long = config.max_long_partial_prefills
         self.num_long = sum(1 for seq in candidates if seq.slot is not None and self.is_long(seq))
@@ -48,7 +52,7 @@ class PrefillLimits:
             self._share = max(buckets[0], config.max_num_batched_tokens // max(1, count))
 
     def is_long(self, seq: Sequence) -> bool:
-        return 0 < self.threshold < len(seq) - seq.num_computed_tokens
+        return 0 < self.threshold < len(seq) - seq.num_computed_tokens and not (self.short and self.short(seq))
 
     def allows(self, seq: Sequence, admit: bool) -> bool:
         """Whether `seq` may have a chunk this step (`admit`: it is waiting)."""
@@ -60,7 +64,9 @@ class PrefillLimits:
 
     def chunk_cap(self, seq: Sequence) -> float:
         """The most tokens `seq`'s chunk may have (a long one: what the step's long prefills have left)."""
-        return min(self.cap, self.long_tokens) if self.is_long(seq) else self.cap
+        if self.is_long(seq):
+            return min(self.cap, self.long_tokens)
+        return self.budget if self.short is not None else self.cap
 
     def share(self, available: float) -> float:
         """What one prefill may take of `available` tokens."""

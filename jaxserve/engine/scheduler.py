@@ -241,7 +241,8 @@ class Scheduler:
             threshold = slo.long_prefill_threshold(out.decodes, order, now) if slo.floor else None
         else:
             order, allowance, threshold = running + self._waiting_order(now), math.inf, None
-        limits, prefilling = PrefillLimits(self.engine_config, order, threshold), set(running)
+        limits = PrefillLimits(self.engine_config, order, threshold, slo.is_short if threshold else None)
+        prefilling = set(running)
         smallest = self.engine_config.prefill_buckets[0]
         admitting = bool(self.free_slots)
         for seq in order:

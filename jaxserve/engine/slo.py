@@ -28,8 +28,8 @@ and `tpot_slo` (mean time per output token after the first), from its request or
   step waits for it and then runs in the next; a decode step shares the other half with short prompts admitted
   beside the long ones), and the TTFT slack of every short sequence (its prefill takes at most half its own TTFT
   target) that can still make its target, waiting or prefilling (it goes in the same step, so the step must end
-  before its deadline). A sequence with more tokens left is long, and the long prefills of a step share that many
-  tokens. The threshold is never below `floor` (vLLM's 4% of max_model_len, at least the smallest bucket), so long
+  before its deadline). A sequence with more tokens left that is not short is long, and the long prefills of a
+  step share that many tokens; a short one's chunk is not capped. The threshold is never below `floor` (vLLM's 4% of max_model_len, at least the smallest bucket), so long
   prompts always progress; with no target anywhere there is none; with no measured cost yet it is the floor. Long
   prefills never spend the TPOT room that fast decode steps build up: that room is for admissions.
 - Preemption victim: the running sequence with the most slack (TTFT slack before its first token, TPOT room
@@ -167,10 +167,14 @@ class SloPolicy:
         seconds = min([*targets, self.ttft_slo if self.ttft_slo is not None else math.inf]) / 2
         for seq in prefills:
             slack = self.ttft_slack(seq, now)
-            short = (len(seq) - seq.num_computed_tokens) * per_token <= (seq.ttft_slo or 0) / 2
-            if short and 0 <= slack < seconds:
+            if self.is_short(seq) and 0 <= slack < seconds:
                 seconds = slack
         return self._threshold(seconds - self.costs.decode_seconds(len(decodes)))
+
+    def is_short(self, seq: Sequence) -> bool:
+        """Whether `seq` has a TTFT target and its prefill left takes at most half of it: never a long prefill."""
+        left = (len(seq) - seq.num_computed_tokens) * self.costs.per_prefill_token
+        return seq.ttft_slo is not None and left <= seq.ttft_slo / 2
 
     def _threshold(self, seconds: float) -> int:
         """The largest prefill bucket whose tokens take at most `seconds`, at least the floor (inf: the largest)."""
