@@ -230,12 +230,12 @@ def test_slo_long_prefills_share_the_step_threshold_unless_one_is_set():
 def test_a_short_request_longer_than_the_step_threshold_is_no_long_prefill():
     """A due long prompt takes the step's long-prefill tokens first; a short request (its prefill well within its
     target) with more tokens than the threshold still gets its whole chunk beside it."""
-    scheduler, clock = make_scheduler(ttft_slo_ms=32.0, slo_max_wait_ms=1.0)  # half of 32 ms: 16 tokens
+    scheduler, clock = make_scheduler(ttft_slo_ms=100.0, slo_max_wait_ms=1.0)
     scheduler.slo.costs.seed({}, 0.001)
     clock.now = 1.0
-    add(scheduler, 200, "long", arrival=0.0, ttft=0.032)  # waited past the bound: due, first
-    add(scheduler, 24, "short", arrival=1.0, ttft=0.1)
-    assert step(scheduler, clock)[0] == [("long", 0, 16), ("short", 0, 24)]
+    add(scheduler, 200, "long", arrival=0.0)  # waited past the bound: due, first
+    add(scheduler, 30, "short", arrival=0.95, ttft=0.1)  # 20 ms of slack: the threshold is the floor, 16
+    assert step(scheduler, clock)[0] == [("long", 0, 16), ("short", 0, 30)]
 
 
 def test_the_step_threshold_fits_the_tightest_target_and_never_drops_below_the_floor():
@@ -243,22 +243,26 @@ def test_the_step_threshold_fits_the_tightest_target_and_never_drops_below_the_f
     slo = scheduler.slo
     assert slo.floor == 16  # 4% of max_model_len 256 is below every bucket: the smallest
     slo.costs.seed({1: 0.004}, 0.001)  # a decode step of one row: 4 ms; a prefill token: 1 ms
-    assert slo.long_prefill_threshold([], [], 0.0) == 64  # half of 1 s fits the whole budget
-    short = Sequence("s", 0, list(range(20)), SamplingParams(), seed=0, arrival_time=0.0)
-    short.ttft_slo = 0.06  # 40 ms of slack after its own 20 tokens: 32 tokens of a long prefill fit beside it
-    assert slo.long_prefill_threshold([], [short], 0.0) == 32
+    assert slo.long_prefills([], [], 0.0)[0] == 64  # half of 1 s fits the whole budget
+    short = Sequence("s", 0, list(range(20)), SamplingParams(), seed=0, arrival_time=-0.14)
+    short.ttft_slo = 0.2  # 40 ms of slack after its own 20 tokens: 32 tokens of a long prefill fit beside it
+    assert slo.long_prefills([], [short], 0.0)[0] == 32
+    long = Sequence("l", 0, list(range(150)), SamplingParams(), seed=0, arrival_time=0.0)
+    long.ttft_slo = 1.0
+    is_short = slo.long_prefills([], [short, long], 0.0)[1]  # short: its prefill within half the tightest target
+    assert is_short(short) and not is_short(long)
     decoding = Sequence("d", 0, list(range(20)), SamplingParams(), seed=0, arrival_time=0.0)
     decoding.token_ids.append(7)
     decoding.first_token_time, decoding.tpot_slo = 0.0, 0.06  # half its TPOT target less its decode: 26 tokens
-    assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
+    assert slo.long_prefills([decoding], [short], 0.0)[0] == 16
     decoding.token_ids += [7] * 100
     decoding.first_token_time = -1.0  # 101 tokens in 1 s: 5 s of TPOT room built up, not for long prefills
-    assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
+    assert slo.long_prefills([decoding], [short], 0.0)[0] == 16
     decoding.tpot_slo = 0.005  # no bucket fits: the floor
-    assert slo.long_prefill_threshold([decoding], [short], 0.0) == 16
+    assert slo.long_prefills([decoding], [short], 0.0)[0] == 16
     slo.costs.seed({}, 0.0)
-    assert slo.long_prefill_threshold([], [short], 0.0) == 16  # nothing measured: the floor
-    assert make_scheduler()[0].slo.long_prefill_threshold([], [], 0.0) == 64  # no target anywhere: no limit
+    assert slo.long_prefills([], [short], 0.0)[0] == 16  # nothing measured: the floor
+    assert make_scheduler()[0].slo.long_prefills([], [], 0.0)[0] == 64  # no target anywhere: no limit
 
 
 @pytest.mark.parametrize("options, field", [

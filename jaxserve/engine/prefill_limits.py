@@ -7,8 +7,8 @@
   `max_long_partial_prefills` (L): a long waiting sequence is admitted only while fewer than L long ones are
   prefilling, so short prompts go past long ones. N = 1, the default, leaves the budget whole: each prefill takes
   what it can of what is left, and any number may share a step.
-- A step's own threshold (the slo policy's when none is set, `SloPolicy.long_prefill_threshold`) is T for that
-  step, with the policy's test of a short sequence (`SloPolicy.is_short`): a sequence with more than T tokens left
+- A step's own threshold (the slo policy's when none is set, `SloPolicy.long_prefills`) is T for that step, with
+  the policy's test of a short sequence: a sequence with more than T tokens left
   is long unless it is short, the step's long prefills share T tokens, and a short one's chunk is not capped.
 """
 

@@ -238,10 +238,10 @@ class Scheduler:
         if slo is not None:
             order = slo.order(running + list(self.waiting), now)
             allowance = slo.prefill_allowance(out.decodes, now)
-            threshold = slo.long_prefill_threshold(out.decodes, order, now) if slo.floor else None
+            threshold, short = slo.long_prefills(out.decodes, order, now) if slo.floor else (None, None)
         else:
-            order, allowance, threshold = running + self._waiting_order(now), math.inf, None
-        limits = PrefillLimits(self.engine_config, order, threshold, slo.is_short if threshold else None)
+            order, allowance, threshold, short = running + self._waiting_order(now), math.inf, None, None
+        limits = PrefillLimits(self.engine_config, order, threshold, short)
         prefilling = set(running)
         smallest = self.engine_config.prefill_buckets[0]
         admitting = bool(self.free_slots)

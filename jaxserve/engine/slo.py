@@ -22,15 +22,16 @@ and `tpot_slo` (mean time per output token after the first), from its request or
   planned so far) stays within tpot_slo x its output tokens after the step (less one). Decode steps faster than
   the target build that room up, and prefills spend it. Running prefills are not held (they hold their slot and
   pages already), and due sequences are admitted whatever the room, so the bound above holds.
-- Long prefills (when no `long_prefill_token_threshold` is set): each step's threshold is the largest prefill
-  bucket whose tokens, at the measured per-token cost, fit the time the step may give them besides its decodes:
-  half the server's TTFT target and half the TPOT target of every decoding sequence (a request arriving during a
-  step waits for it and then runs in the next; a decode step shares the other half with short prompts admitted
-  beside the long ones), and the TTFT slack of every short sequence (its prefill takes at most half its own TTFT
-  target) that can still make its target, waiting or prefilling (it goes in the same step, so the step must end
-  before its deadline). A sequence with more tokens left that is not short is long, and the long prefills of a
-  step share that many tokens; a short one's chunk is not capped. The threshold is never below `floor` (vLLM's 4% of max_model_len, at least the smallest bucket), so long
-  prompts always progress; with no target anywhere there is none; with no measured cost yet it is the floor. Long
+- Long prefills (when no `long_prefill_token_threshold` is set): a sequence is short when its prefill left takes
+  at most half the tightest TTFT target in sight (the server's, and every waiting or prefilling sequence's); each
+  step's threshold is the largest prefill bucket whose tokens, at the measured per-token cost, fit the time the
+  step may give them besides its decodes: that half (a request arriving during a step waits for it and then runs
+  in the next), half the TPOT target of every decoding sequence (a step shares the other half with short prompts
+  admitted beside the long ones), and the TTFT slack of every short sequence that can still make its target (it
+  goes in the same step, so the step must end before its deadline). A sequence with more tokens left that is not
+  short is long; the long prefills of a step share that many tokens, and a short one's chunk is not capped. The
+  threshold is never below `floor` (vLLM's 4% of max_model_len, at least the smallest bucket), so long prompts
+  always progress; with no target anywhere there is none; with no measured cost yet it is the floor. Long
   prefills never spend the TPOT room that fast decode steps build up: that room is for admissions.
 - Preemption victim: the running sequence with the most slack (TTFT slack before its first token, TPOT room
   after it, less the time to recompute what it loses; none set: unbounded), the newest among equals.
@@ -41,7 +42,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 from jaxserve.engine.config import LONG_PREFILL_FRACTION, EngineConfig
 from jaxserve.engine.sequence import Sequence
@@ -116,8 +117,8 @@ def _average(old: float | None, new: float) -> float:
 
 class SloPolicy:
     """The rules above, over the scheduler's sequences, with `costs` measured by the scheduler. `ttft_slo`,
-    `tpot_slo`: the server's targets in seconds (None: none); `floor`: the least long-prefill threshold, None when one is set
-    (`long_prefill_token_threshold`) and the policy leaves long prefills to it."""
+    `tpot_slo`: the server's targets in seconds (None: none); `floor`: the least long-prefill threshold, None when
+    one is set (`long_prefill_token_threshold`) and the policy leaves long prefills to it."""
 
     def __init__(self, max_wait: float, costs: StepCosts, ttft_slo: float | None = None,
                  tpot_slo: float | None = None, floor: int | None = None):
@@ -159,22 +160,23 @@ class SloPolicy:
             return math.inf
         return max(0.0, room - self.costs.decode_seconds(len(decodes))) / per_token
 
-    def long_prefill_threshold(self, decodes: list[Sequence], prefills: Iterable[Sequence], now: float) -> int:
-        """This step's long-prefill threshold (see the module docstring); `prefills`: the running prefills and
-        waiting sequences."""
+    def long_prefills(self, decodes: list[Sequence], prefills: list[Sequence], now: float
+                      ) -> tuple[int, Callable[[Sequence], bool]]:
+        """This step's long-prefill threshold and its test of a short sequence (see the module docstring);
+        `prefills`: the running prefills and waiting sequences."""
         per_token = self.costs.per_prefill_token
-        targets = [seq.tpot_slo for seq in decodes if seq.tpot_slo is not None]
-        seconds = min([*targets, self.ttft_slo if self.ttft_slo is not None else math.inf]) / 2
+        ttfts = [seq.ttft_slo for seq in prefills if seq.ttft_slo is not None]
+        half = min([*ttfts, self.ttft_slo if self.ttft_slo is not None else math.inf]) / 2
+
+        def is_short(seq: Sequence) -> bool:
+            return (len(seq) - seq.num_computed_tokens) * per_token <= half
+
+        seconds = min([half, *(seq.tpot_slo / 2 for seq in decodes if seq.tpot_slo is not None)])
         for seq in prefills:
             slack = self.ttft_slack(seq, now)
-            if self.is_short(seq) and 0 <= slack < seconds:
+            if is_short(seq) and 0 <= slack < seconds:
                 seconds = slack
-        return self._threshold(seconds - self.costs.decode_seconds(len(decodes)))
-
-    def is_short(self, seq: Sequence) -> bool:
-        """Whether `seq` has a TTFT target and its prefill left takes at most half of it: never a long prefill."""
-        left = (len(seq) - seq.num_computed_tokens) * self.costs.per_prefill_token
-        return seq.ttft_slo is not None and left <= seq.ttft_slo / 2
+        return self._threshold(seconds - self.costs.decode_seconds(len(decodes))), is_short
 
     def _threshold(self, seconds: float) -> int:
         """The largest prefill bucket whose tokens take at most `seconds`, at least the floor (inf: the largest)."""
