@@ -162,6 +162,20 @@ def test_preemption_picks_the_sequence_with_the_most_slack():
         assert scheduler.num_preemptions == 1
 
 
+def test_a_sequence_admitted_and_preempted_in_one_step_is_not_sent_as_admitted():
+    """Under slo a later running prefill may need the pages of a sequence admitted earlier in the same step (it has
+    the most slack): the step must not hand the runner that admission, slotless."""
+    scheduler, clock = make_scheduler(num_pages=9, long_prefill_token_threshold=32)  # 8 usable pages
+    scheduler.slo.costs.per_prefill_token = 0.001
+    add(scheduler, 64, "late", arrival=0.0, ttft=0.05)
+    assert step(scheduler, clock, 1.0)[0] == [("late", 0, 32)]  # 4 pages; now past its target
+    add(scheduler, 24, "on-time", arrival=clock.now, ttft=10.0)  # goes first, 3 pages
+    plan = scheduler.schedule()
+    assert all(new.slot is not None for new in plan.new_seqs) and not plan.new_seqs
+    assert [scheduler.seqs[c.seq_id].request_id for c in plan.prefills] == ["late"]
+    assert [seq.request_id for seq in scheduler.waiting] == ["on-time"] and scheduler.num_preemptions == 1
+
+
 def test_the_long_prefill_threshold_caps_every_chunk_under_fcfs():
     scheduler, clock = make_scheduler("fcfs", long_prefill_token_threshold=40)
     add(scheduler, 100, "long", arrival=0.0)

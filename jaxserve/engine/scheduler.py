@@ -377,6 +377,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.prefills = [chunk for chunk in out.prefills if chunk.seq is not seq]
         out.decodes = [s for s in out.decodes if s is not seq]
+        out.admitted = [s for s in out.admitted if s is not seq]  # admitted earlier in this very step
 
     def _release(self, seq: Sequence) -> None:
         self.page_manager.free(seq)
