@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.layers.attention import AttentionMetadata, make_attention_backend
+from jaxserve.layers.attention import AttentionMetadata, KVPages, make_attention_backend
 from jaxserve.loading import load_model
 from jaxserve.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import forward, fuse_params
@@ -35,7 +35,7 @@ def full_forward_logits(params, cfg, token_ids: list[int], backend: str = "xla",
     length = max(num_tokens, pad_to or 0)
     num_pages = -(-length // PAGE_SIZE)
     shape = attn.pool_shape(num_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    cache = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    cache = [KVPages(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
     positions = jnp.arange(length, dtype=jnp.int32)
     meta = AttentionMetadata(
         positions=positions[None],
