@@ -134,19 +134,6 @@ def test_decode_protection_holds_new_prefills_while_a_decode_would_miss_its_tpot
     assert chunks == [("new", 0, 16)]
 
 
-def test_decode_protection_gives_up_on_a_decode_already_past_its_target():
-    """A decoding sequence that even a plain decode step takes past its TPOT target is best effort: it holds no
-    admission back (as one that can still make it does)."""
-    scheduler, clock = make_scheduler()
-    costs = scheduler.slo.costs
-    add(scheduler, 10, "decoding", arrival=0.0, tpot=0.05, max_tokens=100)
-    step(scheduler, clock, 0.01)  # its first token read at t = 0.01
-    step(scheduler, clock, 0.2)  # one token in 200 ms against 50: past its target for good
-    costs.per_prefill_token, costs._decode = 0.02, {1: 0.01}
-    add(scheduler, 16, "new", arrival=clock.now, ttft=10.0)
-    assert step(scheduler, clock, 0.01)[0] == [("new", 0, 16)]
-
-
 def test_decode_protection_does_not_hold_back_a_due_request():
     scheduler, clock = make_scheduler(slo_max_wait_ms=500.0)
     costs = scheduler.slo.costs
@@ -154,10 +141,9 @@ def test_decode_protection_does_not_hold_back_a_due_request():
     step(scheduler, clock, 0.01)
     costs.per_prefill_token, costs._decode = 1.0, {1: 0.01}  # any prefill would break the decode's target
     add(scheduler, 16, "waiting", arrival=0.0, ttft=100.0)
-    held = [step(scheduler, clock, 0.01)[0] for _ in range(48)]  # at 0.01, ..., 0.48 s, the decode within target
-    assert held == [[]] * 48
-    clock.now = 0.51
-    chunks, _ = step(scheduler, clock, 0.01)  # waited 0.51 s: due, so admitted whatever the decode's room
+    held = [step(scheduler, clock, 0.1)[0] for _ in range(5)]  # at 0.01, 0.11, ..., 0.41 s
+    assert held == [[]] * 5
+    chunks, _ = step(scheduler, clock, 0.1)  # waited 0.51 s: due, so admitted whatever the decode's room
     assert chunks == [("waiting", 0, 16)]
 
 

@@ -20,10 +20,8 @@ and `tpot_slo` (mean time per output token after the first), from its request or
 - Decode protection: a step admits new prefills only as long as every decoding sequence with a TPOT target still
   meets it after the step: its time since its first token plus the step's estimated time (with the prefill chunks
   planned so far) stays within tpot_slo x its output tokens after the step (less one). Decode steps faster than
-  the target build that room up, and prefills spend it. A decoding sequence that even a plain decode step would
-  take past its target is best effort (as a late prefill is) and holds nothing back. Running prefills are not
-  held (they hold their slot and pages already), and due sequences are admitted whatever the room, so the bound
-  above holds.
+  the target build that room up, and prefills spend it. Running prefills are not held (they hold their slot and
+  pages already), and due sequences are admitted whatever the room, so the bound above holds.
 - Long prefills (when no `long_prefill_token_threshold` is set): a sequence is short when its prefill left takes
   at most half the tightest TTFT target in sight (the server's, and every waiting or prefilling sequence's); each
   step's threshold is the largest prefill bucket whose tokens, at the measured per-token cost, fit the time the
@@ -157,12 +155,10 @@ class SloPolicy:
         per_token = self.costs.per_prefill_token
         if per_token == 0:
             return math.inf
-        decode = self.costs.decode_seconds(len(decodes))
-        rooms = [room for room in (self._tpot_room(seq, now) for seq in decodes) if room >= decode]
-        room = min(rooms, default=math.inf)  # those that a plain decode step would already take past: best effort
+        room = min((self._tpot_room(seq, now) for seq in decodes), default=math.inf)
         if room == math.inf:
             return math.inf
-        return (room - decode) / per_token
+        return max(0.0, room - self.costs.decode_seconds(len(decodes))) / per_token
 
     def long_prefills(self, decodes: list[Sequence], prefills: list[Sequence], now: float
                       ) -> tuple[int, Callable[[Sequence], bool]]:
