@@ -8,8 +8,8 @@
   prefilling, so short prompts go past long ones. N = 1, the default, leaves the budget whole: each prefill takes
   what it can of what is left, and any number may share a step.
 - A step's own threshold (the slo policy's when none is set, `SloPolicy.long_prefills`) is T for that step, with
-  the policy's test of a short sequence: a sequence with more than T tokens left
-  is long unless it is short, the step's long prefills share T tokens, and a short one's chunk is not capped.
+  the policy's test of a short sequence: a sequence with more than T tokens left is long unless it is short, the
+  step's long prefills share T tokens, and a short one's chunk is not capped.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ class PrefillLimits:
 
     def __init__(self, config: EngineConfig, candidates: SequenceType[Sequence], step_threshold: int | None = None,
                  short: Callable[[Sequence], bool] | None = None):
-        threshold = config.long_prefill_token_threshold if step_threshold is None else step_threshold
-        self.threshold = threshold
+        self.threshold = threshold = config.long_prefill_token_threshold if step_threshold is None else step_threshold
         buckets = config.prefill_buckets
         within = [bucket for bucket in buckets if bucket <= threshold]
         self.cap = (max(within) if within else threshold) if threshold else config.max_num_batched_tokens

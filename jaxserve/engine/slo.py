@@ -81,7 +81,7 @@ class StepCosts:
         return self.decode_seconds(num_decodes) + num_prefill_tokens * self.per_prefill_token
 
     def seed(self, decode_seconds: dict[int, float], per_prefill_token: float) -> None:
-        """Start-up measurements (`ModelRunner.measure_step_costs`), before any real step is observed."""
+        """Start-up measurements (`runner_steps.measure_step_costs`), before any real step is observed."""
         self._decode.update(decode_seconds)
         self.per_prefill_token = per_prefill_token
 
