@@ -229,6 +229,11 @@ def test_step_costs_are_measured_from_the_steps():
     step(scheduler, clock, 0.02)  # one decode
     assert costs.decode_seconds(1) == pytest.approx(0.02)
     assert costs.estimate(1, 64) == pytest.approx(0.52)
+    costs.seed({1: 0.02}, 0.5 / 64)  # steps take half again as long (a busier host): mixed steps scale both costs
+    for _ in range(40):
+        costs.observe(1, 64, 0.52 * 1.5)
+    assert costs.decode_seconds(1) == pytest.approx(0.03, rel=1e-3)
+    assert costs.per_prefill_token == pytest.approx(0.75 / 64, rel=1e-3)
 
 
 def test_slo_chunks_long_prefills_by_the_targets_without_a_threshold_and_fcfs_does_not():

@@ -88,14 +88,22 @@ class StepCosts:
         self.per_prefill_token = per_prefill_token
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
-        """One measured step: `num_prefill_tokens` padded."""
+        """One measured step (`num_prefill_tokens` padded). A decode step updates its bucket's average; a step with
+        prefill, once both costs are known, scales both by its measured over its estimated time (what slows one on
+        a busier host slows the other), else gives the prefill tokens what the decodes did not take."""
+        bucket = self.decode_buckets[min(bisect.bisect_left(self.decode_buckets, max(1, num_decodes)),
+                                         len(self.decode_buckets) - 1)]
         if num_prefill_tokens == 0:
             if num_decodes:
-                bucket = self.decode_buckets[min(bisect.bisect_left(self.decode_buckets, num_decodes),
-                                                 len(self.decode_buckets) - 1)]
                 self._decode[bucket] = _average(self._decode.get(bucket), seconds)
             return
-        per_token = max(0.0, seconds - self.decode_seconds(num_decodes)) / num_prefill_tokens
+        decode = self.decode_seconds(num_decodes)
+        if num_decodes and decode and self.per_prefill_token:
+            ratio = seconds / self.estimate(num_decodes, num_prefill_tokens)
+            self._decode[bucket] = _average(decode, decode * ratio)
+            self.per_prefill_token = _average(self.per_prefill_token, self.per_prefill_token * ratio)
+            return
+        per_token = max(0.0, seconds - decode) / num_prefill_tokens
         self.per_prefill_token = _average(self.per_prefill_token or None, per_token)
 
 
