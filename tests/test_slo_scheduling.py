@@ -134,20 +134,20 @@ def test_decode_protection_holds_new_prefills_while_a_decode_would_miss_its_tpot
     assert chunks == [("new", 0, 16)]
 
 
-def test_decode_protection_leaves_admissions_half_of_each_step_when_decodes_have_no_room():
-    """Decodes behind their TPOT target have no room to give, but a step still gives new prefills the half of the
-    target that long prefills do not take: a short request starts at once instead of at the aging bound."""
+def test_decode_protection_leaves_a_step_within_the_tpot_target_when_decodes_have_no_room():
+    """Decodes behind their TPOT target have no room to give, but a step may still take the target: new prefills
+    get what the decodes leave of it, so a short request starts at once instead of at the aging bound."""
     scheduler, clock = make_scheduler()
     costs = scheduler.slo.costs
     add(scheduler, 10, "decoding", arrival=0.0, tpot=0.05, max_tokens=100)
     for _ in range(5):
         step(scheduler, clock, 0.06)  # 60 ms a token against its 50 ms target: no room
-    costs.per_prefill_token, costs._decode = 0.001, {1: 0.01}  # half the target (25 ms) holds 25 tokens: 16 fit
+    costs.per_prefill_token, costs._decode = 0.002, {1: 0.01}  # 40 ms left of the target: 20 tokens, 16 fit
     add(scheduler, 30, "new", arrival=clock.now, ttft=10.0)
     assert step(scheduler, clock, 0.05)[0] == [("new", 0, 16)]
-    costs.per_prefill_token = 0.002  # 12 tokens in half the target: no bucket fits, held
     add(scheduler, 30, "newer", arrival=clock.now, ttft=10.0)
-    assert step(scheduler, clock, 0.05)[0] == [("new", 16, 14)]
+    assert step(scheduler, clock, 0.05)[0] == [("new", 16, 14)]  # a running prefill goes on; 4 tokens left
+    assert step(scheduler, clock, 0.05)[0] == [("newer", 0, 16)]
 
 
 def test_decode_protection_does_not_hold_back_a_due_request():

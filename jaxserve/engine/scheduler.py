@@ -234,10 +234,10 @@ class Scheduler:
         the policy's order, under the budget, the long-prefill limits and (slo) decode protection."""
         now = self.clock()
         running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING and seq.is_prefilling]
-        slo, threshold, short, allowance, admissions = self.slo, None, None, math.inf, math.inf
+        slo, threshold, short, allowance = self.slo, None, None, math.inf
         if slo is not None:
             order = slo.order(running + list(self.waiting), now)
-            allowance, admissions = slo.prefill_allowance(out.decodes, now)
+            allowance = slo.prefill_allowance(out.decodes, now)
             threshold, short = slo.long_prefills(out.decodes, order, now) if slo.floor else (None, None)
         else:
             order = running + self._waiting_order(now)
@@ -256,7 +256,7 @@ class Scheduler:
             if admit and seq.lora is not None and not self.adapter_slots.can_acquire(seq.lora.key):
                 continue  # every device slot serves other adapters' running sequences: it waits for one
             held = admit and not (slo is not None and slo.is_due(seq, now))  # decode protection holds admissions
-            available = int(limits.share(min(budget, max(allowance, admissions)) if held else budget))
+            available = int(limits.share(min(budget, allowance) if held else budget))
             if available < smallest:
                 continue
             long, cap = limits.is_long(seq), limits.chunk_cap(seq)
@@ -277,7 +277,6 @@ class Scheduler:
             padded = self._bucket(chunk.num_tokens)
             budget -= padded
             allowance -= padded
-            admissions -= padded if admit else 0
             limits.took(long, admit, chunk.num_tokens)
 
     def _admit(self, seq: Sequence, available: int, cap: int, out: Plan) -> PrefillChunk | None:

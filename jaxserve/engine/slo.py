@@ -20,10 +20,11 @@ and `tpot_slo` (mean time per output token after the first), from its request or
 - Decode protection: a step admits new prefills as long as every decoding sequence with a TPOT target still
   meets it after the step: its time since its first token plus the step's estimated time (with the prefill chunks
   planned so far) stays within tpot_slo x its output tokens after the step (less one). Decode steps faster than
-  the target build that room up, and prefills spend it. Without room, new prefills still get half the tightest
-  TPOT target a step (the half long prefills do not take, below), so decodes that barely meet their target on a
-  loaded device slow down by at most that, and short requests do not wait for the aging bound. Running prefills
-  are not held (they hold their slot and pages already), and due sequences are admitted whatever the room.
+  the target build that room up, and prefills spend it. Without room, a step may still take the tightest TPOT
+  target of its decodes: one that keeps up with its target stays there, and on a device that barely meets the
+  target new prefills get what the decodes and long chunks leave of it instead of waiting for the aging bound.
+  Running prefills are not held (they hold their slot and pages already), and due sequences are admitted
+  whatever the room.
 - Long prefills (when no `long_prefill_token_threshold` is set): a sequence is short when its prefill left takes
   at most half the tightest TTFT target in sight (the server's, and every waiting or prefilling sequence's); each
   step's threshold is the largest prefill bucket whose tokens, at the measured per-token cost, fit the time the
@@ -159,16 +160,15 @@ class SloPolicy:
             return 2, len(seq) - seq.num_computed_tokens, seq.arrival_time
         return sorted(seqs, key=key)
 
-    def prefill_allowance(self, decodes: list[Sequence], now: float) -> tuple[float, float]:
-        """Padded prefill tokens this step may carry without a decoding sequence missing its TPOT target, and the
-        tokens new prefills get whatever that room (half the tightest TPOT target); inf: no limit, or no
-        measurement yet."""
+    def prefill_allowance(self, decodes: list[Sequence], now: float) -> float:
+        """Padded prefill tokens this step may carry: what the decoding sequences' TPOT room leaves, and never less
+        than a step within the tightest TPOT target leaves (inf: no limit, or no measurement yet)."""
         per_token = self.costs.per_prefill_token
         room = min((self._tpot_room(seq, now) for seq in decodes), default=math.inf)
         if per_token == 0 or room == math.inf:
-            return math.inf, math.inf
-        half = min(seq.tpot_slo for seq in decodes if seq.tpot_slo is not None) / 2
-        return max(0.0, room - self.costs.decode_seconds(len(decodes))) / per_token, half / per_token
+            return math.inf
+        target = min(seq.tpot_slo for seq in decodes if seq.tpot_slo is not None)
+        return max(0.0, max(room, target) - self.costs.decode_seconds(len(decodes))) / per_token
 
     def long_prefills(self, decodes: list[Sequence], prefills: list[Sequence], now: float
                       ) -> tuple[int, Callable[[Sequence], bool]]:
