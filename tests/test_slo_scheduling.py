@@ -150,6 +150,20 @@ def test_decode_protection_leaves_a_step_within_the_tpot_target_when_decodes_hav
     assert step(scheduler, clock, 0.05)[0] == [("newer", 0, 16)]
 
 
+def test_a_running_prefill_past_the_bound_does_not_take_the_decodes_room_before_a_short_request():
+    """The bound orders admissions; a running prefill is never held, so a long one past the bound goes after a
+    short request that can still make its target and the short one gets the room the decodes leave whole."""
+    scheduler, clock = make_scheduler(ttft_slo_ms=100.0, slo_max_wait_ms=200.0)
+    costs = scheduler.slo.costs
+    add(scheduler, 10, "decoding", arrival=0.0, tpot=0.05, max_tokens=100)
+    add(scheduler, 200, "long", arrival=0.0)
+    for _ in range(5):
+        step(scheduler, clock, 0.06)  # the decode falls behind its target; the long prompt prefills 16 a step
+    costs.per_prefill_token, costs._decode = 0.001, {1: 0.01}  # 40 tokens fit the step's 50 ms target
+    add(scheduler, 30, "short", arrival=clock.now, ttft=0.1)
+    assert step(scheduler, clock, 0.06)[0] == [("short", 0, 30), ("long", 96, 16)]
+
+
 def test_decode_protection_does_not_hold_back_a_due_request():
     scheduler, clock = make_scheduler(slo_max_wait_ms=500.0)
     costs = scheduler.slo.costs

@@ -6,13 +6,15 @@ Times are seconds on the scheduler's clock. A sequence's targets are `ttft_slo` 
 and `tpot_slo` (mean time per output token after the first), from its request or the engine's defaults.
 
 - Step costs (`StepCosts`): a step of d decodes and p prefill tokens (padded to their buckets) is estimated at
-  decode(d) + p * per_token: moving averages over measured steps, decode(d) by decode bucket. A step's time runs
-  from its dispatch, or from the previous step's end if that is later, to its tokens being read.
+  decode(d) + p * per_token: moving averages over measured steps, decode(d) by decode bucket, both scaled by
+  steps with prefill that take longer or shorter than estimated. A step's time runs from its dispatch, or from
+  the previous step's end if that is later, to its tokens being read.
 - TTFT slack of a sequence without output: arrival + ttft_slo - now - per_token * (its tokens left to compute).
 - Order of prefill work (running prefills and waiting sequences together), first to last:
-  1. due: waited `slo_max_wait` or more since arrival without output, or recomputing after a preemption that
-     came after its first token; by arrival. This is the bound: while slots, pages and budget exist, no sequence waits longer than slo_max_wait
-     plus the time to admit the due sequences that arrived before it;
+  1. due: waiting, and waited `slo_max_wait` or more since arrival without output, or recomputing after a
+     preemption that came after its first token; by arrival. This is the bound: while slots, pages and budget
+     exist, no sequence waits longer than slo_max_wait plus the time to admit the due sequences that arrived
+     before it (a running prefill is never held, so it needs no bound);
   2. those that can still make their TTFT target (slack >= 0), least slack first;
   3. the rest (target passed or out of reach, or none set), fewest tokens left first, then by arrival: best
      effort, never dropped (a short request that missed its target goes before a long prompt that never could
@@ -152,7 +154,7 @@ class SloPolicy:
     def order(self, seqs: Iterable[Sequence], now: float) -> list[Sequence]:
         """Prefill work in the policy's order (due, can make it by slack, best effort)."""
         def key(seq: Sequence) -> tuple[int, float, float]:
-            if self.is_due(seq, now):
+            if seq.slot is None and self.is_due(seq, now):
                 return 0, seq.arrival_time, 0.0
             slack = self.ttft_slack(seq, now)
             if 0 <= slack < math.inf:
