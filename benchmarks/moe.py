@@ -62,7 +62,7 @@ def expert_rows(llm: Any, batch: int, seed: int = 0) -> dict[str, float]:
     layer = next(i for i, spec in enumerate(cfg.layers) if spec.feed_forward == "moe")
     router = jnp.asarray(runner.params[f"layers_{layer}"]["mlp"]["router"]["kernel"], jnp.float32)
     hidden = jax.random.normal(jax.random.key(seed), (batch, cfg.hidden_size), jnp.float32)
-    _, experts = route(hidden @ router, moe.top_k, moe.normalize_top_k)
+    _, experts = route(hidden @ router, moe)
     sizes = jnp.bincount(experts.reshape(-1), length=moe.num_experts)
     routed = batch * moe.top_k
     if not matmul_blocks.blocked_matmuls():  # ragged_dot computes the routed rows

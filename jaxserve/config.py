@@ -37,7 +37,13 @@ class MoEConfig:
     `normalize_top_k`). `shared_expert_size` > 0: a dense SwiGLU of that width every token also goes through,
     its output scaled by a sigmoid gate (Qwen2-MoE). gpt-oss: the router and every expert linear have biases
     (`router_bias`, `expert_bias`), and with `swiglu_limit` set each expert computes its clamped SwiGLU,
-    `(clip(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g)` with `g = min(gate, limit)`."""
+    `(clip(up, -limit, limit) + 1) * g * sigmoid(swiglu_alpha * g)` with `g = min(gate, limit)`.
+
+    DeepSeek-V3's routing (GLM-4.5, MiniMax-M2 too): `scoring` "sigmoid" scores each expert on its own; with
+    `score_correction_bias` a learned per-expert bias is added to the scores for choosing only (the weights are the
+    scores); with `num_groups` > 1 the experts are in that many groups, each scored by its two best, and only the
+    `top_k_groups` best groups are chosen from. The weights are multiplied by `routed_scaling`. DeepSeek's shared
+    experts have no gate (`shared_expert_gate` False)."""
 
     num_experts: int
     top_k: int
@@ -48,11 +54,47 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    scoring: str = "softmax"  # or "sigmoid"
+    score_correction_bias: bool = False
+    num_groups: int = 1
+    top_k_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_expert_gate: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be between 1 and the number of experts ({self.num_experts}), "
                              f"got {self.top_k}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"the router's scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        groups = self.num_groups
+        if groups < 1 or self.num_experts % groups or (groups > 1 and self.num_experts // groups < 2):
+            raise ValueError(f"n_group ({groups}) must divide the {self.num_experts} experts into groups of 2 or more")
+        if not 1 <= self.top_k_groups <= groups or self.top_k > self.top_k_groups * self.num_experts // groups:
+            raise ValueError(f"topk_group ({self.top_k_groups}) must be between 1 and n_group ({groups}) and leave "
+                             f"num_experts_per_tok ({self.top_k}) experts to choose from")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3): queries from `q_lora_rank` (None: one projection), keys and
+    values from one compressed latent of `kv_lora_rank` per token, each head's query and key `qk_nope_head_dim`
+    dims without rope and `qk_rope_head_dim` with it (one rope key per token, shared by the heads), values of
+    `v_head_dim`. The cache keeps the latent and the rope key (`cache_dim` values per token and layer).
+    `rope_interleave`: the rope dims come in interleaved pairs (DeepSeek-V3's checkpoints). `softmax_scale`:
+    (qk_nope + qk_rope) ** -0.5 times YaRN's mscale(mscale_all_dim) squared."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    rope_interleave: bool = True
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +122,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # logits capped as cap * tanh(x / cap) (Gemma 2); None: uncapped
     attention_sinks: bool = False  # a learned logit per query head in each softmax, with no value (gpt-oss)
     moe: MoEConfig | None = None  # the experts of the layers whose feed_forward is "moe"
+    mla: MLAConfig | None = None  # every layer's attention is MLA over a latent cache (num_kv_heads 1)
     # Gemma's decoder: scores scaled by attention_scale (None: head_dim ** -0.5), RMSNorm scales of 1 + w
     # (norm_offset 1), the gate's activation, the embedding times embedding_scale, norms after attention and
     # after the feed-forward too (sandwich_norms), final logits capped as cap * tanh(x / cap)
@@ -149,6 +192,7 @@ class ModelConfig:
                               for layer in raw["layers"])
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
         raw["moe"] = MoEConfig(**raw["moe"]) if raw.get("moe") else None
+        raw["mla"] = MLAConfig(**raw["mla"]) if raw.get("mla") else None
         return cls(**raw)
 
 

@@ -35,7 +35,7 @@ def full_forward_logits(params, cfg, token_ids: list[int], backend: str = "xla",
     length = max(num_tokens, pad_to or 0)
     num_pages = -(-length // PAGE_SIZE)
     shape = attn.pool_shape(num_pages + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    cache = [KVPages(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    cache = [KVPages(jnp.zeros(shape), None if cfg.mla else jnp.zeros(shape)) for _ in range(cfg.num_layers)]
     positions = jnp.arange(length, dtype=jnp.int32)
     meta = AttentionMetadata(
         positions=positions[None],

@@ -76,9 +76,33 @@ def test_routing_is_transformers(family):
             router.weight.normal_()
             hidden = torch.randn(50, 32)
             logits, their_weights, their_experts = router(hidden)
-        weights, experts = route(jnp.asarray(logits.numpy()), config.num_experts_per_tok, normalize)
+        moe = MoEConfig(num_experts=logits.shape[-1], top_k=config.num_experts_per_tok, intermediate_size=1,
+                        normalize_top_k=normalize)
+        weights, experts = route(jnp.asarray(logits.numpy()), moe)
         np.testing.assert_array_equal(np.asarray(experts), their_experts.numpy())
         np.testing.assert_allclose(np.asarray(weights), their_weights.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_deepseek_routing_is_transformers(normalize):
+    """DeepSeek-V3's router: sigmoid scores, a correction bias for choosing, the best 2 of 4 groups (each scored by
+    its two best experts), the routed scaling; transformers returns the experts unsorted, so both are sorted."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=normalize)
+    router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(0.0, 0.5)
+        logits, their_weights, their_experts = router(torch.randn(50, 32))
+    moe = MoEConfig(num_experts=16, top_k=4, intermediate_size=1, normalize_top_k=normalize, scoring="sigmoid",
+                    score_correction_bias=True, num_groups=4, top_k_groups=2, routed_scaling=2.5)
+    weights, experts = route(jnp.asarray(logits.numpy()), moe, jnp.asarray(router.e_score_correction_bias.numpy()))
+    order, their_order = np.argsort(np.asarray(experts)), their_experts.numpy().argsort()
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),
+                                  np.take_along_axis(their_experts.numpy(), their_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
+                               np.take_along_axis(their_weights.numpy(), their_order, 1), rtol=1e-6)
 
 
 def moe_config(num_experts: int, top_k: int = 2) -> ModelConfig:

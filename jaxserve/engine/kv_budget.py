@@ -76,4 +76,6 @@ def page_bytes(config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
     """Bytes of one page of a model's pool over all layers (or `num_layers` of them) and all devices (K and V; a
     quantized cache's scales included)."""
     layers = config.num_layers if num_layers is None else num_layers
+    if config.mla is not None:  # one latent row per token, no V pool
+        return layers * page_size * tp.size * backend.token_bytes(config.mla.cache_dim, dtype)
     return 2 * layers * page_size * tp.pool_heads(config) * backend.token_bytes(config.head_dim, dtype)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
@@ -44,7 +46,16 @@ class SlidingWindowSpec:
     window: int
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclasses.dataclass(frozen=True)
+class MLASpec:
+    """A Multi-head Latent Attention layer (`layers/mla.py`): every position's latent and rope key, one row of
+    `cache_dim` values, no V."""
+
+    cache_dim: int
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
+FULL_SPECS = (FullAttentionSpec, MLASpec)  # the specs of group 0: every position kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +107,8 @@ class KVPlan:
 
 def layer_specs(config: ModelConfig) -> tuple[KVCacheSpec, ...]:
     """Each layer's cache, as its family declares it."""
+    if config.mla is not None:
+        return (MLASpec(config.mla.cache_dim),) * config.num_layers
     return tuple(FullAttentionSpec(config.num_kv_heads, config.head_dim) if window is None
                  else SlidingWindowSpec(config.num_kv_heads, config.head_dim, window)
                  for window in config.layer_sliding_windows)
@@ -113,14 +126,20 @@ def pages_per_seq(spec: KVCacheSpec, ec: EngineConfig) -> int:
 
 def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple[KVCacheSpec, list[int]]]:
     """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool."""
-    hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers
-                  or (ec.speculative_config is not None and ec.speculative_config.method == "draft_model"))
-    full: FullAttentionSpec | None = None
+    draft = ec.speculative_config is not None and ec.speculative_config.method == "draft_model"
+    if isinstance(specs[0], MLASpec):  # the latent pool has no V: what reads K and V pools cannot take it yet
+        refused = {"kv_cache_dtype int8/fp8": ec.kv_cache_dtype != "auto", "KV tiers (kv_offloading_size/dir)":
+                   ec.kv_tiers, "a draft model": draft}
+        if any(refused.values()):
+            raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
+                             "Multi-head Latent Attention's latent KV cache")
+    hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers or draft)
+    full: FullAttentionSpec | MLASpec | None = None
     groups: list[tuple[KVCacheSpec | None, list[int]]] = [(None, [])]
     for layer, spec in enumerate(specs):
         if isinstance(spec, SlidingWindowSpec) and (not hybrid or pages_per_seq(spec, ec) >= ec.pages_per_seq):
             spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)  # full pages, read through the window mask
-        if isinstance(spec, FullAttentionSpec):
+        if isinstance(spec, FULL_SPECS):
             if full is not None and full != spec:  # group 0's page indices name every page
                 raise ValueError(f"layers {groups[0][1][:1]} and {layer} keep full-attention caches of different "
                                  f"shapes ({full}, {spec}): one full-attention KV cache group is supported")
@@ -186,15 +205,21 @@ def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParall
     """Each layer's cache: its K and V pools of `layer_pages[layer]` pages (arrays, or QuantizedPages: values +
     per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`."""
     def cache(pages: int) -> KVPages:
+        if config.mla is not None:  # one replicated latent pool, no V
+            shape = (1, pages, page_size, config.mla.cache_dim)
+            placed = NamedSharding(backend.mesh, P()) if backend.mesh is not None else None
+            return KVPages(allocator.full(shape, backend.storage_dtype(dtype), placed), None)
         shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
         return backend.empty_cache(shape, dtype, allocator)
     return [cache(pages) for pages in layer_pages]
 
 
-def kv_cache_shardings(backend: PagedAttention, num_layers: int) -> list[KVPages]:
+def kv_cache_shardings(backend: PagedAttention, config: ModelConfig) -> list[KVPages]:
     """The sharding tree of a cache `empty_kv_cache` makes, for jit's in and out shardings; needs the backend's
     mesh."""
-    return [backend.cache_shardings()] * num_layers
+    if config.mla is not None:
+        return [KVPages(NamedSharding(backend.mesh, P()), None)] * config.num_layers
+    return [backend.cache_shardings()] * config.num_layers
 
 
 def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_dtype: str, backend: PagedAttention,

@@ -129,7 +129,7 @@ class KVTransfers:
     def steps(self) -> list[Step]:
         runner = self.runner
         replicated = NamedSharding(runner.mesh, REPLICATED)
-        kv_in = kv_cache_shardings(runner.backend, runner.model_config.num_layers)
+        kv_in = kv_cache_shardings(runner.backend, runner.model_config)
         kinds = (self.host_sharding,) * len(self.page_specs)
         store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
         on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, KV_PAGES, memory_kind="device")

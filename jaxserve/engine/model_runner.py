@@ -139,7 +139,7 @@ class ModelRunner:
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
-        kv_in = kv_cache_shardings(self.backend, self.model_config.num_layers)
+        kv_in = kv_cache_shardings(self.backend, self.model_config)
         replicated = NamedSharding(self.mesh, REPLICATED)
         params_in = serving_shardings(self.forward_params, self.model_config, self.tp, self.mesh)
         static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)

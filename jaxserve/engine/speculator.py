@@ -63,7 +63,7 @@ class DraftModel:
         """Its prefill (the target's prefill step on the draft's params and pool) and its two proposals (greedy;
         with the drafts' distributions), jitted for `mesh`."""
         params_in = serving_shardings(self.params, self.model_config, self.tp, mesh)
-        kv_in = kv_cache_shardings(self.backend, self.model_config.num_layers)
+        kv_in = kv_cache_shardings(self.backend, self.model_config)
         replicated = NamedSharding(mesh, REPLICATED)
         static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)
         prefill = jit_step(functools.partial(prefill_step, *static), mesh, (params_in, kv_in, replicated),

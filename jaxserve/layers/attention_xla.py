@@ -37,8 +37,11 @@ PREFILL_BLOCK_TOKENS = 128  # with many query tokens per row a block has more wo
 
 
 def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
-                        soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+                        soft_cap: float | None = None, sinks: jax.Array | None = None,
+                        value_dim: int | None = None) -> jax.Array:
     """Causal attention blockwise over each row's pages with an online softmax (flash attention in plain XLA).
+    A cache with no V pool (MLA) reads each key's first `value_dim` dims as its value: the output is
+    `[B, T, q_heads, value_dim]`.
 
     The loop runs only as many key blocks as the longest context in the batch needs and never
     materializes a sequence's whole K/V, which on CPU beats both one gather of all pages (decode) and
@@ -46,6 +49,7 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
     """
     batch, num_tokens, num_q_heads, head_dim = q.shape
     k_pool, v_pool = kv.k, kv.v
+    value_dim = head_dim if v_pool is not None or value_dim is None else value_dim
     num_kv_heads, _, page_size, _ = k_pool.shape
     quantized = isinstance(k_pool, QuantizedPages)
     group = num_q_heads // num_kv_heads
@@ -67,7 +71,7 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
         running_max, denominator, accumulator = carry
         pages = jax.lax.dynamic_slice_in_dim(page_tables, index * pages_per_block, pages_per_block, axis=1)
         keys = key_block(k_pool, pages, block_tokens)
-        values = key_block(v_pool, pages, block_tokens)
+        values = keys[..., :value_dim] if v_pool is None else key_block(v_pool, pages, block_tokens)
         key_pos = index * block_tokens + jnp.arange(block_tokens)
         # Slots past a row's context (the scratch page, pages it does not own) may hold anything, even NaN or
         # inf: zero their values, since a zero probability times NaN would still be NaN. Inside the context
@@ -102,10 +106,10 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
     else:  # as if each query had seen one key of the sink's logit and value zero
         sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
         running_max, denominator = jnp.broadcast_to(sink, stats_shape), jnp.ones(stats_shape, jnp.float32)
-    init = (running_max, denominator, jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+    init = (running_max, denominator, jnp.zeros(stats_shape + (value_dim,), jnp.float32))
     _, denominator, accumulator = jax.lax.fori_loop(0, num_blocks, block, init)
     out = accumulator / jnp.maximum(denominator, 1e-30)[..., None]  # a query with no keys (padding) gives zeros
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, num_tokens, num_q_heads, value_dim).astype(q.dtype)
 
 
 def key_block(pool, pages: jax.Array, block_tokens: int) -> jax.Array:

@@ -40,17 +40,30 @@ SHARDING_RULES: tuple[tuple[str, str], ...] = (
     (r"experts/down_proj/scale$", "expert_replicated"),
     (r"experts/down_proj/bias$", "replicated"),  # added once, after the devices' partial sums (`MoE`)
     (r"mlp/(router|shared_expert_gate)/", "replicated"),
+    (r"mlp/score_correction_bias$", "replicated"),
 )
 
 
-def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """`(weights [T, top_k] float32, experts [T, top_k] int32)`: the `top_k` experts of highest softmax probability
-    over all experts, and their probabilities (renormalized to sum to 1 when `normalize`)."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+def route(router_logits: jax.Array, moe: MoEConfig, correction_bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """`(weights [T, top_k] float32, experts [T, top_k] int32)`: each token's experts and their weights, by
+    `moe`'s routing (`MoEConfig`): the `top_k` best scores (softmax over all experts, or each expert's sigmoid),
+    chosen by score plus `correction_bias` [E] when given, among the best `top_k_groups` groups when the experts
+    are grouped; the weights are the scores, renormalized when `normalize_top_k`, times `routed_scaling`."""
+    logits = router_logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if moe.num_groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], moe.num_groups, -1)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, best = jax.lax.top_k(group_scores, moe.top_k_groups)
+        chosen = jnp.any(best[..., None] == jnp.arange(moe.num_groups), axis=-2)
+        choice = jnp.where(chosen[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    _, experts = jax.lax.top_k(choice, moe.top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if moe.normalize_top_k:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if moe.scoring == "sigmoid" else 0))
+    return weights * moe.routed_scaling, experts.astype(jnp.int32)
 
 
 def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -192,7 +205,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, cfg.hidden_size)
         logits = Linear(moe.num_experts, use_bias=moe.router_bias, dtype=jnp.float32, name="router")(
             tokens.astype(jnp.float32))
-        weights, experts = route(logits, moe.top_k, moe.normalize_top_k)
+        correction = self.param("score_correction_bias", nn.initializers.zeros_init(), (moe.num_experts,),
+                                jnp.float32) if moe.score_correction_bias else None
+        weights, experts = route(logits, moe, correction)
         kernels = ExpertKernels(cfg, self.dtype, name="experts")()
         down_bias = kernels["down_proj"].pop("bias", None)
         if tp.size == 1:
@@ -215,6 +230,8 @@ class MoE(nn.Module):
             y = y + jnp.einsum("tk,tkh->th", weights, down_bias[experts].astype(self.dtype).astype(jnp.float32))
         if moe.shared_expert_size:
             shared = MLP(cfg.hidden_size, moe.shared_expert_size, tp, self.dtype, name="shared_expert")(tokens)
-            gate = Linear(1, dtype=self.dtype, name="shared_expert_gate")(tokens)
-            y = y + jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)
+            if moe.shared_expert_gate:
+                gate = Linear(1, dtype=self.dtype, name="shared_expert_gate")(tokens)
+                shared = jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)
+            y = y + shared.astype(jnp.float32)
         return y.astype(self.dtype).reshape(x.shape)

@@ -55,7 +55,9 @@ class QuantizedPages:
 @flax.struct.dataclass
 class KVPages:
     """One attention layer's cache: its K pool and its V pool (each an array or `QuantizedPages`). A pytree with
-    named leaves, so code that moves pages (`engine/kv_transfer.py`) reads them by name, never by position."""
+    named leaves, so code that moves pages (`engine/kv_transfer.py`) reads them by name, never by position. An MLA
+    layer's cache (`layers/mla.py`) has no V pool: its one "key" per token is the latent and the rope key, and its
+    values are the latent, the first dims of each key."""
 
     k: Any
     v: Any
@@ -118,24 +120,25 @@ def quantize_kv(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array
 
 def scatter_kv(kv: KVPages, k, v, slot_mapping, *, kv_cache_dtype: str = "auto") -> KVPages:
     """One device's write of `k, v: [B, T, kv_heads, head_dim]` into their slots by an XLA scatter (padding tokens
-    target the scratch page); quantizes each new token's heads first when `kv_cache_dtype` says so."""
+    target the scratch page); quantizes each new token's heads first when `kv_cache_dtype` says so. `v` None: a
+    cache with no V pool (MLA)."""
+    return KVPages(scatter_pages(kv.k, k, slot_mapping, kv_cache_dtype),
+                   None if v is None else scatter_pages(kv.v, v, slot_mapping, kv_cache_dtype))
+
+
+def scatter_pages(pool, new: jax.Array, slot_mapping: jax.Array, kv_cache_dtype: str = "auto"):
+    """`pool` with `new: [B, T, heads, head_dim]` written into the slots of `slot_mapping [B, T]`."""
     slots = slot_mapping.reshape(-1)
     if slots.shape[0] == 1:
         # XLA rewrites a one-row scatter as a dynamic-update-slice fusion that copies the whole donated
         # pool every step, slow for a large pool; writing the row twice keeps it a scatter.
-        slots = jnp.concatenate([slots, slots])
-        k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
-    heads, pages, page_size, head_dim = kv.k.shape
-    k_new = k.reshape(-1, heads, head_dim).swapaxes(0, 1)  # [heads, tokens, head_dim]
-    v_new = v.reshape(-1, heads, head_dim).swapaxes(0, 1)
+        slots, new = jnp.concatenate([slots, slots]), jnp.concatenate([new, new])
+    heads, pages, page_size, head_dim = pool.shape
+    new = new.reshape(-1, heads, head_dim).swapaxes(0, 1)  # [heads, tokens, head_dim]
     flat_shape = (heads, pages * page_size, head_dim)
-
-    def scatter(pool, new):
-        if kv_cache_dtype == "auto":
-            return pool.reshape(flat_shape).at[:, slots].set(new.astype(pool.dtype)).reshape(pool.shape)
-        values, scales = quantize_kv(new, kv_cache_dtype)
-        return QuantizedPages(
-            values=pool.values.reshape(flat_shape).at[:, slots].set(values).reshape(pool.shape),
-            scales=pool.scales.reshape(flat_shape[:2]).at[:, slots].set(scales).reshape(pool.shape[:3]))
-
-    return KVPages(scatter(kv.k, k_new), scatter(kv.v, v_new))
+    if kv_cache_dtype == "auto":
+        return pool.reshape(flat_shape).at[:, slots].set(new.astype(pool.dtype)).reshape(pool.shape)
+    values, scales = quantize_kv(new, kv_cache_dtype)
+    return QuantizedPages(
+        values=pool.values.reshape(flat_shape).at[:, slots].set(values).reshape(pool.shape),
+        scales=pool.scales.reshape(flat_shape[:2]).at[:, slots].set(scales).reshape(pool.shape[:3]))

@@ -100,6 +100,15 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     return _yarn_mscale(factor, 1.0)
 
 
+def yarn_softmax_scale(scaling: tuple[tuple[str, Any], ...] | dict[str, Any] | None) -> float:
+    """What MLA (DeepSeek) multiplies its softmax scale by: mscale(factor, `mscale_all_dim`) squared under a rope
+    scaling that sets `mscale_all_dim`, else 1 (transformers' `yarn_apply_mscale`)."""
+    scaling = dict(scaling) if scaling else {}
+    if scaling.get("rope_type", "default") == "default" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+
+
 def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 

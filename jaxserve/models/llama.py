@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxserve.config import LayerSpec, ModelConfig, MoEConfig, token_ids
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
+from jaxserve.layers.mla import MLAttention
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.moe import MoE
 from jaxserve.layers.norms import RMSNorm
@@ -140,7 +141,8 @@ class DecoderLayer(nn.Module):
         def norm(name: str):
             return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
 
-        attn_out, kv = Attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
+        attention = Attention if cfg.mla is None else MLAttention
+        attn_out, kv = attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
             norm("input_norm")(x), kv, meta)
         if self.layer.feed_forward == "moe":
             feed_forward = MoE(cfg, self.tp, self.dtype, name="mlp")

@@ -74,6 +74,8 @@ class MoENames:
     router: str = "gate"
     linears: tuple[tuple[str, str], ...] = (("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
                                             ("down_proj", "down_proj"))  # ours -> the checkpoint's
+    shared_expert: str = "shared_expert"
+    correction_bias: str = "gate.e_score_correction_bias"  # `score_correction_bias`'s tensor, after the block
 
 
 def checkpoint_source(path: str, config: ModelConfig, moe_names: MoENames = MoENames()) -> TensorSource:
@@ -94,6 +96,10 @@ def checkpoint_source(path: str, config: ModelConfig, moe_names: MoENames = MoEN
         hf_module = moe_names.block
         if inner == ["router"]:
             inner = [moe_names.router]
+        elif not inner and leaf == "score_correction_bias":
+            return TensorSource((f"model.layers.{index}.{hf_module}.{moe_names.correction_bias}",))
+        elif inner[:1] == ["shared_expert"]:
+            inner = [moe_names.shared_expert, *inner[1:]]
         elif inner[:1] == ["experts"]:
             linear = dict(moe_names.linears)[inner[1]]
             return TensorSource(tuple(f"model.layers.{index}.{hf_module}.experts.{expert}.{linear}.weight"
@@ -136,7 +142,11 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
                              "up_proj": stacked(cfg.hidden_size, moe.intermediate_size),
                              "down_proj": stacked(moe.intermediate_size, cfg.hidden_size)}}
         if moe.shared_expert_size:
-            group |= {"shared_expert": swiglu(moe.shared_expert_size), "shared_expert_gate": dense(cfg.hidden_size, 1)}
+            group["shared_expert"] = swiglu(moe.shared_expert_size)
+        if moe.shared_expert_size and moe.shared_expert_gate:
+            group["shared_expert_gate"] = dense(cfg.hidden_size, 1)
+        if moe.score_correction_bias:
+            group["score_correction_bias"] = jax.ShapeDtypeStruct((moe.num_experts,), jnp.float32)
         return group
 
     def layer(spec) -> dict:
@@ -189,13 +199,17 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     qkv = {leaf: fused(leaf) for leaf in attn["q_proj"]}
     for name in "qkv":
         del attn[f"{name}_proj"]
-    if "experts" in mlp:
-        mlp["experts"] = fuse_gate_up(mlp["experts"], tp.expert_column_shards)
-        if "shared_expert" in mlp:
-            mlp["shared_expert"] = fuse_gate_up(mlp["shared_expert"], n)
-    else:
-        mlp = fuse_gate_up(mlp, n)
-    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": mlp}
+    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": fuse_mlp(mlp, tp)}
+
+
+def fuse_mlp(mlp: dict, tp: TensorParallel) -> dict:
+    """A layer's dense MLP, or its experts and shared expert, with gate and up fused (`fuse_gate_up`)."""
+    if "experts" not in mlp:
+        return fuse_gate_up(mlp, tp.size)
+    mlp = {**mlp, "experts": fuse_gate_up(mlp["experts"], tp.expert_column_shards)}
+    if "shared_expert" in mlp:
+        mlp["shared_expert"] = fuse_gate_up(mlp["shared_expert"], tp.size)
+    return mlp
 
 
 def fuse_gate_up(mlp: dict, shards: int) -> dict:

@@ -1,0 +1,99 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, `ModelConfig.mla`): the Flax layer and its latent page cache.
+
+Per token and layer the cache keeps one row of `cache_dim` values, the compressed latent `c_kv` (`kv_lora_rank`,
+after its norm) and the rotated rope key `k_rope` (`qk_rope_head_dim`, shared by every head), in a `KVPages` with
+no V pool: `[1, num_pages, page_size, cache_dim]`, where a per-head cache of the same model would keep
+`2 x heads x head_dim` values.
+
+Attention runs absorbed (DeepSeek's weight absorption): `kv_b_proj` holds each head's key up-projection W_UK
+(`kv_lora_rank -> qk_nope_head_dim`) and value up-projection W_UV (`kv_lora_rank -> v_head_dim`). A head's no-rope
+score `q_nope . (W_UK c)` is `(W_UK^T q_nope) . c`, so each query moves into latent space once and every head
+attends over the cached rows as multi-query attention (query `[W_UK^T q_nope | q_rope]`, key `[c | k_rope]`),
+with the latent as the value; the result times W_UV is the head's value. The same sums as transformers' layer in
+another order, for prefill and decode alike; nothing is decompressed per head and per cached token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import LayerSpec, ModelConfig
+from jaxserve.distributed.tensor_parallel import TensorParallel
+from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
+from jaxserve.layers.attention_xla import xla_paged_attention
+from jaxserve.layers.norms import RMSNorm
+from jaxserve.layers.paged_kv import scatter_pages
+from jaxserve.layers.quant_dense import Linear
+from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_inverse_frequencies
+
+
+def deinterleaved(x: jax.Array) -> jax.Array:
+    """Rope dims stored as interleaved pairs `(x0, x1), (x2, x3), ...` in first-half / second-half order, the
+    order `apply_rope` rotates (transformers' `apply_rotary_pos_emb_interleave` gives the same result)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class Kernel(nn.Module):
+    """A linear's kernel `[in, out]` read as a matrix (int8 ones dequantized by their per-column scales), for
+    `kv_b_proj`, whose halves the layer multiplies with on their own."""
+
+    shape: tuple[int, int]
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        if self.has_variable("params", "scale"):
+            kernel, scale = self.get_variable("params", "kernel"), self.get_variable("params", "scale")
+            return (kernel.astype(jnp.float32) * scale).astype(self.dtype)
+        return self.param("kernel", nn.initializers.lecun_normal(), self.shape, self.dtype)
+
+
+class MLAttention(nn.Module):
+    """`(x [B, T, hidden], cache, meta) -> (out [B, T, hidden], cache)` for one layer; the call `llama.Attention`
+    has, so the decoder takes either. The cache is written and read by this layer itself (in XLA); `attention`'s
+    backend kernels read per-head pools."""
+
+    config: ModelConfig
+    tp: TensorParallel
+    attention: PagedAttention
+    layer: LayerSpec
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, kv: KVPages, meta: AttentionMetadata):
+        cfg, mla = self.config, self.config.mla
+        batch, num_tokens, _ = x.shape
+        heads, nope, rope = cfg.num_q_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim
+        if mla.q_lora_rank is None:
+            q = Linear(heads * (nope + rope), dtype=self.dtype, name="q_proj")(x)
+        else:
+            q = Linear(mla.q_lora_rank, use_bias=cfg.qkv_bias, dtype=self.dtype, name="q_a_proj")(x)
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_a_layernorm")(q)
+            q = Linear(heads * (nope + rope), dtype=self.dtype, name="q_b_proj")(q)
+        q_nope, q_rope = jnp.split(q.reshape(batch, num_tokens, heads, nope + rope), [nope], axis=-1)
+        latent = Linear(mla.cache_dim, use_bias=cfg.qkv_bias, dtype=self.dtype, name="kv_a_proj_with_mqa")(x)
+        c_kv, k_rope = jnp.split(latent[:, :, None, :], [mla.kv_lora_rank], axis=-1)
+        c_kv = RMSNorm(cfg.rms_norm_eps, self.dtype, name="kv_a_layernorm")(c_kv)
+        if mla.rope_interleave:
+            q_rope, k_rope = deinterleaved(q_rope), deinterleaved(k_rope)
+        scaling = self.layer.rope_scaling_dict
+        inv_freq, rope_scale = rope_inverse_frequencies(rope, self.layer.rope_theta, scaling), \
+            rope_attention_factor(scaling)
+        q_rope = apply_rope(q_rope, meta.positions, inv_freq, rope_scale)
+        k_rope = apply_rope(k_rope, meta.positions, inv_freq, rope_scale)
+        kv = KVPages(scatter_pages(kv.k, jnp.concatenate([c_kv, k_rope], axis=-1), meta.slot_mapping), None)
+
+        kv_b = Kernel((mla.kv_lora_rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
+        kv_b = kv_b.reshape(mla.kv_lora_rank, heads, nope + mla.v_head_dim)
+        w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
+        q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
+        query = jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1)
+        out = xla_paged_attention(query, kv, meta, sm_scale=mla.softmax_scale, sliding_window=None,
+                                  value_dim=mla.kv_lora_rank)
+        out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
+        out = out.reshape(batch, num_tokens, heads * mla.v_head_dim)
+        return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, name="o_proj")(out), kv

@@ -1,0 +1,87 @@
+"""The DeepSeek-V3 line against transformers: Multi-head Latent Attention over the latent cache (with and without
+query compression, YaRN with DeepSeek's mscale), DeepSeek's routing, and the engine's features on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.kv_plan import MLASpec
+from tests.conftest import TINY_DIMS, random_prompts, save_tiny_model
+from tests.test_model import assert_matches_transformers
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
+def tiny_deepseek_config(**overrides) -> transformers.DeepseekV3Config:
+    """Three layers (the first dense), 8 experts in 4 groups, head sizes that all differ."""
+    dims = {**TINY_DIMS, "num_hidden_layers": 3, "num_key_value_heads": 4}
+    return transformers.DeepseekV3Config(**{**dims, **dict(
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, rope_parameters=YARN, tie_word_embeddings=False,
+        num_mtp_layers=0), **overrides})
+
+
+def save_deepseek(path: str, **overrides) -> str:
+    """A random-weight model (the score-correction bias random too: transformers starts it at zero)."""
+    config = tiny_deepseek_config(**overrides)
+    save_tiny_model("deepseek_v3", path, config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> str:
+    return save_deepseek(str(tmp_path_factory.mktemp("deepseek_v3")))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "rope_interleave": False}],
+                         ids=["query-compression", "one-query-projection"])
+def test_logits_and_greedy_match_transformers(tmp_path, deepseek_dir, overrides):
+    path = save_deepseek(str(tmp_path / "model"), **overrides) if overrides else deepseek_dir
+    assert_matches_transformers(path, f"deepseek_v3 {overrides}")
+
+
+def test_engine_greedy_equals_transformers_over_the_latent_cache(deepseek_dir):
+    """Chunked prefill, prefix caching and preemption over pages of latent rows, batched."""
+    shared = random_prompts(1, 500, 24, 24, seed=11)[0]
+    prompts = random_prompts(4, 500, 20, 60, seed=12) + [shared + tail for tail in random_prompts(2, 500, 2, 9, 13)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(deepseek_dir, max_num_seqs=6, max_model_len=128, page_size=8, num_kv_pages=28,
+              max_num_batched_tokens=32, warmup=False)
+    ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    engine = llm.llm_engine
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    (group,) = engine.runner.kv_plan.groups
+    assert group.spec == MLASpec(32 + 8)
+    assert group.page_bytes == 3 * 8 * (32 + 8) * 4  # one latent row per token and layer, float32, no V
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek_dir, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref, len(prompt)
+
+
+def test_a_split_of_the_latent_attention_is_refused_by_name(deepseek_dir):
+    with pytest.raises(ValueError, match="Multi-head Latent Attention"):
+        LLM(deepseek_dir, tensor_parallel_size=2, warmup=False)
+
+
+@pytest.mark.parametrize("options, named", [(dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+                                            (dict(kv_offloading_size=0.01), "KV tiers")])
+def test_what_the_latent_cache_cannot_take_yet_is_refused_by_name(deepseek_dir, options, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(deepseek_dir, warmup=False, **options)
