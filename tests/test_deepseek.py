@@ -8,8 +8,11 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.aot.compile import compile_engine
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_plan import MLASpec
 from tests.conftest import TINY_DIMS, random_prompts, save_tiny_model
+from tests.test_compile_targets import SMALL, assert_compiles_and_fits, compilers_present
 from tests.test_model import assert_matches_transformers
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
@@ -85,3 +88,17 @@ def test_a_split_of_the_latent_attention_is_refused_by_name(deepseek_dir):
 def test_what_the_latent_cache_cannot_take_yet_is_refused_by_name(deepseek_dir, options, named):
     with pytest.raises(ValueError, match=named):
         LLM(deepseek_dir, warmup=False, **options)
+
+
+@pytest.mark.skipif(not compilers_present(), reason="the target compilers (the [aot] extra) are not installed")
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+def test_the_latent_attention_steps_compile_for_the_targets(tmp_path, target):
+    """DeepSeek-V3's shapes in small (a 512 + 64 latent row, 128 + 64 query dims, bfloat16) on a TPU and a GPU."""
+    config = tiny_deepseek_config(hidden_size=256, intermediate_size=256, num_attention_heads=4, kv_lora_rank=512,
+                                  q_lora_rank=192, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    config.save_pretrained(tmp_path)
+    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode"})
+    assert_compiles_and_fits(result)
+    (group,) = result.plan.kv_plan.groups
+    stored = {"v6e-1": 640, "h200": 576}[target]  # a TPU's pool rows padded to 128 lanes
+    assert group.spec == MLASpec(576) and group.page_bytes == 3 * result.plan.engine_config.page_size * stored * 2

@@ -206,7 +206,7 @@ def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParall
     per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`."""
     def cache(pages: int) -> KVPages:
         if config.mla is not None:  # one replicated latent pool, no V
-            shape = (1, pages, page_size, config.mla.cache_dim)
+            shape = (1, pages, page_size, backend.stored_head_dim(config.mla.cache_dim))
             placed = NamedSharding(backend.mesh, P()) if backend.mesh is not None else None
             return KVPages(allocator.full(shape, backend.storage_dtype(dtype), placed), None)
         shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)

@@ -2,8 +2,8 @@
 
 Per token and layer the cache keeps one row of `cache_dim` values, the compressed latent `c_kv` (`kv_lora_rank`,
 after its norm) and the rotated rope key `k_rope` (`qk_rope_head_dim`, shared by every head), in a `KVPages` with
-no V pool: `[1, num_pages, page_size, cache_dim]`, where a per-head cache of the same model would keep
-`2 x heads x head_dim` values.
+no V pool: `[1, num_pages, page_size, cache_dim]` (zero-padded to the backend's stored head size, a TPU's 128
+lanes), where a per-head cache of the same model would keep `2 x heads x head_dim` values.
 
 Attention runs absorbed (DeepSeek's weight absorption): `kv_b_proj` holds each head's key up-projection W_UK
 (`kv_lora_rank -> qk_nope_head_dim`) and value up-projection W_UV (`kv_lora_rank -> v_head_dim`). A head's no-rope
@@ -35,6 +35,13 @@ def deinterleaved(x: jax.Array) -> jax.Array:
     """Rope dims stored as interleaved pairs `(x0, x1), (x2, x3), ...` in first-half / second-half order, the
     order `apply_rope` rotates (transformers' `apply_rotary_pos_emb_interleave` gives the same result)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def padded(x: jax.Array, width: int) -> jax.Array:
+    """`x [..., cache_dim]` zero-padded to the pool's stored width (a TPU's 128 lanes: 576 -> 640); zeros change
+    no score and no value."""
+    pad = width - x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
 
 class Kernel(nn.Module):
@@ -85,13 +92,14 @@ class MLAttention(nn.Module):
             rope_attention_factor(scaling)
         q_rope = apply_rope(q_rope, meta.positions, inv_freq, rope_scale)
         k_rope = apply_rope(k_rope, meta.positions, inv_freq, rope_scale)
-        kv = KVPages(scatter_pages(kv.k, jnp.concatenate([c_kv, k_rope], axis=-1), meta.slot_mapping), None)
+        kv = KVPages(scatter_pages(kv.k, padded(jnp.concatenate([c_kv, k_rope], axis=-1), kv.k.shape[-1]),
+                                   meta.slot_mapping), None)
 
         kv_b = Kernel((mla.kv_lora_rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
         kv_b = kv_b.reshape(mla.kv_lora_rank, heads, nope + mla.v_head_dim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
         q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
-        query = jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1)
+        query = padded(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1), kv.k.shape[-1])
         out = xla_paged_attention(query, kv, meta, sm_scale=mla.softmax_scale, sliding_window=None,
                                   value_dim=mla.kv_lora_rank)
         out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
