@@ -78,9 +78,24 @@ def test_engine_greedy_equals_transformers_over_the_latent_cache(deepseek_dir):
         assert tokens == ref, len(prompt)
 
 
-def test_a_split_of_the_latent_attention_is_refused_by_name(deepseek_dir):
-    with pytest.raises(ValueError, match="Multi-head Latent Attention"):
-        LLM(deepseek_dir, tensor_parallel_size=2, warmup=False)
+def test_tensor_and_expert_parallel_on_four_devices_match_one_device(deepseek_dir):
+    """The heads split (q_b_proj and kv_b_proj on their output features, o_proj on its input), the latent and its
+    cache whole on every device; the experts split inside each or whole per device; int8 weights the same."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 500, 10, 40, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(**options):
+        llm = LLM(deepseek_dir, max_num_seqs=4, max_model_len=128, warmup=False, **options)
+        tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        return tokens, llm.llm_engine.runner.params["layers_1"]["attn"]
+
+    reference, _ = run()
+    tokens, attn = run(tensor_parallel_size=4)
+    assert tokens == reference
+    assert {shard.data.shape for shard in attn["kv_b_proj"]["kernel"].addressable_shards} == {(32, 4 * 40 // 4)}
+    assert {shard.data.shape for shard in attn["o_proj"]["kernel"].addressable_shards} == {(4 * 24 // 4, 64)}
+    assert run(tensor_parallel_size=4, enable_expert_parallel=True)[0] == reference
+    assert run(tensor_parallel_size=2, quantization="int8")[0] == run(quantization="int8")[0]
 
 
 @pytest.mark.parametrize("options, named", [(dict(kv_cache_dtype="int8"), "kv_cache_dtype"),

@@ -37,10 +37,6 @@ class TensorParallel:
         n, q, kv = self.size, config.num_q_heads, config.num_kv_heads
         if n < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
-        if config.mla is not None and n > 1:
-            raise ValueError(f"tensor_parallel_size {n}: model_type {config.model_type!r} (Multi-head Latent "
-                             "Attention) is served on one device for now; use tensor_parallel_size 1 or "
-                             "data_parallel_size")
         if q % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads ({q})")
         if kv % n and n % kv:

@@ -23,7 +23,6 @@ from jaxserve.models.spec import TensorSource
 
 MODEL_TYPES = ("deepseek_v3",)
 MOE_NAMES = weights.MoENames(shared_expert="shared_experts")
-ATTENTION_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def parse_config(hf_config: Any) -> ModelConfig:
@@ -86,8 +85,13 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     return {**layer, "mlp": weights.fuse_mlp(dict(layer["mlp"]), tp)}
 
 
+# Tensor parallelism splits the heads: the per-head projections on their output features (whole heads per
+# device), o_proj on its input features; the latent and the query latent (`q_a_proj`) are computed whole on every
+# device, and every device keeps the whole latent cache (it has no heads to split).
 SHARDING_RULES: tuple[tuple[str, str], ...] = (
-    (rf"attn/({'|'.join(ATTENTION_LINEARS)})/", "replicated"),  # one device: `ModelConfig.mla` refuses a split
+    (r"attn/(q_proj|q_b_proj|kv_b_proj)/kernel$", "columns"),
+    (r"attn/(q_proj|q_b_proj|kv_b_proj)/scale$", "vector"),
+    (r"attn/(q_a_proj|kv_a_proj_with_mqa)/", "replicated"),
     (r"attn/(q_a|kv_a)_layernorm/", "replicated"),
     *weights.SHARDING_RULES,
 )
