@@ -3,6 +3,7 @@ query compression, YaRN with DeepSeek's mscale), DeepSeek's routing, and the eng
 
 from __future__ import annotations
 
+import jax
 import pytest
 import torch
 import transformers
@@ -117,3 +118,81 @@ def test_the_latent_attention_steps_compile_for_the_targets(tmp_path, target):
     (group,) = result.plan.kv_plan.groups
     stored = {"v6e-1": 640, "h200": 576}[target]  # a TPU's pool rows padded to 128 lanes
     assert group.spec == MLASpec(576) and group.page_bytes == 3 * result.plan.engine_config.page_size * stored * 2
+
+
+def save_fp8(source: str, fp8_dir: str, reference_dir: str, block: tuple[int, int] = (16, 16)) -> None:
+    """DeepSeek-V3's fine-grained FP8 layout made from `source`: every linear weight in e4m3 with a float32
+    `weight_scale_inv` per `block` (blocks at the edges partial), into `fp8_dir`; the same weights dequantized, in
+    float32, into `reference_dir` (what the FP8 checkpoint means)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(f"{source}/model.safetensors")
+    fp8, reference = {}, {}
+    for name, tensor in state.items():
+        if tensor.dim() != 2 or not name.endswith("proj.weight"):
+            fp8[name] = reference[name] = tensor
+            continue
+        rows, cols = (-(-size // b) for size, b in zip(tensor.shape, block))
+        padded = torch.zeros(rows * block[0], cols * block[1])
+        padded[:tensor.shape[0], :tensor.shape[1]] = tensor
+        blocks = padded.reshape(rows, block[0], cols, block[1])
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        expanded = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:tensor.shape[0],
+                                                                                       :tensor.shape[1]]
+        fp8[name] = (tensor / expanded).to(torch.float8_e4m3fn)
+        fp8[f"{name}_scale_inv"] = scale
+        reference[name] = fp8[name].float() * expanded
+    for directory, tensors in ((fp8_dir, fp8), (reference_dir, reference)):
+        shutil.copytree(source, directory)
+        save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{fp8_dir}/config.json") as handle:
+        config = json.load(handle)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    with open(f"{fp8_dir}/config.json", "w") as handle:
+        json.dump(config, handle)
+
+
+def test_a_block_scaled_fp8_checkpoint_loads_dequantized(tmp_path, deepseek_dir):
+    """Every weight equals its dequantized value (the blocks crossing a device's slice under tensor parallelism
+    too), and the engine's greedy tokens equal transformers' on the dequantized weights."""
+    import numpy as np
+
+    from jaxserve.loading import load_model
+
+    fp8_dir, reference_dir = str(tmp_path / "fp8"), str(tmp_path / "reference")
+    save_fp8(deepseek_dir, fp8_dir, reference_dir)
+    ours, theirs = load_model(fp8_dir).params, load_model(reference_dir).params
+    for (path, mine), (_, reference) in zip(jax.tree_util.tree_leaves_with_path(ours),
+                                            jax.tree_util.tree_leaves_with_path(theirs)):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(reference), err_msg=str(path))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = [out.outputs[0].token_ids for out in LLM(fp8_dir, max_model_len=128, tensor_parallel_size=4,
+                                                      warmup=False).generate(prompts, params, use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    for prompt, mine in zip(prompts, tokens):
+        with torch.no_grad():
+            ids = prompt["prompt_token_ids"]
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(ids):].tolist()
+        assert mine == ref
+
+
+def test_fp8_scales_that_do_not_fit_their_weight_are_refused_by_name(tmp_path, deepseek_dir):
+    from jaxserve.loading import load_model
+
+    fp8_dir = str(tmp_path / "fp8")
+    save_fp8(deepseek_dir, fp8_dir, str(tmp_path / "reference"), block=(16, 16))
+    import json
+
+    with open(f"{fp8_dir}/config.json") as handle:
+        config = json.load(handle)
+    config["quantization_config"]["weight_block_size"] = [32, 16]
+    with open(f"{fp8_dir}/config.json", "w") as handle:
+        json.dump(config, handle)
+    with pytest.raises(ValueError, match=r"weight_scale_inv has shape .* in blocks of \[32, 16\]"):
+        load_model(fp8_dir)

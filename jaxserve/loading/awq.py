@@ -106,11 +106,11 @@ def check_quantization(model: str | os.PathLike | None, quantization: str | None
         else:
             has = "it is not a Hugging Face checkpoint directory with config.json"
         raise ValueError(f"quantization='awq' needs an AutoAWQ checkpoint, but model {model!r} is not one: {has}")
-    if method == "mxfp4":  # gpt-oss: its MXFP4 experts are dequantized on load (`hf_files.read_mxfp4_slice`)
+    if method in ("mxfp4", "fp8"):  # gpt-oss's MXFP4 experts, block-scaled FP8: dequantized on load (`loading/hf.py`)
         return quantization
     if method is not None and method != "awq":
         raise ValueError(f"model {model!r} is quantized with quant_method {method!r}, which jaxserve cannot load "
-                         "(supported: 'awq', and 'mxfp4' experts, dequantized on load)")
+                         "(supported: 'awq'; 'mxfp4' experts and block-scaled 'fp8', dequantized on load)")
     if method == "awq":
         if quantization not in (None, "awq"):
             raise ValueError(f"quantization={quantization!r} does not match model {model!r}, an AutoAWQ "

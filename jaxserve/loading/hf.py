@@ -9,12 +9,14 @@ time, so the host holds one parameter's slices in flight: no float32 copy of the
 and with tensor parallelism a split tensor is never read whole, only each device's part of it.
 `convert_hf_state_dict` applies the same sources to an in-memory state dict (the GGUF conversion's). An AutoAWQ
 checkpoint loads through `loading/awq.py`. A tensor stored as MXFP4 (`{name}_blocks` and `{name}_scales`, gpt-oss's
-experts) is dequantized to the serving dtype as each device reads its slice.
+experts), or as block-scaled FP8 (e4m3 with a `{name}_scale_inv` per block, DeepSeek-V3's and transformers'
+fine-grained FP8), is dequantized to the serving dtype as each device reads its slice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Mapping
 
 import jax
@@ -24,8 +26,9 @@ from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading.awq import load_awq_checkpoint
-from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, is_mxfp4,
-                                       mxfp4_shape, read_hf_slice, read_mxfp4_slice, source_shape, tensor_files)
+from jaxserve.loading.hf_files import (check_fp8_scales, check_shape, checkpoint_quantization_config, fp8_view,
+                                       hf_model_config, is_mxfp4, mxfp4_shape, read_fp8_block_slice, read_hf_slice,
+                                       read_mxfp4_slice, source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
 from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources
 
@@ -34,9 +37,11 @@ def is_source(leaf) -> bool:
     return isinstance(leaf, TensorSource)
 
 
-def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DTypeLike) -> dict:
+def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DTypeLike,
+                   fp8_block: tuple[int, int] | None = None) -> dict:
     """The checkpoint-layout params of the HF checkpoint in `path`, each a jax array in `dtype` placed with its
-    sharding from `shardings` (a tree like `checkpoint_shapes(config)`); each device's slice is read on its own."""
+    sharding from `shardings` (a tree like `checkpoint_shapes(config)`); each device's slice is read on its own.
+    `fp8_block`: the checkpoint's fine-grained FP8 blocks; a tensor with a `{name}_scale_inv` is dequantized."""
     from safetensors import safe_open
 
     dtype = np.dtype(dtype)
@@ -47,23 +52,41 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
         if not stacked and is_mxfp4(source.names[0], files):
             return load_mxfp4(source, sharding, expected)
         with contextlib.ExitStack() as stack:  # unmapped again once this parameter is placed
-            tensors = []
+            readers = []
             for name in source.names:
                 if name not in files:
                     raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
-                tensors.append(stack.enter_context(safe_open(files[name], framework="np")).get_slice(name))
-                check_shape(name, source_shape(tensors[-1].get_shape(), source.transposed, source.rows,
-                                               source.columns),
+                if f"{name}_scale_inv" in files:
+                    shape, reader = fp8_reader(name, source, stack)
+                else:
+                    tensor = stack.enter_context(safe_open(files[name], framework="np")).get_slice(name)
+                    shape, reader = tensor.get_shape(), functools.partial(
+                        read_hf_slice, tensor, source.transposed, dtype=dtype, rows=source.rows,
+                        columns=source.columns)
+                readers.append(reader)
+                check_shape(name, source_shape(shape, source.transposed, source.rows, source.columns),
                             expected.shape[1:] if stacked else expected.shape, path)
 
             def read(index: tuple) -> np.ndarray:
                 if not stacked:
-                    return read_hf_slice(tensors[0], source.transposed, index, dtype, source.rows, source.columns)
-                chosen = range(len(tensors))[index[0] if index else slice(None)]
-                return np.stack([read_hf_slice(tensors[i], source.transposed, index[1:], dtype, source.rows,
-                                               source.columns) for i in chosen])
+                    return readers[0](index=index)
+                chosen = range(len(readers))[index[0] if index else slice(None)]
+                return np.stack([readers[i](index=index[1:]) for i in chosen])
 
             return jax.make_array_from_callback(expected.shape, sharding, read, dtype=dtype)
+
+    def fp8_reader(name: str, source: TensorSource, stack: contextlib.ExitStack):
+        if fp8_block is None:
+            raise ValueError(f"checkpoint {path!r}: tensor {name!r} has a weight_scale_inv, but config.json's "
+                             "quantization_config names no fp8 weight_block_size")
+        if source.rows is not None or source.columns is not None:
+            raise ValueError(f"checkpoint {path!r}: a fused FP8 tensor ({name!r}) is not supported")
+        weight = fp8_view(files[name], name)
+        scales = stack.enter_context(safe_open(files[f"{name}_scale_inv"], framework="np")).get_slice(
+            f"{name}_scale_inv")
+        check_fp8_scales(name, weight.shape, scales.get_shape(), fp8_block, path)
+        return weight.shape, functools.partial(read_fp8_block_slice, weight, scales, fp8_block, source.transposed,
+                                               dtype=dtype)
 
     def load_mxfp4(source: TensorSource, sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
         name = source.names[0]
@@ -110,7 +133,20 @@ def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | No
     placed on `mesh` (default: one device) by the sharding table. The head counts are checked before any read.
     An AutoAWQ checkpoint (config.json's quantization_config) loads with its linears 4-bit (`loading/awq.py`)."""
     config = hf_model_config(path)
-    quantization = checkpoint_quantization_config(path)
-    if quantization is not None and str(quantization.get("quant_method", "")).lower() == "awq":
+    quantization = checkpoint_quantization_config(path) or {}
+    method = str(quantization.get("quant_method", "")).lower()
+    if method == "awq":
         return config, load_awq_checkpoint(path, config, quantization, dtype, mesh)
-    return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh, expert_parallel), dtype)
+    return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh, expert_parallel), dtype,
+                                  fp8_blocks(quantization) if method == "fp8" else None)
+
+
+def fp8_blocks(quantization: dict) -> tuple[int, int]:
+    """A fine-grained FP8 checkpoint's blocks (config.json's `weight_block_size`); ValueError for other FP8 kinds."""
+    block = quantization.get("weight_block_size")
+    fmt = quantization.get("fmt", "e4m3")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block) or fmt != "e4m3"):
+        raise ValueError(f"quantization_config {quantization}: jaxserve reads FP8 checkpoints with e4m3 weights in "
+                         "blocks (weight_block_size [rows, columns], as DeepSeek-V3's), dequantized on load")
+    return tuple(block)

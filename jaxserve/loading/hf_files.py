@@ -119,6 +119,55 @@ def read_mxfp4_slice(blocks, scales, index: tuple, dtype: np.dtype,
     return np.ascontiguousarray(values.transpose(0, 2, 1), dtype=dtype)
 
 
+FP8_DTYPES = {"F8_E4M3": "float8_e4m3fn"}  # safetensors' name -> ml_dtypes' (numpy has no float8 of its own)
+
+
+def fp8_view(file: str, name: str) -> np.ndarray:
+    """Tensor `name` of safetensors file `file`, stored as float8 (e4m3), as a read-only memory map: safetensors'
+    numpy reader has no float8 dtype, so the view is made from the file's header (its documented layout: an
+    8-byte little-endian header size, a JSON header with each tensor's dtype, shape and data offsets, the data)."""
+    import ml_dtypes
+
+    with open(file, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        entry = json.loads(handle.read(size)).get(name)
+    if entry is None or entry.get("dtype") not in FP8_DTYPES:
+        raise ValueError(f"checkpoint file {file!r}: tensor {name!r} has a weight_scale_inv but is not stored as "
+                         f"{'/'.join(FP8_DTYPES)} ({entry and entry.get('dtype')})")
+    begin, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    if end - begin != int(np.prod(shape)):
+        raise ValueError(f"checkpoint file {file!r}: tensor {name!r} of shape {shape} holds {end - begin} bytes")
+    return np.memmap(file, dtype=getattr(ml_dtypes, FP8_DTYPES[entry["dtype"]]), mode="r", offset=8 + size + begin,
+                     shape=shape)
+
+
+def read_fp8_block_slice(weight: np.ndarray, scale_inv, block: tuple[int, int], transposed: bool, index: tuple,
+                         dtype: np.dtype) -> np.ndarray:
+    """Our `index` of a float8 weight `[out, in]` (`fp8_view`) with one float32 scale per `block` of it
+    (`scale_inv [ceil(out / b0), ceil(in / b1)]`, a safetensors slice: DeepSeek-V3's and transformers'
+    fine-grained FP8), dequantized to `dtype`: only the scale rows and columns our slice covers are read."""
+    index = tuple(index) + (slice(None),) * (2 - len(index))
+    rows, cols = (index[1], index[0]) if transposed else index
+    rows, cols = (np.arange(*part.indices(length)) for part, length in zip((rows, cols), weight.shape))
+    values = np.zeros((rows.size, cols.size), np.float32)
+    if values.size:  # each value times its block's scale; the scale rows and columns the slice covers are read
+        values = np.asarray(weight[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1], np.float32)
+        row_blocks, col_blocks = rows // block[0], cols // block[1]
+        scales = np.asarray(scale_inv[row_blocks[0]:row_blocks[-1] + 1, col_blocks[0]:col_blocks[-1] + 1],
+                            np.float32)
+        values = values * scales[(row_blocks - row_blocks[0])[:, None], (col_blocks - col_blocks[0])[None, :]]
+    return np.ascontiguousarray(values.T if transposed else values, dtype=dtype)
+
+
+def check_fp8_scales(name: str, weight_shape: tuple, scale_shape: tuple, block: tuple[int, int], where: str) -> None:
+    """ValueError unless `{name}_scale_inv` has one scale per `block` of the weight."""
+    expected = tuple(-(-size // b) for size, b in zip(weight_shape, block))
+    if len(weight_shape) != 2 or tuple(scale_shape) != expected:
+        raise ValueError(f"checkpoint {where!r}: {name}_scale_inv has shape {tuple(scale_shape)}; a weight of shape "
+                         f"{tuple(weight_shape)} in blocks of {list(block)} needs {expected}")
+
+
 def source_shape(shape: tuple, transposed: bool, rows: tuple[int, int] | None,
                  columns: tuple[int, int] | None = None) -> tuple:
     """A HF tensor's shape in our orientation, of our slice of it (`rows`, `columns`; a tensor too short for the
