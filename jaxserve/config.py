@@ -19,6 +19,7 @@ class LayerSpec:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable copy of HF's rope parameters
     feed_forward: str = "dense"
+    rotary_dim: int | None = None  # the rope turns each head's first rotary_dim dims (partial rotary); None: all
 
     def __post_init__(self) -> None:
         if self.feed_forward not in FEED_FORWARDS:

@@ -196,3 +196,20 @@ def test_fp8_scales_that_do_not_fit_their_weight_are_refused_by_name(tmp_path, d
         json.dump(config, handle)
     with pytest.raises(ValueError, match=r"weight_scale_inv has shape .* in blocks of \[32, 16\]"):
         load_model(fp8_dir)
+
+
+def test_glm4_moe_matches_transformers(tmp_path):
+    """GLM-4.5's decoder: half of each head rotated, q/k/v biases, q/k norms, DeepSeek's routing with one group of
+    two chosen, the first layer dense."""
+    config = transformers.Glm4MoeConfig(**{**TINY_DIMS, "num_hidden_layers": 3}, head_dim=32, moe_intermediate_size=32,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                        n_shared_experts=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+                                        use_qk_norm=True, attention_bias=True, tie_word_embeddings=False)
+    path = save_tiny_model("glm4_moe", str(tmp_path / "glm"), config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts the biases and the correction bias at zero
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("bias", "e_score_correction_bias")):
+                tensor.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    assert_matches_transformers(path, "glm4_moe")

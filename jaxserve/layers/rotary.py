@@ -136,8 +136,13 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, An
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:
     """Rotates `x: [..., tokens, heads, head_dim]` by `positions: [..., tokens]` (first half / second half pairs) at
-    frequencies `inv_freq` (`[head_dim // 2]`, or per token `[..., tokens, head_dim // 2]`), scaled by `scale`
-    (`rope_attention_factor`)."""
+    frequencies `inv_freq` (`[rotary_dim // 2]`, or per token `[..., tokens, rotary_dim // 2]`), scaled by `scale`
+    (`rope_attention_factor`). With a `rotary_dim` below head_dim (partial rotary) only the first `rotary_dim`
+    dims turn; the rest pass as they are."""
+    rotary_dim = 2 * np.shape(inv_freq)[-1]
+    if rotary_dim < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary_dim], positions, inv_freq, scale), x[..., rotary_dim:]],
+                               axis=-1)
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]

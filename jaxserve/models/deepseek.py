@@ -25,17 +25,25 @@ MODEL_TYPES = ("deepseek_v3",)
 MOE_NAMES = weights.MoENames(shared_expert="shared_experts")
 
 
+def deepseek_moe(hf_config: Any) -> tuple[MoEConfig | None, tuple[bool, ...]]:
+    """DeepSeek-V3's mixture of experts as its config (and GLM-4.5's, which copies it) spells it, and which layers
+    have it: every layer from `first_k_dense_replace` on."""
+    experts = hf_config.n_routed_experts or 0
+    sparse = tuple(experts > 0 and index >= hf_config.first_k_dense_replace
+                   for index in range(hf_config.num_hidden_layers))
+    if not any(sparse):
+        return None, sparse
+    return MoEConfig(num_experts=experts, top_k=hf_config.num_experts_per_tok,
+                     intermediate_size=hf_config.moe_intermediate_size, normalize_top_k=bool(hf_config.norm_topk_prob),
+                     shared_expert_size=(hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size,
+                     scoring="sigmoid", score_correction_bias=True, num_groups=hf_config.n_group or 1,
+                     top_k_groups=hf_config.topk_group or 1, routed_scaling=float(hf_config.routed_scaling_factor),
+                     shared_expert_gate=False), sparse
+
+
 def parse_config(hf_config: Any) -> ModelConfig:
     """The `ModelConfig` of a `deepseek_v3` config; ValueError naming what jaxserve cannot compute."""
-    num_layers, dense = hf_config.num_hidden_layers, hf_config.first_k_dense_replace
-    experts = hf_config.n_routed_experts or 0
-    sparse = tuple(experts > 0 and index >= dense for index in range(num_layers))
-    moe = MoEConfig(num_experts=experts, top_k=hf_config.num_experts_per_tok,
-                    intermediate_size=hf_config.moe_intermediate_size, normalize_top_k=bool(hf_config.norm_topk_prob),
-                    shared_expert_size=(hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size,
-                    scoring="sigmoid", score_correction_bias=True, num_groups=hf_config.n_group or 1,
-                    top_k_groups=hf_config.topk_group or 1, routed_scaling=float(hf_config.routed_scaling_factor),
-                    shared_expert_gate=False) if any(sparse) else None
+    moe, sparse = deepseek_moe(hf_config)
     config = llama.decoder_config(hf_config, qkv_bias=bool(hf_config.attention_bias),
                                   o_bias=bool(hf_config.attention_bias), qk_norm=False, moe=moe, sparse_layers=sparse)
     nope, rope = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim

@@ -13,12 +13,15 @@ REQUIRED_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_fa
                         "dynamic": ("factor",)}
 
 
-def rope_parameters(hf_config: Any) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+def rope_parameters(hf_config: Any, partial: bool = False) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """`(rope_theta, rope_scaling)` from a transformers config, in the v4 (`rope_theta`, `rope_scaling`) or v5
-    (`rope_parameters`) spelling; scaling None for the default rope, else its sorted items with `rope_type`."""
+    (`rope_parameters`) spelling; scaling None for the default rope, else its sorted items with `rope_type`.
+    `partial`: the caller rotates part of each head (`rotary_fraction`), else a partial rotary factor is refused."""
     rope_params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     if getattr(hf_config, "partial_rotary_factor", None) is not None:
         rope_params.setdefault("partial_rotary_factor", hf_config.partial_rotary_factor)
+    if partial:
+        rope_params.pop("partial_rotary_factor", None)
     longrope = rope_params.get("rope_type", rope_params.get("type")) == "longrope"
     if longrope and getattr(hf_config, "original_max_position_embeddings", None) is not None:  # Phi-3: top level
         rope_params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
@@ -52,6 +55,16 @@ def parse_rope(rope_params: dict, default_theta: float | None,
     rope_params["rope_type"] = rope_type
     rope_params.pop("type", None)
     return float(rope_theta), tuple(sorted(rope_params.items()))
+
+
+def rotary_fraction(hf_config: Any) -> float:
+    """The fraction of each head's dims the rope turns (`partial_rotary_factor`, top level or in the rope
+    parameters; 1: all)."""
+    rope_params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    fraction = getattr(hf_config, "partial_rotary_factor", None) or rope_params.get("partial_rotary_factor") or 1.0
+    if not 0 < float(fraction) <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {fraction}")
+    return float(fraction)
 
 
 def layer_windows(hf_config: Any, num_layers: int) -> list[int | None]:

@@ -53,11 +53,13 @@ def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, o_bias: boo
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported for model_type "
                              f"{hf_config.model_type!r} (jaxserve computes its SwiGLU with silu)")
         activation = "silu"
-    rope_theta, rope_scaling = hf.rope_parameters(hf_config)
+    rope_theta, rope_scaling = hf.rope_parameters(hf_config, partial=True)
+    rotary_dim = int(hf.head_dim(hf_config) * hf.rotary_fraction(hf_config))
     num_layers = hf_config.num_hidden_layers
     sparse_layers = sparse_layers or (False,) * num_layers
     layers = tuple(LayerSpec(sliding_window=window, rope_theta=rope_theta, rope_scaling=rope_scaling,
-                             feed_forward="moe" if sparse else "dense")
+                             feed_forward="moe" if sparse else "dense",
+                             rotary_dim=rotary_dim if rotary_dim < hf.head_dim(hf_config) else None)
                    for window, sparse in zip(hf.layer_windows(hf_config, num_layers), sparse_layers))
     return ModelConfig(
         model_type=hf_config.model_type,
@@ -107,11 +109,11 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
-        scaling = self.layer.rope_scaling_dict
+        scaling, rotary_dim = self.layer.rope_scaling_dict, self.layer.rotary_dim or cfg.head_dim
         if rope_length_threshold(scaling) is None:
-            inv_freq = rope_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling)
+            inv_freq = rope_inverse_frequencies(rotary_dim, self.layer.rope_theta, scaling)
         else:
-            inv_freq = token_inverse_frequencies(cfg.head_dim, self.layer.rope_theta, scaling, meta.token_rope_lens())
+            inv_freq = token_inverse_frequencies(rotary_dim, self.layer.rope_theta, scaling, meta.token_rope_lens())
         rope_scale = rope_attention_factor(scaling)
         q = apply_rope(q, meta.positions, inv_freq, rope_scale)
         k = apply_rope(k, meta.positions, inv_freq, rope_scale)
