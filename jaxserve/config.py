@@ -118,6 +118,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False  # the attention's output projection has a bias (HF's attention_bias in most families)
     qk_norm: bool = False
+    qk_norm_all_heads: bool = False  # the q and k norms span every head's dims at once (MiniMax-M2), not each head
     tie_word_embeddings: bool = False
     layers: tuple[LayerSpec, ...] = ()
     attn_logit_softcap: float | None = None  # logits capped as cap * tanh(x / cap) (Gemma 2); None: uncapped

@@ -213,3 +213,26 @@ def test_glm4_moe_matches_transformers(tmp_path):
                 tensor.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     assert_matches_transformers(path, "glm4_moe")
+
+
+def test_minimax_m2_matches_transformers_on_one_and_two_devices(tmp_path):
+    """MiniMax-M2's decoder: q and k norms over all heads at once (summed over the devices under a split), half
+    of each head rotated, sigmoid routing with the correction bias and no groups."""
+    config = transformers.MiniMaxM2Config(**{**TINY_DIMS, "intermediate_size": 32}, head_dim=32,
+                                          num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
+                                          tie_word_embeddings=False)
+    path = save_tiny_model("minimax_m2", str(tmp_path / "minimax"), config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    assert_matches_transformers(path, "minimax_m2")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one, two = ([out.outputs[0].token_ids for out in LLM(path, max_model_len=128, warmup=False, **options).generate(
+        prompts, params, use_tqdm=False)] for options in ({}, {"tensor_parallel_size": 2}))
+    assert one == two
+    with pytest.raises(ValueError, match="k norm spans every KV head"):
+        LLM(path, tensor_parallel_size=4, warmup=False)

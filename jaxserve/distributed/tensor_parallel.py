@@ -39,6 +39,9 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
         if q % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads ({q})")
+        if config.qk_norm_all_heads and kv % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}) for model_type "
+                             f"{config.model_type!r}, whose k norm spans every KV head (they cannot be replicated)")
         if kv % n and n % kv:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
                              f"multiple of it (KV heads are then replicated)")

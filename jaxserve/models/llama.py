@@ -107,8 +107,13 @@ class Attention(nn.Module):
         k = k.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
         v = v.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
+            q_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")
+            k_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")
+            if cfg.qk_norm_all_heads:  # over the heads' dims together: under a split, XLA sums over the devices
+                q = q_norm(q.reshape(batch, num_tokens, -1)).reshape(q.shape)
+                k = k_norm(k.reshape(batch, num_tokens, -1)).reshape(k.shape)
+            else:
+                q, k = q_norm(q), k_norm(k)
         scaling, rotary_dim = self.layer.rope_scaling_dict, self.layer.rotary_dim or cfg.head_dim
         if rope_length_threshold(scaling) is None:
             inv_freq = rope_inverse_frequencies(rotary_dim, self.layer.rope_theta, scaling)

@@ -157,7 +157,8 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
         if cfg.attention_sinks:
             attn["sinks"] = jax.ShapeDtypeStruct((cfg.num_q_heads,), dtype)
         if cfg.qk_norm:
-            attn |= {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)}
+            attn |= ({"q_norm": norm(cfg.q_size), "k_norm": norm(cfg.kv_size)} if cfg.qk_norm_all_heads
+                     else {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)})
         mlp = experts() if spec.feed_forward == "moe" else swiglu(cfg.intermediate_size)
         group = {"input_norm": norm(cfg.hidden_size), "attn": attn, "post_attention_norm": norm(cfg.hidden_size),
                  "mlp": mlp}

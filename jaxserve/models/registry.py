@@ -27,14 +27,14 @@ from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
 from jaxserve.layers.lora import lora_variables
-from jaxserve.models import deepseek, gemma, glm4_moe, gpt_oss, llama, mixtral, phi3, qwen_moe
+from jaxserve.models import deepseek, gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3, qwen_moe
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
 
 
 FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC,
-                                   gpt_oss.SPEC, deepseek.SPEC, glm4_moe.SPEC)
+                                   gpt_oss.SPEC, deepseek.SPEC, glm4_moe.SPEC, minimax_m2.SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
