@@ -43,8 +43,8 @@ class MoEConfig:
     DeepSeek-V3's routing (GLM-4.5, MiniMax-M2 too): `scoring` "sigmoid" scores each expert on its own; with
     `score_correction_bias` a learned per-expert bias is added to the scores for choosing only (the weights are the
     scores); with `num_groups` > 1 the experts are in that many groups, each scored by its two best, and only the
-    `top_k_groups` best groups are chosen from. The weights are multiplied by `routed_scaling`. DeepSeek's shared
-    experts have no gate (`shared_expert_gate` False)."""
+    `top_k_groups` best groups are chosen from (DeepSeek-V2's groups, `group_by_max`: each by its best). The weights
+    are multiplied by `routed_scaling`. DeepSeek's shared experts have no gate (`shared_expert_gate` False)."""
 
     num_experts: int
     top_k: int
@@ -61,6 +61,7 @@ class MoEConfig:
     top_k_groups: int = 1
     routed_scaling: float = 1.0
     shared_expert_gate: bool = True
+    group_by_max: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:

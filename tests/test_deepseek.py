@@ -236,3 +236,15 @@ def test_minimax_m2_matches_transformers_on_one_and_two_devices(tmp_path):
     assert one == two
     with pytest.raises(ValueError, match="k norm spans every KV head"):
         LLM(path, tensor_parallel_size=4, warmup=False)
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
+    """DeepSeek-V2(-Lite)'s shape: one query projection, softmax routing never renormalized, groups by their best
+    expert, rope on complex pairs."""
+    config = transformers.DeepseekV2Config(
+        **{**TINY_DIMS, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, topk_method=topk_method,
+        n_shared_experts=2, routed_scaling_factor=1.7, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, tie_word_embeddings=False)
+    assert_matches_transformers(save_tiny_model("deepseek_v2", str(tmp_path / "v2"), config=config), topk_method)

@@ -20,7 +20,8 @@ from tests.conftest import TINY_DIMS, tiny_hf_config
 def test_supported_model_types_are_the_llama_family_and_its_relatives():
     assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "qwen2_moe",
                                      "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
-                                     "gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2")
+                                     "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe",
+                                     "minimax_m2")
     assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 10
 
 
@@ -28,7 +29,7 @@ def test_an_unsupported_model_type_is_a_value_error_listing_the_supported_ones_b
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "hidden_size": 8}))
     listed = (r"model_type 'qwen3_next' is not supported; jaxserve serves llama, mistral, qwen2, qwen3, smollm, "
               r"smollm2, qwen2_moe, qwen3_moe, mixtral, gemma, gemma2, gemma3_text, gemma3, phi3, gpt_oss, deepseek_v3, "
-              r"glm4_moe, minimax_m2")
+              r"deepseek_v2, glm4_moe, minimax_m2")
     with pytest.raises(ValueError, match=listed):
         load_model(str(tmp_path))  # no weights in the directory: the error comes first
     with pytest.raises(ValueError, match=listed):

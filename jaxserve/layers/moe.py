@@ -49,13 +49,13 @@ def route(router_logits: jax.Array, moe: MoEConfig, correction_bias: jax.Array |
     """`(weights [T, top_k] float32, experts [T, top_k] int32)`: each token's experts and their weights, by
     `moe`'s routing (`MoEConfig`): the `top_k` best scores (softmax over all experts, or each expert's sigmoid),
     chosen by score plus `correction_bias` [E] when given, among the best `top_k_groups` groups when the experts
-    are grouped; the weights are the scores, renormalized when `normalize_top_k`, times `routed_scaling`."""
+    are grouped (each scored by its two best, or its best); the weights are the scores, renormalized when `normalize_top_k`, times `routed_scaling`."""
     logits = router_logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
     if moe.num_groups > 1:
         grouped = choice.reshape(*choice.shape[:-1], moe.num_groups, -1)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        group_scores = jnp.max(grouped, axis=-1) if moe.group_by_max else jnp.sum(jax.lax.top_k(grouped, 2)[0], -1)
         _, best = jax.lax.top_k(group_scores, moe.top_k_groups)
         chosen = jnp.any(best[..., None] == jnp.arange(moe.num_groups), axis=-2)
         choice = jnp.where(chosen[..., None], grouped, -jnp.inf).reshape(choice.shape)

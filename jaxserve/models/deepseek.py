@@ -1,8 +1,7 @@
-"""DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3/V3.1/R1, Kimi K2 and Mistral Large 3 use its config): the Llama decoder
-with Multi-head Latent Attention (`layers/mla.py`) over a latent KV cache, and DeepSeek's mixture of experts after
-the first `first_k_dense_replace` dense layers (sigmoid scores, a score-correction bias for choosing, the best
-`topk_group` of `n_group` expert groups, weights times `routed_scaling_factor`, `n_shared_experts` ungated shared
-experts).
+"""DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3/V3.1/R1, Kimi K2 and Mistral Large 3 use its config) and DeepSeek-V2
+(`deepseek_v2`): the Llama decoder with Multi-head Latent Attention (`layers/mla.py`) over a latent KV cache, and
+DeepSeek's mixture of experts after the first `first_k_dense_replace` dense layers, with `n_shared_experts` ungated
+shared experts (`deepseek_moe`: V3's sigmoid scores, correction bias and expert groups; V2's softmax).
 
 Checkpoint layout: transformers' names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj` without query
 compression, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`; experts as the other MoE families');
@@ -21,24 +20,34 @@ from jaxserve.models import llama
 from jaxserve.models import llama_weights as weights
 from jaxserve.models.spec import TensorSource
 
-MODEL_TYPES = ("deepseek_v3",)
+MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 MOE_NAMES = weights.MoENames(shared_expert="shared_experts")
 
 
 def deepseek_moe(hf_config: Any) -> tuple[MoEConfig | None, tuple[bool, ...]]:
-    """DeepSeek-V3's mixture of experts as its config (and GLM-4.5's, which copies it) spells it, and which layers
-    have it: every layer from `first_k_dense_replace` on."""
+    """DeepSeek's mixture of experts as its config (and GLM-4.5's, which copies V3's) spells it, and which layers
+    have it: every layer from `first_k_dense_replace` on. V3: sigmoid scores with the correction bias, groups
+    scored by their two best; V2: softmax scores never renormalized, `topk_method` "greedy" (no groups) or
+    "group_limited_greedy" (groups scored by their best)."""
     experts = hf_config.n_routed_experts or 0
     sparse = tuple(experts > 0 and index >= hf_config.first_k_dense_replace
                    for index in range(hf_config.num_hidden_layers))
     if not any(sparse):
         return None, sparse
-    return MoEConfig(num_experts=experts, top_k=hf_config.num_experts_per_tok,
-                     intermediate_size=hf_config.moe_intermediate_size, normalize_top_k=bool(hf_config.norm_topk_prob),
-                     shared_expert_size=(hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size,
-                     scoring="sigmoid", score_correction_bias=True, num_groups=hf_config.n_group or 1,
-                     top_k_groups=hf_config.topk_group or 1, routed_scaling=float(hf_config.routed_scaling_factor),
-                     shared_expert_gate=False), sparse
+    common = dict(num_experts=experts, top_k=hf_config.num_experts_per_tok,
+                  intermediate_size=hf_config.moe_intermediate_size,
+                  shared_expert_size=(hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size,
+                  routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gate=False)
+    if hf_config.model_type != "deepseek_v2":
+        return MoEConfig(**common, normalize_top_k=bool(hf_config.norm_topk_prob), scoring="sigmoid",
+                         score_correction_bias=True, num_groups=hf_config.n_group or 1,
+                         top_k_groups=hf_config.topk_group or 1), sparse
+    method = getattr(hf_config, "topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method {method!r} is not supported for deepseek_v2 (greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    return MoEConfig(**common, normalize_top_k=False, num_groups=hf_config.n_group if grouped else 1,
+                     top_k_groups=hf_config.topk_group if grouped else 1, group_by_max=True), sparse
 
 
 def parse_config(hf_config: Any) -> ModelConfig:
@@ -50,7 +59,7 @@ def parse_config(hf_config: Any) -> ModelConfig:
     mla = MLAConfig(kv_lora_rank=hf_config.kv_lora_rank, q_lora_rank=hf_config.q_lora_rank, qk_nope_head_dim=nope,
                     qk_rope_head_dim=rope, v_head_dim=hf_config.v_head_dim,
                     softmax_scale=(nope + rope) ** -0.5 * yarn_softmax_scale(config.rope_scaling),
-                    rope_interleave=bool(getattr(hf_config, "rope_interleave", True)))
+                    rope_interleave=getattr(hf_config, "rope_interleave", None) is not False)  # V2: always
     # the pool's one "head" is the latent row; query heads attend over it as multi-query attention
     return dataclasses.replace(config, num_kv_heads=1, head_dim=mla.cache_dim, mla=mla)
 
