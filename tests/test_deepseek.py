@@ -248,3 +248,15 @@ def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
         n_shared_experts=2, routed_scaling_factor=1.7, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, tie_word_embeddings=False)
     assert_matches_transformers(save_tiny_model("deepseek_v2", str(tmp_path / "v2"), config=config), topk_method)
+
+
+@pytest.mark.parametrize("field, value, named", [("scoring_func", "softmax", "scoring_func"),
+                                                 ("topk_method", "greedy", "topk_method"),
+                                                 ("n_group", 3, "n_group"), ("topk_group", 5, "topk_group")])
+def test_routing_this_code_cannot_compute_is_refused_by_name_before_any_read(field, value, named):
+    from jaxserve.models import config_from_hf
+
+    config = tiny_deepseek_config()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=named):
+        config_from_hf(config)

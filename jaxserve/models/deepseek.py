@@ -38,7 +38,11 @@ def deepseek_moe(hf_config: Any) -> tuple[MoEConfig | None, tuple[bool, ...]]:
                   intermediate_size=hf_config.moe_intermediate_size,
                   shared_expert_size=(hf_config.n_shared_experts or 0) * hf_config.moe_intermediate_size,
                   routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gate=False)
-    if hf_config.model_type != "deepseek_v2":
+    if hf_config.model_type != "deepseek_v2":  # config.json's own names for V3's routing, where it states them
+        for field, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if getattr(hf_config, field, value) != value:
+                raise ValueError(f"{field} {getattr(hf_config, field)!r} is not supported for "
+                                 f"{hf_config.model_type} (jaxserve routes as DeepSeek-V3: {field} {value!r})")
         return MoEConfig(**common, normalize_top_k=bool(hf_config.norm_topk_prob), scoring="sigmoid",
                          score_correction_bias=True, num_groups=hf_config.n_group or 1,
                          top_k_groups=hf_config.topk_group or 1), sparse
