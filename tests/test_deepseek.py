@@ -95,8 +95,8 @@ def test_tensor_and_expert_parallel_on_four_devices_match_one_device(deepseek_di
     assert tokens == reference
     assert {shard.data.shape for shard in attn["kv_b_proj"]["kernel"].addressable_shards} == {(32, 4 * 40 // 4)}
     assert {shard.data.shape for shard in attn["o_proj"]["kernel"].addressable_shards} == {(4 * 24 // 4, 64)}
-    assert run(tensor_parallel_size=4, enable_expert_parallel=True)[0] == reference
-    assert run(tensor_parallel_size=2, quantization="int8")[0] == run(quantization="int8")[0]
+    assert run(tensor_parallel_size=4, enable_expert_parallel=True, quantization="int8")[0] == run(
+        quantization="int8")[0]
 
 
 @pytest.mark.parametrize("options, named", [(dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
