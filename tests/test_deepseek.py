@@ -109,11 +109,13 @@ def test_what_the_latent_cache_cannot_take_yet_is_refused_by_name(deepseek_dir, 
 @pytest.mark.skipif(not compilers_present(), reason="the target compilers (the [aot] extra) are not installed")
 @pytest.mark.parametrize("target", ["v6e-1", "h200"])
 def test_the_latent_attention_steps_compile_for_the_targets(tmp_path, target):
-    """DeepSeek-V3's shapes in small (a 512 + 64 latent row, 128 + 64 query dims, bfloat16) on a TPU and a GPU."""
-    config = tiny_deepseek_config(hidden_size=256, intermediate_size=256, num_attention_heads=4, kv_lora_rank=512,
+    """DeepSeek-V3's attention shapes (64 heads, a 512 + 64 latent row, 128 + 64 query dims, bfloat16) on a TPU and
+    a GPU, around a small model: the engine's activation reserve holds the latent queries the compiler plans."""
+    config = tiny_deepseek_config(hidden_size=256, intermediate_size=256, num_attention_heads=64, kv_lora_rank=512,
                                   q_lora_rank=192, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     config.save_pretrained(tmp_path)
-    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode"})
+    options = {**SMALL, "max_num_batched_tokens": 512, "smallest_prefill_bucket": 512}  # one long chunk
+    result = compile_engine(EngineConfig(model=str(tmp_path), **options), target, {"prefill", "decode"})
     assert_compiles_and_fits(result)
     (group,) = result.plan.kv_plan.groups
     stored = {"v6e-1": 640, "h200": 576}[target]  # a TPU's pool rows padded to 128 lanes

@@ -55,6 +55,9 @@ def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
     width = config.hidden_size * 4 + config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
     if config.moe is not None:  # each token's top_k rows: their inputs, SwiGLU and outputs
         width += config.moe.top_k * (3 * config.moe.intermediate_size + 2 * config.hidden_size)
+    if config.mla is not None:  # every head's query and output in latent space (float32) and its padded query
+        mla = config.mla
+        width += config.num_q_heads * (3 * mla.kv_lora_rank + 2 * mla.cache_dim + mla.v_head_dim)
     rows = max(max(ec.decode_batch_buckets), max(r for r, _ in ec.prefill_shapes))
     return max(MIN_ACTIVATION_BYTES,
                4 * (ec.max_num_batched_tokens * width + SAMPLER_COPIES * rows * config.vocab_size))
