@@ -13,6 +13,7 @@ tests/test_tpu_kernels.py and tests/test_kernels.py).
 from __future__ import annotations
 
 import json
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -240,3 +241,18 @@ def test_a_tpu_looks_the_embedding_up_in_place(tmp_path):
     assert_compiles_and_fits(result)
     table = 262144 * 320 * 2  # over the chip's VMEM, where a smaller table's copy goes unseen
     assert all(step.temp_bytes < table for step in result.steps), [step.temp_bytes for step in result.steps]
+
+
+def test_a_one_token_lookup_in_a_split_vocabulary_reads_each_devices_rows():
+    """XLA made a one-row embedding lookup a dynamic slice, and on a vocabulary split over 8 GPUs each device then
+    gathered the whole table in the decode step of one row (1.73 GiB for DeepSeek-V3's and Llama's 129k x 7168
+    under -tp 8 on h200x8, more than the engine's activation reserve)."""
+    config = tiny_hf_config("llama", hidden_size=320, intermediate_size=256, vocab_size=262144, head_dim=64,
+                            num_attention_heads=8, num_key_value_heads=8)
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        options = {**SMALL, "decode_batch_buckets": (1, 4)}
+        result = compile_engine(EngineConfig(model=directory, tensor_parallel_size=8, **options), "h200x8", {"decode"})
+    assert_compiles_and_fits(result)
+    table = 262144 * 320 * 2
+    assert all(step.temp_bytes < table // 2 for step in result.steps), [step.temp_bytes for step in result.steps]

@@ -200,10 +200,15 @@ class Embedding(nn.Module):
             self.scale = None
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        rows = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        lookup = ids
+        if self.vocab_shards > 1 and ids.size == 1:
+            # XLA turns a one-row gather into a dynamic slice, which on a vocabulary split over devices gathers
+            # the whole table onto each of them every step; two rows stay a gather of each device's own rows
+            lookup = jnp.concatenate([ids.reshape(-1)] * 2)
+        rows = jnp.take(self.embedding, lookup, axis=0).astype(self.dtype)
         if self.scale is not None:
-            rows = (rows * jnp.take(self.scale, ids, axis=0)[..., None]).astype(self.dtype)
-        return rows
+            rows = (rows * jnp.take(self.scale, lookup, axis=0)[..., None]).astype(self.dtype)
+        return rows[:1].reshape(*ids.shape, self.features) if lookup is not ids else rows
 
     def attend(self, query: jax.Array) -> jax.Array:
         if self.scale is not None:
