@@ -13,6 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from numpy.typing import DTypeLike
+
 from jaxserve.config import MLAConfig, ModelConfig, MoEConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.rotary import yarn_softmax_scale
@@ -68,12 +72,8 @@ def parse_config(hf_config: Any) -> ModelConfig:
     return dataclasses.replace(config, num_kv_heads=1, head_dim=mla.cache_dim, mla=mla)
 
 
-def checkpoint_shapes(config: ModelConfig, dtype=None) -> dict:
+def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> dict:
     """Llama's checkpoint tree with each layer's attention the MLA's linears and norms."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = dtype or jnp.float32
     params = weights.checkpoint_shapes(config, dtype)
     mla, heads, bias = config.mla, config.num_q_heads, config.qkv_bias
 
