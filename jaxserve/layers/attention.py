@@ -178,7 +178,7 @@ class PagedAttention:
         cache = self.cache_specs()
         write = functools.partial(self.backend.write_kv, kv_cache_dtype=self.kv_cache_dtype)
         write = self.per_device(write, (cache, HEADS, HEADS, REPLICATED), cache)
-        return write(kv, self._stored(k), self._stored(v), slot_mapping)
+        return write(kv, self.stored(k), self.stored(v), slot_mapping)
 
     def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None
@@ -191,10 +191,10 @@ class PagedAttention:
 
         sinks = None if sinks is None else sinks.astype(jnp.float32)
         specs = (HEADS, self.cache_specs(), REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: spec unused
-        out = self.per_device(attend, specs, HEADS)(self._stored(q), kv, meta, sinks)
+        out = self.per_device(attend, specs, HEADS)(self.stored(q), kv, meta, sinks)
         return out[..., :q.shape[-1]]
 
-    def _stored(self, x: jax.Array) -> jax.Array:
+    def stored(self, x: jax.Array) -> jax.Array:
         """`x [..., head_dim]` zero-padded to the stored head size (zeros change no score, value or scale)."""
         pad = self.stored_head_dim(x.shape[-1]) - x.shape[-1]
         return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x

@@ -37,13 +37,6 @@ def deinterleaved(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def padded(x: jax.Array, width: int) -> jax.Array:
-    """`x [..., cache_dim]` zero-padded to the pool's stored width (a TPU's 128 lanes: 576 -> 640); zeros change
-    no score and no value."""
-    pad = width - x.shape[-1]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
-
-
 class Kernel(nn.Module):
     """A linear's kernel `[in, out]` read as a matrix (int8 ones dequantized by their per-column scales), for
     `kv_b_proj`, whose halves the layer multiplies with on their own."""
@@ -92,14 +85,15 @@ class MLAttention(nn.Module):
             rope_attention_factor(scaling)
         q_rope = apply_rope(q_rope, meta.positions, inv_freq, rope_scale)
         k_rope = apply_rope(k_rope, meta.positions, inv_freq, rope_scale)
-        kv = KVPages(scatter_pages(kv.k, padded(jnp.concatenate([c_kv, k_rope], axis=-1), kv.k.shape[-1]),
+        # rows and queries zero-padded to the pool's stored width (a TPU's 128 lanes): zeros change no score
+        kv = KVPages(scatter_pages(kv.k, self.attention.stored(jnp.concatenate([c_kv, k_rope], axis=-1)),
                                    meta.slot_mapping), None)
 
         kv_b = Kernel((mla.kv_lora_rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
         kv_b = kv_b.reshape(mla.kv_lora_rank, heads, nope + mla.v_head_dim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
         q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
-        query = padded(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1), kv.k.shape[-1])
+        query = self.attention.stored(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1))
         out = xla_paged_attention(query, kv, meta, sm_scale=mla.softmax_scale, sliding_window=None,
                                   value_dim=mla.kv_lora_rank)
         out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
