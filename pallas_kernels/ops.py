@@ -162,6 +162,7 @@ def grouped_matmul(
     kernel: jax.Array,
     group_sizes: jax.Array,
     *,
+    block_scale: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Each group of rows times its own kernel (the mixture-of-experts' expert linears).
@@ -172,10 +173,14 @@ def grouped_matmul(
       kernel: [G, K, N], float (converted to x's dtype) or int8 (converted
         exactly; the caller applies its scales).
       group_sizes: int32[G], each group's rows, summing to at most R.
+      block_scale: float32 [G, K / bk, N / bn] for a float8 kernel in blocks
+        of bk x bn (``w = kernel * block_scale`` per block), applied inside
+        the kernel; None otherwise.
       interpret: run the Pallas kernel in interpret mode (needed on CPU).
 
     Returns:
       float32 [R, N]; rows past ``sum(group_sizes)`` are 0.  The work grows
       with R, not with G (one tile per block of rows a group overlaps).
     """
-    return _triton_grouped_matmul.grouped_matmul(x, kernel, group_sizes, interpret=interpret)
+    return _triton_grouped_matmul.grouped_matmul(x, kernel, group_sizes, block_scale=block_scale,
+                                                 interpret=interpret)

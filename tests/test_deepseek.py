@@ -158,23 +158,44 @@ def save_fp8(source: str, fp8_dir: str, reference_dir: str, block: tuple[int, in
         json.dump(config, handle)
 
 
-def test_a_block_scaled_fp8_checkpoint_loads_dequantized(tmp_path, deepseek_dir):
-    """Every weight equals its dequantized value (the blocks crossing a device's slice under tensor parallelism
-    too), and the engine's greedy tokens equal transformers' on the dequantized weights."""
+def test_a_block_scaled_fp8_checkpoint_serves_its_linears_in_fp8(tmp_path, deepseek_dir):
+    """Each linear whose blocks tile it loads as FP8 with its block scales (their product is the dequantized
+    weight, exactly); the rest (kv_a_proj_with_mqa's 40 columns, kv_b_proj read as a matrix, the router) load
+    dequantized. Under -tp 4 with expert parallelism the experts stay FP8 and the split q_b_proj/o_proj (24
+    columns or rows a device) dequantized; the greedy tokens equal transformers' on the dequantized weights."""
     import numpy as np
 
+    from jaxserve.layers.fp8 import FP8, dequantize
     from jaxserve.loading import load_model
 
     fp8_dir, reference_dir = str(tmp_path / "fp8"), str(tmp_path / "reference")
     save_fp8(deepseek_dir, fp8_dir, reference_dir)
     ours, theirs = load_model(fp8_dir).params, load_model(reference_dir).params
-    for (path, mine), (_, reference) in zip(jax.tree_util.tree_leaves_with_path(ours),
-                                            jax.tree_util.tree_leaves_with_path(theirs)):
-        np.testing.assert_array_equal(np.asarray(mine), np.asarray(reference), err_msg=str(path))
+    kept = set()
+
+    def compare(mine: dict, reference: dict, path: str) -> None:
+        if "block_scale" in mine:
+            kept.add(path.rsplit("/", 1)[-1])
+            np.testing.assert_array_equal(np.asarray(dequantize(mine["kernel"], mine["block_scale"], np.float32)),
+                                          np.asarray(reference["kernel"]), err_msg=path)
+            return
+        for name, value in mine.items():
+            if isinstance(value, dict):
+                compare(value, reference[name], f"{path}/{name}")
+            else:
+                np.testing.assert_array_equal(np.asarray(value), np.asarray(reference[name]), err_msg=path)
+
+    compare(ours, theirs, "")
+    assert kept == {"q_a_proj", "q_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # experts' too
+    assert ours["layers_1"]["attn"]["kv_b_proj"]["kernel"].dtype == np.float32
+
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=5)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = [out.outputs[0].token_ids for out in LLM(fp8_dir, max_model_len=128, tensor_parallel_size=4,
-                                                      warmup=False).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(fp8_dir, max_model_len=128, tensor_parallel_size=4, enable_expert_parallel=True, warmup=False)
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    served = llm.llm_engine.runner.params["layers_1"]
+    assert served["mlp"]["experts"]["gate_up_proj"]["kernel"].dtype == FP8
+    assert served["attn"]["q_b_proj"]["kernel"].dtype == np.float32
     hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     for prompt, mine in zip(prompts, tokens):
         with torch.no_grad():

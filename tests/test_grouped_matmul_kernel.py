@@ -72,3 +72,23 @@ def test_grouped_matmul_traces_under_jit():
     out = jax.eval_shape(lambda *a: ops.grouped_matmul(*a, interpret=True), x, kernel,
                          jax.ShapeDtypeStruct((8,), jnp.int32))
     assert out.shape == (256, 32) and out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("block", [(32, 16), (16, 32)])
+def test_fp8_experts_with_block_scales_match_a_float64_reference(block):
+    """The Triton kernel (interpret mode) and the CPU's tile loop each scale every block of an FP8 kernel by its
+    own scale: equal to the float64 product with the dequantized kernel."""
+    from jaxserve.layers.moe import tiled_grouped_matmul
+
+    rng = np.random.default_rng()
+    num_rows, num_groups, fan_in, fan_out = 50, 4, 64, 64
+    sizes = random_groups(rng, num_rows, num_groups)
+    x = jnp.asarray(rng.standard_normal((num_rows, fan_in)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((num_groups, fan_in, fan_out)), jnp.float8_e4m3fn)
+    scale = jnp.asarray(rng.uniform(0.1, 4.0, (num_groups, fan_in // block[0], fan_out // block[1])), jnp.float32)
+    dequantized = (np.asarray(kernel, np.float64) * np.repeat(np.repeat(np.asarray(scale, np.float64), block[0], 1),
+                                                               block[1], 2))
+    expected = reference(np.asarray(x), dequantized, sizes)
+    for ours in (ops.grouped_matmul(x, kernel, jnp.asarray(sizes), block_scale=scale, interpret=True),
+                 tiled_grouped_matmul(x, kernel, jnp.asarray(sizes), scale)):
+        np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

@@ -56,7 +56,9 @@ def resolve_kind(kind: str, config: ModelConfig, tp: TensorParallel) -> P:
 
 def spec_from_rules(path: str, rules: tuple[tuple[str, str], ...], config: ModelConfig, tp: TensorParallel) -> P:
     """The `PartitionSpec` of the parameter at `path` ("layers_0/attn/qkv_proj/kernel", ...): the first rule whose
-    pattern matches; KeyError when none does."""
+    pattern matches; KeyError when none does. An FP8 kernel's block scales (`layers/fp8.py`) split as it does."""
+    if path.endswith("/block_scale"):
+        path = path.removesuffix("block_scale") + "kernel"
     for pattern, kind in rules:
         if re.search(pattern, path):
             return resolve_kind(kind, config, tp)

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_ROWS = 4  # chunks packed into one prefill call when they share a length bucket
 DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
-QUANTIZATIONS = (None, "int8", "awq")  # awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py)
+# awq: AutoAWQ 4-bit checkpoints (jaxserve/loading/awq.py); fp8: weights in FP8 blocks (jaxserve/layers/fp8.py)
+QUANTIZATIONS = (None, "int8", "awq", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 LONG_PREFILL_FRACTION = 0.04  # vLLM's default long_prefill_token_threshold, of max_model_len
 
@@ -87,7 +88,8 @@ class EngineConfig:
     # vLLM's: one pool for every layer even where sliding-window layers could keep only their window's pages
     disable_hybrid_kv_cache_manager: bool = False
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
-    quantization: str | None = None  # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq"
+    # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq", "fp8" (W8A16 in 128x128 blocks)
+    quantization: str | None = None
     # (an AutoAWQ checkpoint's 4-bit weights; set from the checkpoint's config.json when left None)
     kv_cache_dtype: str = "auto"  # KV pages: "auto" (the serving dtype), "int8" (per-token scales) or "fp8" (e4m3)
     attention_backend: str | None = None  # "xla" | "pallas" | "pallas-interpret" | "pallas-tpu" |

@@ -63,7 +63,7 @@ class LLMEngine:
                               replica_devices(config.data_parallel_rank, config.tensor_parallel_size))
         self.model = loaded or load_model(config.model, dtype=config.jax_dtype, tokenizer=config.tokenizer,
                                           generation_config=config.generation_config, mesh=self.mesh,
-                                          load_format=config.load_format,
+                                          load_format=config.load_format, quantization=config.quantization,
                                           expert_parallel=config.enable_expert_parallel)
         self.tokenizer = self.model.tokenizer
         # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a

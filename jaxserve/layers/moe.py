@@ -25,6 +25,7 @@ from jaxserve.config import ModelConfig, MoEConfig
 from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED, TensorParallel
 from jaxserve.layers import matmul_blocks
+from jaxserve.layers.fp8 import dequantize
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.quant_dense import Linear
 from pallas_kernels import ops
@@ -66,19 +67,24 @@ def route(router_logits: jax.Array, moe: MoEConfig, correction_bias: jax.Array |
     return weights * moe.routed_scaling, experts.astype(jnp.int32)
 
 
-def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
+                         block_scale: jax.Array | None = None) -> jax.Array:
     """`grouped_matmul` as a loop over `tile_schedule`'s tiles: each tile is `rows` rows of `x` times one expert's
     kernel, written to the rows of its group only. The kernel is read in cache-sized blocks of its input rows
-    (`matmul_blocks`), each sliced (and converted to `x.dtype` when int8) on its own: XLA:CPU copies a dynamic
-    slice before a dot reads it, so slicing the whole expert would write and read it once more."""
+    (`matmul_blocks`; whole FP8 blocks), each sliced (and converted to `x.dtype` when int8 or FP8) on its own:
+    XLA:CPU copies a dynamic slice before a dot reads it, so slicing the whole expert would write and read it once
+    more."""
     num_rows, fan_in = x.shape
     num_groups, _, fan_out = kernel.shape
     rows = tile_rows(num_rows, num_groups)
     padded = -(-num_rows // rows) * rows
-    blocks = matmul_blocks.num_blocks(fan_in, fan_out, jnp.dtype(x.dtype).itemsize, rows, EXPERT_BLOCK_BYTES)
+    unit = 1 if block_scale is None else fan_in // block_scale.shape[1]  # a loop block holds whole FP8 blocks
+    blocks = matmul_blocks.num_blocks(fan_in // unit, unit * fan_out, jnp.dtype(x.dtype).itemsize, rows,
+                                      EXPERT_BLOCK_BYTES)
     block = fan_in // blocks
     xp = jnp.pad(x, ((0, padded - num_rows), (0, 0))).reshape(padded, blocks, block)
     kb = kernel.reshape(num_groups, blocks, block, fan_out)
+    sb = None if block_scale is None else block_scale.reshape(num_groups, blocks, -1, block_scale.shape[-1])
     num_tiles, tile_group, tile_block = tile_schedule(group_sizes, num_rows, rows)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -88,7 +94,11 @@ def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array
         x_tile = jax.lax.dynamic_slice_in_dim(xp, first, rows)  # [rows, blocks, block]
 
         def part(j, acc):
-            w = jax.lax.dynamic_slice(kb, (group, j, 0, 0), (1, 1, block, fan_out))[0, 0].astype(x.dtype)
+            w = jax.lax.dynamic_slice(kb, (group, j, 0, 0), (1, 1, block, fan_out))[0, 0]
+            if sb is None:
+                w = w.astype(x.dtype)
+            else:
+                w = dequantize(w, jax.lax.dynamic_slice(sb, (group, j, 0, 0), (1, 1, *sb.shape[2:]))[0, 0], x.dtype)
             xj = jax.lax.dynamic_index_in_dim(x_tile, j, 1, keepdims=False)
             return acc + jnp.dot(xj, w, preferred_element_type=jnp.float32)
 
@@ -102,19 +112,22 @@ def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array
     return out[:num_rows]
 
 
-def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, block_scale: jax.Array | None = None
+                   ) -> jax.Array:
     """Float32 `[R, out]`: row r of `x [R, in]` (rows sorted by group) times `kernel[g] [in, out]` of its group g;
-    `group_sizes [G]` counts each group's rows (rows past their sum are 0). `kernel` float or int8 (its scale is
-    the caller's)."""
+    `group_sizes [G]` counts each group's rows (rows past their sum are 0). `kernel` float, int8 (its scale is
+    the caller's) or FP8 with its `block_scale [G, in / bi, out / bo]` (applied here, block by block)."""
     if matmul_blocks.blocked_matmuls():
-        return tiled_grouped_matmul(x, kernel, group_sizes)
+        return tiled_grouped_matmul(x, kernel, group_sizes, block_scale)
     if matmul_blocks.lowering_platform() == "gpu":
-        return ops.grouped_matmul(x, kernel, group_sizes)
-    return jax.lax.ragged_dot(x, kernel.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+        return ops.grouped_matmul(x, kernel, group_sizes, block_scale=block_scale)
+    weights = kernel.astype(x.dtype) if block_scale is None else dequantize(kernel, block_scale, x.dtype)
+    return jax.lax.ragged_dot(x, weights, group_sizes, preferred_element_type=jnp.float32)
 
 
 class ExpertKernels(nn.Module):
-    """Every expert's linears: `{name: {"kernel": [E, in, out], "scale": [E, out] (int8 kernels only), "bias":
+    """Every expert's linears: `{name: {"kernel": [E, in, out], "scale": [E, out] (int8 kernels only) or
+    "block_scale": [E, in / bi, out / bo] (FP8 kernels only, `layers/fp8.py`), "bias":
     [E, out] (gpt-oss)}}` for `gate_up_proj [E, H, 2I]` (each device's gate and up columns together, as the dense
     MLP's; whole under expert parallelism) and `down_proj [E, I, H]`."""
 
@@ -139,8 +152,9 @@ class ExpertLinear(nn.Module):
 
     @nn.compact
     def __call__(self) -> dict:
-        if self.has_variable("params", "scale"):
-            linear = {"kernel": self.get_variable("params", "kernel"), "scale": self.get_variable("params", "scale")}
+        quantized = [name for name in ("scale", "block_scale") if self.has_variable("params", name)]
+        if quantized:
+            linear = {name: self.get_variable("params", name) for name in ("kernel", *quantized)}
         else:
             linear = {"kernel": self.param("kernel", self.initializer, self.shape, self.dtype)}
         if self.use_bias:
@@ -175,7 +189,7 @@ def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ke
 
     def linear(x, name):
         params = kernels[name]
-        y = grouped_matmul(x, params["kernel"], group_sizes)
+        y = grouped_matmul(x, params["kernel"], group_sizes, params.get("block_scale"))
         y = (y * params["scale"][expert_of_row] if "scale" in params else y).astype(dtype)
         return y + params["bias"][expert_of_row].astype(dtype) if "bias" in params else y
 

@@ -43,10 +43,14 @@ import jax.numpy as jnp
 
 from jaxserve.layers import matmul_blocks
 from jaxserve.layers.awq import awq_matmul
+from jaxserve.layers.fp8 import FP8, fp8_matmul, quantize_linears
 from jaxserve.layers.lora import lora_delta
 
 QUANTIZE_EMBEDDING = True  # the embedding table (and so a tied LM head) too; benchmarks/quality.py measures both
 FLOAT_LINEARS = ("router", "shared_expert_gate")  # tiny, and a rounded router may choose other experts
+# linears a layer reads as matrices rather than multiplying by (MLA's kv_b_proj, split into its two halves): int8
+# ones are dequantized in the step, FP8 ones on load
+MATRIX_LINEARS = ("kv_b_proj",)
 
 
 def quantize_int8(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -77,14 +81,25 @@ def quantize_params(tree: dict, quantize_embedding: bool | None = None) -> dict:
 
 
 def cast_floats(tree: dict, dtype) -> dict:
-    """`tree` with its floating leaves in `dtype`; integer leaves (quantized weights) as they are."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """`tree` with its floating leaves in `dtype`; quantized weights (integer or float8) and FP8 block scales
+    (float32) as they are."""
+    def cast(path, x):
+        keep = (not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize == 1
+                or getattr(path[-1], "key", None) == "block_scale")
+        return x if keep else x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
-def serving_weights(group: dict, quantization: str | None) -> dict:
-    """A fused serving-layout group in the engine's `quantization` mode: int8 quantizes it here; the float
-    modes (None) and "awq" (whose checkpoint's 4-bit leaves the loader produced, `layers/awq.py`) keep it."""
-    return quantize_params(group) if quantization == "int8" else group
+def serving_weights(group: dict, quantization: str | None, specs: dict | None = None, shards: int = 1) -> dict:
+    """A fused serving-layout group in the engine's `quantization` mode: int8 quantizes it here, and so does fp8
+    (`fp8.quantize_linears`: `specs` and `shards` say how each leaf is split) unless the group holds FP8 leaves
+    already (an FP8 checkpoint's, which decided); the float modes (None) and "awq" (whose checkpoint's 4-bit leaves
+    the loader produced, `layers/awq.py`) keep it."""
+    if quantization == "int8":
+        return quantize_params(group)
+    if quantization == "fp8" and not any(leaf.dtype == FP8 for leaf in jax.tree.leaves(group)):
+        return quantize_linears(group, specs, shards, FLOAT_LINEARS + MATRIX_LINEARS)
+    return group
 
 
 def is_quantized(params: dict) -> bool:
@@ -149,7 +164,8 @@ def int8_matmul_transposed(x: jax.Array, table: jax.Array, scale: jax.Array, out
 
 class Linear(nn.Module):
     """`nn.Dense` (same names, initializers and float arithmetic) that also runs int8 weights: params `kernel`
-    (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional); or AWQ
+    (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional); FP8
+    weights: `kernel` float8 with `block_scale` (`layers/fp8.py`); or AWQ
     int4 weights: `kernel` uint4 `[in, out]` with `zeros` (uint4) and `scales` (float) `[in / group, out]`
     (`layers/awq.py`). `in_shards`: devices the input features are split over (row-parallel layers). Given a
     "lora" collection (`lora/weights.py`: the adapters' stacked `a`, `b` and the rows' slot `mask`), each row adds
@@ -165,6 +181,9 @@ class Linear(nn.Module):
         if self.has_variable("params", "zeros"):
             y = awq_matmul(x.astype(self.dtype), *(self.get_variable("params", name)
                                                    for name in ("kernel", "zeros", "scales")), self.in_shards)
+        elif self.has_variable("params", "block_scale"):
+            y = fp8_matmul(x.astype(self.dtype), self.get_variable("params", "kernel"),
+                           self.get_variable("params", "block_scale"), self.in_shards)
         elif self.has_variable("params", "scale"):
             y = int8_matmul(x.astype(self.dtype), self.get_variable("params", "kernel"),
                             self.get_variable("params", "scale"), self.in_shards)

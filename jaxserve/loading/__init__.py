@@ -151,9 +151,10 @@ def model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None, load_format: str = "auto",
-                 expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
+                 expert_parallel: bool = False, quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """`(ModelConfig, params)` of `source`: jax arrays in `dtype` placed on `mesh` (default: one device; experts
-    split by expert with `expert_parallel`).
+    split by expert with `expert_parallel`; a block-scaled FP8 checkpoint's linears kept FP8 with
+    `quantization="fp8"`).
     `load_format`: "auto" reads the weights, "dummy" draws random ones on the devices from the config alone."""
     check_load_format(load_format)
     if load_format == "dummy":
@@ -163,7 +164,7 @@ def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None
         return restore_gguf_cached(str(source.weights), source.directory, dtype, mesh, expert_parallel)
     if source.kind == "store":
         return restore_store(source.directory, dtype, mesh, expert_parallel)
-    return load_hf_checkpoint(str(source.weights), dtype, mesh, expert_parallel)
+    return load_hf_checkpoint(str(source.weights), dtype, mesh, expert_parallel, quantization)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -197,7 +198,8 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     `mesh`: the tensor-parallel device mesh (`distributed.tensor_parallel.make_mesh`); None means one device.
     `expert_parallel`: a mixture of experts' experts split by expert over the mesh (else inside each expert).
     `quantization`: the engine's weight mode; an AutoAWQ checkpoint loads 4-bit whatever it is (None: as the
-    checkpoint says, like vLLM), and "awq" on any other checkpoint is an error (`loading.awq.check_quantization`).
+    checkpoint says, like vLLM), and "awq" on any other checkpoint is an error (`loading.awq.check_quantization`);
+    a block-scaled FP8 checkpoint loads FP8 unless it is "int8" (then dequantized, to be quantized again).
     `load_format`: "auto" (the checkpoint's weights) or "dummy" (random weights drawn on the devices; the model
     needs only its config, e.g. a directory holding just config.json: see `loading/dummy.py`).
     ValueError (before any weight is read) if the model's heads cannot be split over the mesh, or for a
@@ -210,8 +212,8 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     generation_file = generation_config_file(generation_config, source.directory)
     override_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
     TensorParallel(mesh.size, expert_parallel).check(model_config(source))
-    check_quantization(source.weights, quantization, mesh.size)
-    config, params = load_weights(source, dtype, mesh, load_format, expert_parallel)
+    quantization = check_quantization(source.weights, quantization, mesh.size)
+    config, params = load_weights(source, dtype, mesh, load_format, expert_parallel, quantization)
     generation = read_generation_config(generation_file)
     return LoadedModel(
         name=source.name,

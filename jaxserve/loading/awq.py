@@ -106,11 +106,16 @@ def check_quantization(model: str | os.PathLike | None, quantization: str | None
         else:
             has = "it is not a Hugging Face checkpoint directory with config.json"
         raise ValueError(f"quantization='awq' needs an AutoAWQ checkpoint, but model {model!r} is not one: {has}")
-    if method in ("mxfp4", "fp8"):  # gpt-oss's MXFP4 experts, block-scaled FP8: dequantized on load (`loading/hf.py`)
+    if method == "fp8":  # block-scaled FP8: served as FP8 (`loading/fp8_checkpoint.py`), or dequantized for int8
+        if quantization not in (None, "fp8", "int8"):
+            raise ValueError(f"quantization={quantization!r} does not match model {model!r}, a block-scaled FP8 "
+                             "checkpoint (quant_method 'fp8'): use quantization='fp8' (or leave it unset) or 'int8'")
+        return quantization or "fp8"
+    if method == "mxfp4":  # gpt-oss's MXFP4 experts: dequantized on load (`loading/hf.py`)
         return quantization
     if method is not None and method != "awq":
         raise ValueError(f"model {model!r} is quantized with quant_method {method!r}, which jaxserve cannot load "
-                         "(supported: 'awq'; 'mxfp4' experts and block-scaled 'fp8', dequantized on load)")
+                         "(supported: 'awq', block-scaled 'fp8'; 'mxfp4' experts, dequantized on load)")
     if method == "awq":
         if quantization not in (None, "awq"):
             raise ValueError(f"quantization={quantization!r} does not match model {model!r}, an AutoAWQ "

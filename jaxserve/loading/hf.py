@@ -25,12 +25,16 @@ from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import path_name
+from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
+from jaxserve.layers.fp8 import FP8
 from jaxserve.loading.awq import load_awq_checkpoint
+from jaxserve.loading.fp8_checkpoint import fp8_checkpoint_shapes, read_fp8_slice, scale_source
 from jaxserve.loading.hf_files import (check_fp8_scales, check_shape, checkpoint_quantization_config, fp8_view,
                                        hf_model_config, is_mxfp4, mxfp4_shape, read_fp8_block_slice, read_hf_slice,
                                        read_mxfp4_slice, source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
-from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources
+from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources, model_spec, param_shardings
 
 
 def is_source(leaf) -> bool:
@@ -38,14 +42,24 @@ def is_source(leaf) -> bool:
 
 
 def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DTypeLike,
-                   fp8_block: tuple[int, int] | None = None) -> dict:
+                   fp8_block: tuple[int, int] | None = None, shapes: dict | None = None) -> dict:
     """The checkpoint-layout params of the HF checkpoint in `path`, each a jax array in `dtype` placed with its
-    sharding from `shardings` (a tree like `checkpoint_shapes(config)`); each device's slice is read on its own.
-    `fp8_block`: the checkpoint's fine-grained FP8 blocks; a tensor with a `{name}_scale_inv` is dequantized."""
+    sharding from `shardings` (a tree like `shapes`, default `checkpoint_shapes(config, dtype)`); each device's
+    slice is read on its own. `fp8_block`: the checkpoint's fine-grained FP8 blocks; a tensor with a
+    `{name}_scale_inv` is dequantized, unless `shapes` has it as float8 with a `block_scale` (`fp8_checkpoint`)."""
     from safetensors import safe_open
 
     dtype = np.dtype(dtype)
     files = tensor_files(path)
+    shapes = checkpoint_shapes(config, dtype) if shapes is None else shapes
+    spec = model_spec(config.model_type)
+
+    def load_leaf(key_path, expected: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+        name = path_name(key_path)
+        if name.endswith("/block_scale"):
+            kernel = spec.checkpoint_source(name.removesuffix("block_scale") + "kernel", config)
+            return load(scale_source(kernel), sharding, expected)
+        return load(spec.checkpoint_source(name, config), sharding, expected)
 
     def load(source: TensorSource, sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
         stacked = len(source.names) > 1
@@ -56,12 +70,15 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
             for name in source.names:
                 if name not in files:
                     raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
-                if f"{name}_scale_inv" in files:
+                if expected.dtype == FP8:  # kept FP8: the raw values of our slice
+                    weight = fp8_view(files[name], name)
+                    shape, reader = weight.shape, functools.partial(read_fp8_slice, weight)
+                elif f"{name}_scale_inv" in files:
                     shape, reader = fp8_reader(name, source, stack)
                 else:
                     tensor = stack.enter_context(safe_open(files[name], framework="np")).get_slice(name)
                     shape, reader = tensor.get_shape(), functools.partial(
-                        read_hf_slice, tensor, source.transposed, dtype=dtype, rows=source.rows,
+                        read_hf_slice, tensor, source.transposed, dtype=expected.dtype, rows=source.rows,
                         columns=source.columns)
                 readers.append(reader)
                 check_shape(name, source_shape(shape, source.transposed, source.rows, source.columns),
@@ -73,7 +90,7 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                 chosen = range(len(readers))[index[0] if index else slice(None)]
                 return np.stack([readers[i](index=index[1:]) for i in chosen])
 
-            return jax.make_array_from_callback(expected.shape, sharding, read, dtype=dtype)
+            return jax.make_array_from_callback(expected.shape, sharding, read, dtype=expected.dtype)
 
     def fp8_reader(name: str, source: TensorSource, stack: contextlib.ExitStack):
         if fp8_block is None:
@@ -102,8 +119,7 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                 expected.shape, sharding, lambda index: read_mxfp4_slice(blocks, scales, index, dtype, source.columns),
                 dtype=dtype)
 
-    return jax.tree.map(load, checkpoint_sources(config), shardings, checkpoint_shapes(config, dtype),
-                        is_leaf=is_source)
+    return jax.tree_util.tree_map_with_path(load_leaf, shapes, shardings)
 
 
 def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, dtype: DTypeLike = np.float32) -> dict:
@@ -128,17 +144,28 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
 
 
 def load_hf_checkpoint(path: str, dtype: DTypeLike = np.float32, mesh: Mesh | None = None,
-                       expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
+                       expert_parallel: bool = False, quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """`(ModelConfig, params)` from a HF checkpoint directory (config.json + safetensors): jax arrays in `dtype`
     placed on `mesh` (default: one device) by the sharding table. The head counts are checked before any read.
-    An AutoAWQ checkpoint (config.json's quantization_config) loads with its linears 4-bit (`loading/awq.py`)."""
+    An AutoAWQ checkpoint (config.json's quantization_config) loads with its linears 4-bit (`loading/awq.py`); a
+    block-scaled FP8 one with its linears FP8 where they can be under `quantization="fp8"`
+    (`loading/fp8_checkpoint.py`), else dequantized."""
     config = hf_model_config(path)
-    quantization = checkpoint_quantization_config(path) or {}
-    method = str(quantization.get("quant_method", "")).lower()
+    checkpoint = checkpoint_quantization_config(path) or {}
+    method = str(checkpoint.get("quant_method", "")).lower()
     if method == "awq":
-        return config, load_awq_checkpoint(path, config, quantization, dtype, mesh)
-    return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh, expert_parallel), dtype,
-                                  fp8_blocks(quantization) if method == "fp8" else None)
+        return config, load_awq_checkpoint(path, config, checkpoint, dtype, mesh)
+    block = fp8_blocks(checkpoint) if method == "fp8" else None
+    if block is None or quantization != "fp8":
+        return config, load_hf_params(path, config, checkpoint_shardings(config, dtype, mesh, expert_parallel),
+                                      dtype, block)
+    mesh = make_mesh(1) if mesh is None else mesh
+    tp = TensorParallel(mesh.size, expert_parallel)
+    tp.check(config)
+    files = tensor_files(path)
+    shapes = fp8_checkpoint_shapes(config, dtype, tp, block,
+                                   lambda source: all(f"{name}_scale_inv" in files for name in source.names))
+    return config, load_hf_params(path, config, param_shardings(shapes, config, tp, mesh), dtype, block, shapes)
 
 
 def fp8_blocks(quantization: dict) -> tuple[int, int]:

@@ -16,7 +16,8 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.layers.quant_dense import cast_floats, serving_weights
-from jaxserve.models import checkpoint_shapes, fuse_layer, group_kind, param_shardings, serving_shardings
+from jaxserve.models import (checkpoint_shapes, fuse_layer, group_kind, param_shardings, param_specs,
+                             serving_shardings)
 
 
 def checkpoint_shardings(config: ModelConfig, dtype: DTypeLike, mesh: Mesh | None = None,
@@ -35,17 +36,21 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
     anywhere; consumed group by group, so the device never holds both copies): floats cast to `dtype`, each
     layer's projections fused on its own devices, and weights quantized as `quantization` says. A tree of
     `jax.ShapeDtypeStruct`s (`jaxserve compile`: no weights) gives the serving layout's, with their shardings."""
-    def to_serving(layer: bool, group: dict) -> dict:
-        group = cast_floats(group, dtype)  # quantized leaves (an AWQ checkpoint's) keep their dtype
+    def to_serving(name: str, group: dict) -> dict:
+        layer = name.startswith("layers_")
+        group = cast_floats(group, dtype)  # quantized leaves (an AWQ or FP8 checkpoint's) keep their dtype
         group = fuse_layer(group, config, tp) if layer else group
-        # int8 weights: per output channel, which commutes with fusing's column permutation
-        return serving_weights(group, quantization)
+        # int8 weights: per output channel, which commutes with fusing's column permutation; fp8: blocks of each
+        # device's columns after fusing, decoder layers only (vLLM keeps the embedding and LM head float)
+        if quantization == "fp8" and not layer:
+            return group
+        return serving_weights(group, quantization, param_specs({name: group}, config, tp)[name], tp.size)
 
     converters: dict[str, object] = {}  # one compiled conversion serves every group of a kind
     serving = {}
     for name in list(params):
         group = params.pop(name)
-        convert = functools.partial(to_serving, name.startswith("layers_"))
+        convert = functools.partial(to_serving, name)
         if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(group)):
             out = jax.eval_shape(convert, group)
             serving[name] = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,

@@ -138,8 +138,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="long prompts prefilling at once, so shorter ones go past them")
     engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     engine.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
-                        help="weights: int8 (W8A16, quantized at load) or awq (AutoAWQ 4-bit checkpoints, "
-                             "also detected from the checkpoint's config.json when the flag is unset)")
+                        help="weights: int8 (W8A16, quantized at load), fp8 (FP8 in 128x128 blocks, quantized at "
+                             "load; block-scaled FP8 checkpoints such as DeepSeek-V3's load as FP8) or awq (AutoAWQ "
+                             "4-bit); AWQ and FP8 checkpoints are detected from config.json when the flag is unset")
     engine.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"],
                         help="KV pages: auto (the model dtype), int8 or fp8 (e4m3)")
     engine.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"])

@@ -64,10 +64,13 @@ def block_size(length: int, largest: int) -> int:
 
 
 def _grouped_matmul_kernel(num_tiles_ref: Any, tile_group_ref: Any, tile_block_ref: Any, ends_ref: Any,
-                           x_ref: Any, w_ref: Any, out_ref: Any, *, block_rows: int, block_n: int,
-                           block_k: int) -> None:
+                           x_ref: Any, w_ref: Any, *refs: Any, block_rows: int, block_n: int, block_k: int,
+                           scale_block: tuple[int, int] | None) -> None:
     """x_ref [R, K], w_ref [G, K, N], out_ref [R, N] float32 (whole arrays; R, K, N multiples of the blocks);
-    num_tiles_ref int32[1]; tile_group_ref, tile_block_ref int32[max_tiles]; ends_ref int32[G] (cumsum of sizes)."""
+    num_tiles_ref int32[1]; tile_group_ref, tile_block_ref int32[max_tiles]; ends_ref int32[G] (cumsum of sizes).
+    With `scale_block` (bk, bn), `refs` starts with scale_ref [G, K / bk, N / bn]: each (block_k, block_n) tile
+    lies inside one scale block (bk, bn multiples of block_k, block_n), so its product is scaled as a whole."""
+    scale_ref, out_ref = refs if scale_block is not None else (None, *refs)
     tile, col = pl.program_id(0), pl.program_id(1)
     num_tiles, total = num_tiles_ref[0], ends_ref[ends_ref.shape[0] - 1]
     columns = common.ds(col * block_n, block_n)
@@ -84,7 +87,10 @@ def _grouped_matmul_kernel(num_tiles_ref: Any, tile_group_ref: Any, tile_block_r
             depth = common.ds(k * block_k, block_k)
             x = x_ref[common.ds(first, block_rows), depth]
             w = w_ref[group, depth, columns].astype(x.dtype)
-            return acc + common.matmul(x, w, transpose_b=False)
+            if scale_ref is None:
+                return acc + common.matmul(x, w, transpose_b=False)
+            scale = scale_ref[group, (k * block_k) // scale_block[0], (col * block_n) // scale_block[1]]
+            return acc + common.matmul(x, w, transpose_b=False) * scale
 
         y = lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros((block_rows, block_n), jnp.float32))
         row_index = first + row
@@ -102,13 +108,15 @@ def _grouped_matmul_kernel(num_tiles_ref: Any, tile_group_ref: Any, tile_block_r
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, block_rows: int | None = None,
-                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
+def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, block_scale: jax.Array | None = None,
+                   block_rows: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """Float32 `[R, N]`: row r of `x [R, K]` (rows sorted by group) times `kernel[g] [K, N]` of its group g;
     `group_sizes int32[G]` counts each group's rows, summing to at most R (rows past the sum are 0).
 
-    `kernel` is float (converted to x's dtype) or int8 (converted exactly; its scales are the caller's).
+    `kernel` is float (converted to x's dtype) or int8 (converted exactly; its scales are the caller's), or float8
+    with `block_scale [G, K / bk, N / bn]` (blocks that tile it; the tiles are cut inside them, each tile's product
+    scaled in the kernel).
     Defaults: `block_rows` from the mean group size (16 to 128, `tile_rows`), `block_n` up to 128 and `block_k` up
     to 64, the largest powers of two dividing N and K (else N or K padded: a copy of the kernel), 8 warps for
     128 x 128 tiles, else 4. `interpret=True` runs the kernel in Pallas' interpreter (on CPU).
@@ -121,6 +129,16 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, b
     block_rows = block_rows or tile_rows(num_rows, num_groups, MIN_TRITON_DIM)
     block_n = block_n or block_size(fan_out, MAX_BLOCK_N)
     block_k = block_k or block_size(fan_in, MAX_BLOCK_K)
+    scale_block = None
+    if block_scale is not None:
+        scale_block = (fan_in // block_scale.shape[1], fan_out // block_scale.shape[2])
+        if block_scale.shape[0] != num_groups or any(
+                size % b for size, b in zip((fan_in, fan_out), scale_block)):
+            raise ValueError(f"block_scale {block_scale.shape} does not tile kernel {kernel.shape} in whole blocks")
+        block_k = min(block_k or MAX_BLOCK_K, block_size(scale_block[0], MAX_BLOCK_K))
+        block_n = min(block_n or MAX_BLOCK_N, block_size(scale_block[1], MAX_BLOCK_N))
+        if scale_block[0] % block_k or scale_block[1] % block_n:
+            raise ValueError(f"FP8 blocks {scale_block} are not whole tiles of {block_k} x {block_n}")
     num_warps = num_warps or (8 if block_rows * block_n >= 128 * 128 else 4)
 
     rows, cols, depth = (-(-size // block) * block for size, block in
@@ -133,12 +151,14 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, b
     schedule = (num_tiles.reshape(1), tile_group, tile_block, jnp.cumsum(group_sizes))
 
     max_tiles = tile_group.shape[0]
+    scales = () if block_scale is None else (block_scale.astype(jnp.float32),)
     out_shape = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
     # every tile counted busy; each expert's weights read once, x once per column block
     cost = pl.CostEstimate(flops=2 * max_tiles * block_rows * depth * cols, transcendentals=0,
                            bytes_accessed=nbytes(kernel) * min(num_groups, num_rows) // num_groups
-                           + nbytes(x) * (cols // block_n) + nbytes(out_shape, *schedule))
-    kernel_fn = functools.partial(_grouped_matmul_kernel, block_rows=block_rows, block_n=block_n, block_k=block_k)
+                           + nbytes(x) * (cols // block_n) + nbytes(out_shape, *schedule, *scales))
+    kernel_fn = functools.partial(_grouped_matmul_kernel, block_rows=block_rows, block_n=block_n, block_k=block_k,
+                                  scale_block=scale_block)
     out = pl.pallas_call(
         kernel_fn,
         grid=(max_tiles, cols // block_n),
@@ -147,5 +167,5 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, b
         cost_estimate=cost,
         interpret=interpret,
         name=f"jaxserve_grouped_matmul_r{block_rows}_n{block_n}_k{block_k}",
-    )(*schedule, x, kernel)
+    )(*schedule, x, kernel, *scales)
     return out[:num_rows, :fan_out]
