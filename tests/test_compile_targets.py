@@ -256,3 +256,20 @@ def test_a_one_token_lookup_in_a_split_vocabulary_reads_each_devices_rows():
     assert_compiles_and_fits(result)
     table = 262144 * 320 * 2
     assert all(step.temp_bytes < table // 2 for step in result.steps), [step.temp_bytes for step in result.steps]
+
+
+@pytest.mark.parametrize("target", ["h200x8", "v6e-4"])
+def test_fp8_weights_compile_and_a_gpu_reads_them_in_place(target):
+    """`--quantization fp8` under -tp 2. On GPU the decode and the short prefill run the Triton kernel on each
+    device's part of every linear: XLA had written a dequantized copy of each kernel (o_proj's alone is 1 MiB a
+    device here), and a Pallas call outside shard_map gathered the whole kernel onto every device."""
+    config = tiny_hf_config("llama", hidden_size=1024, intermediate_size=4096, head_dim=128, num_attention_heads=8,
+                            num_key_value_heads=8)
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        options = {**SMALL, "decode_batch_buckets": (1, 4)}
+        result = compile_engine(EngineConfig(model=directory, tensor_parallel_size=2, quantization="fp8", **options),
+                                target, {"prefill", "decode"})
+    assert_compiles_and_fits(result)
+    if target == "h200x8":
+        assert all(step.temp_bytes < 1 << 20 for step in result.steps), [step.temp_bytes for step in result.steps]

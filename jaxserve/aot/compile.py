@@ -25,7 +25,7 @@ import jax
 from jaxserve.aot.abstract import AbstractAllocator, abstract_weights, device_bytes
 from jaxserve.aot.targets import Target, compiling_for, target
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.tensor_parallel import make_mesh
+from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_plan import KVPlan, check_plan
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
@@ -33,6 +33,7 @@ from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_registry import StepRegistry, compile_threads, shape_key
 from jaxserve.loading import model_config, resolve_model
+from jaxserve.loading.placement import serving_params
 from jaxserve.spec_decode.draft import draft_model_config
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         allocator = AbstractAllocator(t, config.gpu_memory_utilization)
         params = abstract_weights(model, config.jax_dtype, mesh, config.enable_expert_parallel)
         usable = int(t.chip.hbm_bytes * config.gpu_memory_utilization)
-        weights = device_bytes(params)
+        tp = TensorParallel(mesh.size, config.enable_expert_parallel)  # as served: quantized, fused
+        weights = device_bytes(serving_params(dict(params), model, tp, mesh, config.jax_dtype, config.quantization))
         base = dict(target=t, model_config=model, engine_config=config, num_devices=mesh.size, usable_bytes=usable,
                     weights_bytes=weights)
         if weights >= usable:

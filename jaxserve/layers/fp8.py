@@ -7,9 +7,12 @@ transpose of a HF checkpoint's `weight [out, in]` and `weight_scale_inv [out / b
 `weight_block_size` is `[bo, bi]`). The blocks follow from the shapes, so the steps need no static argument; a
 kernel whose blocks do not tile it exactly, on every device, stays float (`fp8_blocks_fit`).
 
-The matmul dequantizes inside the step: on GPU and TPU as one expression feeding the dot (the compilers fuse the
-convert and the scale into the matmul's operand); on CPU, which fuses neither, as a loop over blocks of input rows
-(`matmul_blocks`), each converted and scaled on its own, as the int8 matmul does. Activations stay in the serving
+The matmul dequantizes inside the step. XLA fuses neither the convert nor the scale into a dot's operand here
+(H200 and v6e, `jaxserve compile`'s HLO): it writes a dequantized copy of the kernel that the dot reads back. So
+on GPU a step of up to `KERNEL_ROWS` rows (decode) runs the grouped matmul's Triton kernel with one group, which
+scales each tile's product in registers; more rows (prefill, compute-bound) and TPU take the dequantized copy; on
+CPU, as a loop over blocks of input rows (`matmul_blocks`), each converted and scaled on its own, as the int8
+matmul does. Activations stay in the serving
 dtype (W8A16): the weights' bytes halve against bfloat16, and their precision is the checkpoint's.
 """
 
@@ -18,11 +21,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from jaxserve.distributed.tensor_parallel import MODEL_AXIS
 from jaxserve.layers import matmul_blocks
+from pallas_kernels import ops
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 QUANTIZE_BLOCK = (128, 128)  # `--quantization fp8` of a float checkpoint: DeepSeek-V3's blocks (input, output)
+KERNEL_ROWS = 128  # on GPU, up to one tile of rows (the weights read once) runs in the Pallas kernel
 
 
 def blocks_of(kernel_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
@@ -57,12 +65,37 @@ def dequantize(kernel: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (blocks * scale[..., :, None, :, None]).reshape(kernel.shape).astype(dtype)
 
 
-def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: int = 1) -> jax.Array:
+def kernel_matmul(rows: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: int, out_shards: int
+                  ) -> jax.Array:
+    """Float32 `rows [R, in] @ dequantize(kernel, scale)` by the grouped matmul's Triton kernel with one group, on
+    each device's own columns (`out_shards`) or input rows (`in_shards`, the partial sums added up after): a
+    Pallas call is not split by the compiler, which would gather the whole kernel onto every device first."""
+    def local(rows, kernel, scale):
+        y = ops.grouped_matmul(rows, kernel[None], jnp.full((1,), rows.shape[0], jnp.int32), block_scale=scale[None])
+        return jax.lax.psum(y, MODEL_AXIS) if in_shards > 1 else y
+
+    if in_shards == out_shards == 1:
+        return local(rows, kernel, scale)
+    split_in, split_out = P(None, MODEL_AXIS), P(MODEL_AXIS, None)
+    specs = (split_in, split_out, split_out) if in_shards > 1 else (P(), split_in, split_in)
+    mesh = AbstractMesh((max(in_shards, out_shards),), (MODEL_AXIS,))  # the engine's mesh: one axis
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P() if in_shards > 1 else split_in,
+                         check_vma=False)(rows, kernel, scale)
+
+
+def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, in_shards: int = 1, out_shards: int = 1
+               ) -> jax.Array:
     """`x [..., in] @ dequantize(kernel [in, out], scale)` in `x.dtype`, float32 accumulation.
-    `in_shards`: the devices the input features are split over (a row-parallel layer), so blocks never cross them."""
+    `in_shards` / `out_shards`: the devices the input features (a row-parallel layer) or the output features (a
+    column-parallel one) are split over, so blocks never cross them and the kernel runs on each device's part."""
     lead, fan_in = x.shape[:-1], x.shape[-1]
     fan_out = kernel.shape[1]
     rows = x.reshape(-1, fan_in)
+    if matmul_blocks.lowering_platform() == "gpu" and rows.shape[0] <= KERNEL_ROWS:
+        # XLA:GPU writes the dequantized kernel out before its GEMM reads it (5 bytes moved per weight where
+        # bfloat16 moves 2); the Triton kernel scales each tile's product as it multiplies
+        y = kernel_matmul(rows, kernel, scale, in_shards, out_shards)
+        return y.astype(x.dtype).reshape(*lead, fan_out)
     if not matmul_blocks.blocked_matmuls():
         y = jnp.dot(rows, dequantize(kernel, scale, x.dtype), preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*lead, fan_out)

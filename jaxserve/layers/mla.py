@@ -69,11 +69,11 @@ class MLAttention(nn.Module):
         batch, num_tokens, _ = x.shape
         heads, nope, rope = cfg.num_q_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim
         if mla.q_lora_rank is None:
-            q = Linear(heads * (nope + rope), dtype=self.dtype, name="q_proj")(x)
+            q = Linear(heads * (nope + rope), dtype=self.dtype, out_shards=self.tp.size, name="q_proj")(x)
         else:
             q = Linear(mla.q_lora_rank, use_bias=cfg.qkv_bias, dtype=self.dtype, name="q_a_proj")(x)
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_a_layernorm")(q)
-            q = Linear(heads * (nope + rope), dtype=self.dtype, name="q_b_proj")(q)
+            q = Linear(heads * (nope + rope), dtype=self.dtype, out_shards=self.tp.size, name="q_b_proj")(q)
         q_nope, q_rope = jnp.split(q.reshape(batch, num_tokens, heads, nope + rope), [nope], axis=-1)
         latent = Linear(mla.cache_dim, use_bias=cfg.qkv_bias, dtype=self.dtype, name="kv_a_proj_with_mqa")(x)
         c_kv, k_rope = jnp.split(latent[:, :, None, :], [mla.kv_lora_rank], axis=-1)
@@ -98,4 +98,5 @@ class MLAttention(nn.Module):
                                   value_dim=mla.kv_lora_rank)
         out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
         out = out.reshape(batch, num_tokens, heads * mla.v_head_dim)
-        return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, name="o_proj")(out), kv
+        return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=self.tp.size,
+                      name="o_proj")(out), kv

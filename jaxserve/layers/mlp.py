@@ -31,7 +31,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         shards = self.tp.size
-        gate_up = Linear(2 * self.width, dtype=self.dtype, name="gate_up_proj")(x)
+        gate_up = Linear(2 * self.width, dtype=self.dtype, out_shards=shards, name="gate_up_proj")(x)
         gate, up = jnp.split(gate_up.reshape(*x.shape[:-1], shards, -1), 2, axis=-1)  # [..., device, columns]
         hidden = (gate_activation(self.activation)(gate) * up).reshape(*x.shape[:-1], self.width)
         return Linear(self.hidden_size, dtype=self.dtype, in_shards=shards, name="down_proj")(hidden)

@@ -167,7 +167,8 @@ class Linear(nn.Module):
     (float or int8 `[in, out]`), `scale` (float32 `[out]`, only when int8) and `bias` (float, optional); FP8
     weights: `kernel` float8 with `block_scale` (`layers/fp8.py`); or AWQ
     int4 weights: `kernel` uint4 `[in, out]` with `zeros` (uint4) and `scales` (float) `[in / group, out]`
-    (`layers/awq.py`). `in_shards`: devices the input features are split over (row-parallel layers). Given a
+    (`layers/awq.py`). `in_shards` / `out_shards`: devices the input features (row-parallel layers) or the output
+    features (column-parallel ones) are split over. Given a
     "lora" collection (`lora/weights.py`: the adapters' stacked `a`, `b` and the rows' slot `mask`), each row adds
     its adapter's contribution (`layers/lora.py`), whatever the base weights' format."""
 
@@ -175,6 +176,7 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     in_shards: int = 1
+    out_shards: int = 1  # devices the output features are split over (column-parallel layers), for FP8's kernel
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -183,7 +185,7 @@ class Linear(nn.Module):
                                                    for name in ("kernel", "zeros", "scales")), self.in_shards)
         elif self.has_variable("params", "block_scale"):
             y = fp8_matmul(x.astype(self.dtype), self.get_variable("params", "kernel"),
-                           self.get_variable("params", "block_scale"), self.in_shards)
+                           self.get_variable("params", "block_scale"), self.in_shards, self.out_shards)
         elif self.has_variable("params", "scale"):
             y = int8_matmul(x.astype(self.dtype), self.get_variable("params", "kernel"),
                             self.get_variable("params", "scale"), self.in_shards)

@@ -100,7 +100,7 @@ class Attention(nn.Module):
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
         kv_width = tp.kv_heads_per_device(cfg) * cfg.head_dim
         qkv = Linear(tp.size * (q_width + 2 * kv_width), use_bias=cfg.qkv_bias, dtype=self.dtype,
-                     name="qkv_proj")(x)
+                     out_shards=tp.size, name="qkv_proj")(x)
         qkv = qkv.reshape(batch, num_tokens, tp.size, q_width + 2 * kv_width)  # one row of columns per device
         q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
         q = q.reshape(batch, num_tokens, cfg.num_q_heads, cfg.head_dim)
