@@ -275,7 +275,8 @@ def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
 
 @pytest.mark.parametrize("field, value, named", [("scoring_func", "softmax", "scoring_func"),
                                                  ("topk_method", "greedy", "topk_method"),
-                                                 ("n_group", 3, "n_group"), ("topk_group", 5, "topk_group")])
+                                                 ("n_group", 3, "n_group"), ("topk_group", 5, "topk_group"),
+                                                 ("moe_layer_freq", 2, "moe_layer_freq")])
 def test_routing_this_code_cannot_compute_is_refused_by_name_before_any_read(field, value, named):
     from jaxserve.models import config_from_hf
 

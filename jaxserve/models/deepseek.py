@@ -34,6 +34,10 @@ def deepseek_moe(hf_config: Any) -> tuple[MoEConfig | None, tuple[bool, ...]]:
     scored by their two best; V2: softmax scores never renormalized, `topk_method` "greedy" (no groups) or
     "group_limited_greedy" (groups scored by their best)."""
     experts = hf_config.n_routed_experts or 0
+    frequency = getattr(hf_config, "moe_layer_freq", 1)
+    if frequency != 1:  # DeepSeek's own code skips layers by it; transformers ignores it: no reference to match
+        raise ValueError(f"moe_layer_freq {frequency!r} is not supported for {hf_config.model_type} (every published "
+                         "checkpoint has 1: every layer from first_k_dense_replace on is a mixture of experts)")
     sparse = tuple(experts > 0 and index >= hf_config.first_k_dense_replace
                    for index in range(hf_config.num_hidden_layers))
     if not any(sparse):
