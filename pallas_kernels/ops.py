@@ -11,6 +11,7 @@ import jax
 
 from pallas_kernels.triton import decode as _triton_decode
 from pallas_kernels.triton import grouped_matmul as _triton_grouped_matmul
+from pallas_kernels.triton import mla_decode as _triton_mla_decode
 from pallas_kernels.triton import ragged as _triton_ragged
 
 
@@ -155,6 +156,41 @@ def ragged_paged_attention(
         pages_per_compute_block=pages_per_compute_block,
         interpret=interpret,
     )
+
+
+def mla_paged_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of Multi-head Latent Attention (DeepSeek-V2/V3, absorbed) over one latent pool.
+
+    Args:
+      q_latent: [batch, num_heads, latent_dim], each head's no-rope query
+        moved into latent space.
+      q_rope: [batch, num_heads, rope_dim], its rotated rope query.
+      pages: [1, num_pages, page_size, width], one latent row ``[c | k_rope]``
+        per token (``width >= latent_dim + rope_dim``; columns past them are
+        not read).  latent_dim and rope_dim: powers of two >= 16.
+      lengths, page_indices, pages_per_compute_block, num_splits, interpret:
+        as for ``paged_attention``.
+      sm_scale: the logit scale.
+
+    Returns:
+      [batch, num_heads, latent_dim] in q_latent's dtype: each head's softmax
+      of ``q_latent . c + q_rope . k_rope`` times ``c``.  Rows are
+      batch-invariant as ``paged_attention``'s are.
+    """
+    return _triton_mla_decode.mla_paged_attention(
+        q_latent, q_rope, pages, lengths, page_indices, sm_scale=sm_scale,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits, interpret=interpret)
 
 
 def grouped_matmul(

@@ -99,6 +99,32 @@ def test_tensor_and_expert_parallel_on_four_devices_match_one_device(deepseek_di
         quantization="int8")[0]
 
 
+def test_the_pallas_backend_decodes_with_the_latent_kernel_on_one_and_two_devices(tmp_path, monkeypatch):
+    """A latent of 32 and a rope key of 16 (powers of two, as the kernel's tiles need): the decode steps run the
+    MLA decode kernel (interpreted here), with the heads split under -tp 2, and the greedy tokens equal
+    transformers'."""
+    import pallas_kernels
+
+    path = save_deepseek(str(tmp_path / "model"), qk_rope_head_dim=16, num_hidden_layers=2)
+    calls = []
+    kernel = pallas_kernels.mla_paged_attention
+    monkeypatch.setattr(pallas_kernels, "mla_paged_attention",
+                        lambda *args, **kw: calls.append(args[0].shape) or kernel(*args, **kw))
+    prompts = random_prompts(2, 500, 5, 20, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    for tp in (1, 2):
+        calls.clear()
+        llm = LLM(path, attention_backend="pallas-interpret", tensor_parallel_size=tp, max_num_seqs=2,
+                  max_model_len=64, warmup=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [out.outputs[0].token_ids for out in outs] == expected, tp
+        assert calls and all(shape[1:] == (4 // tp, 32) for shape in calls), calls  # each device's heads
+
+
 @pytest.mark.parametrize("options, named", [(dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
                                             (dict(kv_offloading_size=0.01), "KV tiers")])
 def test_what_the_latent_cache_cannot_take_yet_is_refused_by_name(deepseek_dir, options, named):

@@ -832,3 +832,34 @@ def test_triton_ir_check_rejects_a_bad_tile():
 
     with pytest.raises(Exception, match="power of 2"):
         lower_to_triton_ir(fn, jax.ShapeDtypeStruct((6, 16), jnp.float32))
+
+
+# --------------------------------------------------------------------------- #
+# Multi-head Latent Attention decode                                           #
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("heads, latent, rope, width, page_size, dtype, ppcb, splits", [
+    (4, 64, 16, 80, 8, "float32", None, None),  # fewer heads than a block
+    (20, 32, 16, 64, 16, "float32", 1, 3),  # two head blocks, the second part padding; columns past the row
+    (16, 64, 32, 96, 8, "bfloat16", 2, 2),
+])
+def test_mla_decode_matches_float64_reference(heads, latent, rope, width, page_size, dtype, ppcb, splits):
+    """Each head's softmax of q_latent . c + q_rope . k_rope over its sequence's latent rows, times c: the float64
+    reference is paged attention with the pool as keys and its latent part as values (the rest zeroed)."""
+    rng = np.random.default_rng([heads, latent, rope, page_size])
+    pages_per_seq = 5
+    lengths = decode_lengths(page_size, pages_per_seq)
+    kv = make_paged_kv(rng, lengths, kv_heads=1, head_dim=width, page_size=page_size, pages_per_seq=pages_per_seq)
+    q = rng.standard_normal((len(lengths), heads, latent + rope))
+    q_latent, q_rope = jnp.asarray(q[..., :latent], dtype), jnp.asarray(q[..., latent:], dtype)
+    out = pallas_kernels.ops._triton_mla_decode.mla_paged_attention(
+        q_latent, q_rope, jnp.asarray(kv.k_pages, dtype), jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(kv.page_indices), sm_scale=0.3, pages_per_compute_block=ppcb, num_splits=splits,
+        interpret=INTERPRET, poison_output=True)
+    assert out.shape == (len(lengths), heads, latent) and out.dtype == q_latent.dtype
+    pool = np.asarray(jnp.asarray(kv.k_pages, dtype), np.float64)
+    keys = pool[..., :latent + rope]
+    values = np.where(np.arange(latent + rope) < latent, keys, 0.0)
+    query = np.concatenate([np.asarray(q_latent, np.float64), np.asarray(q_rope, np.float64)], axis=-1)
+    expected = numpy_decode_reference(query, keys, values, lengths, kv.page_indices, sm_scale=0.3)[..., :latent]
+    assert_close(out, expected, dtype, "mla decode")
+    assert np.all(np.asarray(out[lengths.index(0)], np.float32) == 0.0), "length 0 must give zeros"

@@ -30,7 +30,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED
-from jaxserve.layers.attention_xla import XlaAttention
+from jaxserve.layers.attention_xla import XlaAttention, xla_paged_attention
 from jaxserve.layers.paged_kv import (HEADS, KV_CACHE_DTYPES, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV,
                                       AttentionMetadata, KVPages, QuantizedPages, pool_shape)
 
@@ -193,6 +193,19 @@ class PagedAttention:
         specs = (HEADS, self.cache_specs(), REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: spec unused
         out = self.per_device(attend, specs, HEADS)(self.stored(q), kv, meta, sinks)
         return out[..., :q.shape[-1]]
+
+    def attend_latent(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
+                      value_dim: int, rope_dim: int) -> jax.Array:
+        """Multi-head Latent Attention (`layers/mla.py`): every head of `q [B, T, heads, stored]` (`[q_latent |
+        q_rope]`, `value_dim + rope_dim` wide before padding) over the one latent row per token of `kv` (no V: a
+        row's first `value_dim` values are its value), `[B, T, heads, value_dim]`. The heads split over the
+        devices, the latent pool whole on each. A backend with an `attend_latent` of its own runs it (the Triton
+        decode kernel); the others attend in XLA."""
+        attend = getattr(self.backend, "attend_latent", None)
+        if attend is None:
+            return xla_paged_attention(q, kv, meta, sm_scale=sm_scale, sliding_window=None, value_dim=value_dim)
+        attend = functools.partial(attend, sm_scale=sm_scale, value_dim=value_dim, rope_dim=rope_dim)
+        return self.per_device(attend, (HEADS, KVPages(REPLICATED, None), REPLICATED), HEADS)(q, kv, meta)
 
     def stored(self, x: jax.Array) -> jax.Array:
         """`x [..., head_dim]` zero-padded to the stored head size (zeros change no score, value or scale)."""

@@ -4,7 +4,8 @@ on GPU; `pallas-interpret` runs the same kernels in Pallas' interpreter, for tes
 New K/V go in by the XLA scatter (`paged_kv.scatter_kv`). A decode step (one query token per row) runs the decode
 kernel; any other step runs all its rows through one ragged-kernel call, the rows packed back to back
 (`to_ragged`, `from_ragged`). Quantized pools go to the kernels as stored, with their per-token scales; the
-soft-cap and attention sinks are the kernels' own.
+soft-cap and attention sinks are the kernels' own. Multi-head Latent Attention's decode has a kernel of its own
+(`attend_latent`); its prefill attends in XLA.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jaxserve.layers.attention_xla import xla_paged_attention
 from jaxserve.layers.paged_kv import AttentionMetadata, KVPages, scatter_kv, split_quantized
 
 
@@ -49,6 +51,19 @@ class TritonAttention:
             jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
             interpret=self.interpret, **scales)
         return from_ragged(out, cu_q_lens, query_lens, num_tokens)
+
+    def attend_latent(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
+                      value_dim: int, rope_dim: int) -> jax.Array:
+        """Multi-head Latent Attention (`PagedAttention.attend_latent`): a decode step runs the MLA decode kernel
+        where the latent and rope widths are powers of two of 16 or more (DeepSeek-V2/V3's 512 and 64); any other
+        step, or width, attends in XLA."""
+        if q.shape[1] != 1 or not all(d >= 16 and d & (d - 1) == 0 for d in (value_dim, rope_dim)):
+            return xla_paged_attention(q, kv, meta, sm_scale=sm_scale, sliding_window=None, value_dim=value_dim)
+        query = q[:, 0]
+        out = pallas_kernels.mla_paged_attention(query[..., :value_dim], query[..., value_dim:value_dim + rope_dim],
+                                                 kv.k, meta.context_lens, meta.page_tables, sm_scale=sm_scale,
+                                                 interpret=self.interpret)
+        return out[:, None]
 
 
 def to_ragged(q: jax.Array, cu_q_lens: jax.Array) -> jax.Array:

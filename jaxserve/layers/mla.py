@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jaxserve.config import LayerSpec, ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
-from jaxserve.layers.attention_xla import xla_paged_attention
 from jaxserve.layers.norms import RMSNorm
 from jaxserve.layers.paged_kv import scatter_pages
 from jaxserve.layers.quant_dense import Linear
@@ -94,8 +93,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
         q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
         query = self.attention.stored(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1))
-        out = xla_paged_attention(query, kv, meta, sm_scale=mla.softmax_scale, sliding_window=None,
-                                  value_dim=mla.kv_lora_rank)
+        out = self.attention.attend_latent(query, kv, meta, sm_scale=mla.softmax_scale, value_dim=mla.kv_lora_rank,
+                                           rope_dim=rope)
         out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
         out = out.reshape(batch, num_tokens, heads * mla.v_head_dim)
         return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=self.tp.size,
