@@ -1,5 +1,6 @@
-"""The benchmark client's own cost: CPU seconds per streamed chunk, `jaxserve bench serve`'s aiohttp client against
-an httpx client (the one benchmarks/serving.py had), both reading the same SSE streams.
+"""The benchmark client's own cost: CPU seconds per streamed chunk and per request, `jaxserve bench serve`'s aiohttp
+client (its keep-alive pool, and a connection per request) against an httpx client (the one benchmarks/serving.py
+had), all reading the same SSE streams.
 
 A fake OpenAI server in a second process streams `--chunks` completion chunks per request as fast as it can; the
 client process measures its own CPU time (time.process_time) while it streams `--requests` requests,
@@ -62,13 +63,23 @@ async def with_httpx(url: str, body: dict[str, Any], requests: int, concurrency:
         return sum(await asyncio.gather(*(one() for _ in range(requests))))
 
 
-async def with_aiohttp(url: str, body: dict[str, Any], requests: int, concurrency: int) -> int:
-    """jaxserve bench serve's own path (client.run_benchmark); returns the chunks read."""
+async def with_aiohttp(url: str, body: dict[str, Any], requests: int, concurrency: int, fresh: bool = False) -> int:
+    """jaxserve bench serve's own path (client.run_benchmark; `fresh`: a new connection for every request);
+    returns the chunks read."""
     base, endpoint = url.rsplit(client.COMPLETIONS, 1)[0], client.COMPLETIONS
-    results, _ = await client.run_benchmark(base, endpoint, [body] * requests, [1] * requests, float("inf"), 1.0,
-                                            concurrency, 0, disable_tqdm=True)
+    session = client.open_session(fresh=True) if fresh else None
+    try:
+        results, _ = await client.run_benchmark(base, endpoint, [body] * requests, [1] * requests, float("inf"),
+                                                1.0, concurrency, 0, disable_tqdm=True, session=session)
+    finally:
+        if session is not None:
+            await session.close()
     assert all(r.success for r in results), {r.error for r in results}
     return sum(len(r.itl) + 1 for r in results)
+
+
+async def with_fresh_connections(url: str, body: dict[str, Any], requests: int, concurrency: int) -> int:
+    return await with_aiohttp(url, body, requests, concurrency, fresh=True)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -92,9 +103,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 break
             except (AssertionError, OSError):
                 time.sleep(0.1)
-        runs: dict[str, list[float]] = {"httpx": [], "aiohttp": []}
+        clients = (("httpx", with_httpx), ("aiohttp", with_aiohttp),
+                   ("aiohttp, a connection per request", with_fresh_connections))
+        runs: dict[str, list[float]] = {name: [] for name, _ in clients}
         for _ in range(args.repeats):
-            for name, run in (("httpx", with_httpx), ("aiohttp", with_aiohttp)):
+            for name, run in clients:
                 cpu = time.process_time()
                 chunks = asyncio.run(run(url + client.COMPLETIONS, body, args.requests, args.concurrency))
                 cpu = time.process_time() - cpu
@@ -103,12 +116,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         stop_server(server)
     median = {name: sorted(values)[len(values) // 2] for name, values in runs.items()}
-    print(common.format_table(["client", "CPU us per chunk (median)", "runs"],
-                              [[name, median[name], " ".join(f"{v:.1f}" for v in runs[name])] for name in runs]))
-    print(f"httpx / aiohttp: {median['httpx'] / median['aiohttp']:.2f}x")
+    print(common.format_table(["client", "CPU us per chunk (median)", "CPU us per request", "runs (us per chunk)"],
+                              [[name, median[name], median[name] * args.chunks,
+                                " ".join(f"{v:.1f}" for v in runs[name])] for name in runs]))
+    fresh = median["aiohttp, a connection per request"] / median["aiohttp"]
+    print(f"httpx / aiohttp: {median['httpx'] / median['aiohttp']:.2f}x; a connection per request / the pool: "
+          f"{fresh:.2f}x")
     payload = {"requests": args.requests, "chunks": args.chunks, "concurrency": args.concurrency,
                "cpu_us_per_chunk": runs, "median_us_per_chunk": median,
-               "ratio_httpx_over_aiohttp": median["httpx"] / median["aiohttp"]}
+               "ratio_httpx_over_aiohttp": median["httpx"] / median["aiohttp"],
+               "ratio_fresh_connections_over_pool": fresh}
     print(f"result: {common.write_result(NAME, payload, args.result_file, argv)}")
     return payload
 

@@ -350,3 +350,94 @@ def test_metrics_follow_the_prometheus_text_format(live_server):
                 assert sample.name.endswith(("_bucket", "_sum", "_count", "_created")), sample.name
     counters = [name for name, kind in typed.items() if kind == "counter"]
     assert counters and all(name.endswith("_total") for name in counters)
+
+
+# -- connections the server closes ---------------------------------------------------------------------------------
+
+
+class ClosingServer:
+    """A raw HTTP/1.1 server (its own thread and event loop) answering /v1/models and streamed completions with
+    keep-alive. `mode` "reused": it answers the first request of each connection and closes the connection as soon
+    as a second request's headers arrive (what an idle timeout firing just as a pooled connection is reused does,
+    made certain); "after_reading": it answers the first completion (the client's probe), then reads every other
+    one whole and closes without an answer."""
+
+    def __init__(self, mode: str):
+        import threading
+
+        self.mode, self.port, self.requests = mode, free_port(), 0
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(asyncio.start_server(self.connection, "127.0.0.1", self.port))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait()
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if self.mode == "reused" and served:
+                    break  # the request's body is unread: the close resets the connection
+                length = int(re.search(rb"content-length: *(\d+)", head.lower()).group(1)) if b"content-length" \
+                    in head.lower() else 0
+                await reader.readexactly(length)
+                self.requests += 1
+                if self.mode == "after_reading" and head.startswith(b"POST") and self.requests > 2:
+                    break
+                if head.startswith(b"GET"):
+                    body, kind = json.dumps({"data": [{"id": "fake"}]}).encode(), b"application/json"
+                else:
+                    events = [{"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "b"}]},
+                              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]
+                    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+                    kind = b"text/event-stream"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def run_against(server: ClosingServer, tokenizer: str, tmp_path, capsys) -> tuple[dict, str]:
+    try:
+        outcome = serve.main(["--port", str(server.port), "--tokenizer", tokenizer, "--random-input-len", "4",
+                              "--random-output-len", "2", "--num-prompts", "12", "--max-concurrency", "2",
+                              "--request-timeout", "20", "--disable-tqdm", "--save-result", "--result-dir",
+                              str(tmp_path), "--result-filename", "run.json"])[0]
+    finally:
+        server.stop()
+    return outcome, capsys.readouterr().out
+
+
+def test_a_connection_closed_under_a_reused_request_is_sent_again_and_counted(tiny_llama_dir, tmp_path, capsys):
+    """Every request that reuses a pooled connection finds it closed before any answer (llama.cpp's server closing
+    idle connections while the machine was busy lost 8 of 32 requests so): each is sent once more on a fresh
+    connection, and the run completes every request, with the retries in the result and the printed block."""
+    outcome, printed = run_against(ClosingServer("reused"), tiny_llama_dir, tmp_path, capsys)
+    assert outcome["completed"] == 12 and outcome["failed"] == 0
+    assert outcome["retries"] > 0 and json.loads((tmp_path / "run.json").read_text())["retries"] == outcome["retries"]
+    assert re.search(rf"Retried on a fresh connection: +{outcome['retries']}\n", printed)
+
+
+def test_a_server_that_drops_requests_it_read_still_fails_them(tiny_llama_dir, tmp_path, capsys):
+    """Closed after reading each request: the one on the probe's pooled connection is sent once more, on a fresh
+    connection, and every request still fails; none is sent a third time."""
+    server = ClosingServer("after_reading")
+    outcome, _ = run_against(server, tiny_llama_dir, tmp_path, capsys)
+    assert outcome["completed"] == 0 and outcome["failed"] == 12 and outcome["retries"] <= 1
+    assert server.requests == 2 + 12 + outcome["retries"]  # /v1/models and the probe, then each request

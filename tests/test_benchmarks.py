@@ -252,7 +252,7 @@ class FakeSession:
     def __init__(self, clock: VirtualClock):
         self.clock, self.received = clock, []
 
-    def post(self, url: str, json: dict) -> FakeResponse:
+    def post(self, url: str, json: dict, **options) -> FakeResponse:  # options: aiohttp's trace context
         self.received.append((self.clock.now, json))
         if json.get("max_tokens") == 999:
             return FakeResponse(400, text='{"error": {"message": "too many tokens"}}')

@@ -7,6 +7,12 @@ TTFT and latency start when the request is actually sent: time spent waiting on 
 counted. The first chunk carrying output text counts as the first token; token counts come from the server's
 `usage` (stream_options.include_usage), else from counting text chunks. A request fails, and is counted as
 failed, on an HTTP error, an error event, a stream that ends before `[DONE]`, or `timeout_s` without an answer.
+
+Pooled connections: a server closes a keep-alive connection after its own idle timeout (uvicorn's and llama.cpp's
+are 5 s), and a request written onto one just as it closes finds the connection gone ("Can not write request
+body", or the server disconnecting before any answer). The pool drops idle connections after `KEEPALIVE_S`, under
+those timeouts, and a request that fails so on a reused connection before any answer is sent once more on a fresh
+one (`RequestResult.retries`); on a fresh connection, or once an answer began, a failure stays a failure.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
 LINE_LIMIT_BYTES = 1 << 22  # one SSE line (one chunk's JSON) may be this long
+KEEPALIVE_S = 2.0  # idle pooled connections are closed after this (servers' own timeouts are commonly 5 s)
+
+
+class Attempt:
+    """What the connection pool told about one send (aiohttp's trace signals): whether it reused a connection."""
+
+    def __init__(self) -> None:
+        self.reused = False
 
 
 def arrival_intervals(num_requests: int, request_rate: float, burstiness: float = 1.0,
@@ -125,32 +139,58 @@ async def read_events(lines: AsyncIterable[bytes], endpoint: str, result: Reques
 
 
 async def send_request(session: Any, url: str, endpoint: str, body: dict[str, Any], prompt_len: int,
-                       run_start: float, clock: Callable[[], float] = time.perf_counter) -> RequestResult:
-    """Streams one request over `session` (an aiohttp.ClientSession); a failure is a result, never a raise."""
+                       run_start: float, clock: Callable[[], float] = time.perf_counter,
+                       fresh_session: Any = None) -> RequestResult:
+    """Streams one request over `session` (an aiohttp.ClientSession); a failure is a result, never a raise. With
+    `fresh_session` (one that opens a connection per request), a request whose reused connection closed before any
+    answer is sent again there, once. Its times count from the first send."""
     result = RequestResult(success=False, prompt_len=prompt_len)
     sent = clock()
     result.send_time = sent - run_start
-    try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                text = await response.text(errors="replace")
-                result.error = f"HTTP {response.status}: {text[:300]}"
-                return result
-            result.served_by = response.headers.get("x-jaxserve-worker", "")
-            await read_events(response.content, endpoint, result, sent, clock)
-    except asyncio.TimeoutError:
-        result.error = "TimeoutError: no whole answer within the request timeout"
-    except Exception as err:  # noqa: BLE001 - a failed request is a result, not a crash
-        result.error = f"{type(err).__name__}: {err}"
+    for use in (session, fresh_session):
+        attempt, answered = Attempt(), False
+        try:
+            async with use.post(url, json=body, trace_request_ctx=attempt) as response:
+                answered = True
+                if response.status != 200:
+                    text = await response.text(errors="replace")
+                    result.error = f"HTTP {response.status}: {text[:300]}"
+                    return result
+                result.served_by = response.headers.get("x-jaxserve-worker", "")
+                await read_events(response.content, endpoint, result, sent, clock)
+        except asyncio.TimeoutError:
+            result.error = "TimeoutError: no whole answer within the request timeout"
+        except Exception as err:  # noqa: BLE001 - a failed request is a result, not a crash
+            if attempt.reused and not answered and fresh_session is not None and use is session and closed(err):
+                result.retries += 1
+                continue
+            result.error = f"{type(err).__name__}: {err}"
+        return result
     return result
 
 
-def open_session(timeout_s: float = 3600.0, headers: dict[str, str] | None = None) -> Any:
-    """An aiohttp session with no connection limit and a whole-request timeout."""
+def closed(err: Exception) -> bool:
+    """Whether `err` says the connection closed under the request: writing it failed or no answer came."""
     import aiohttp
 
+    return isinstance(err, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
+
+
+def open_session(timeout_s: float = 3600.0, headers: dict[str, str] | None = None, fresh: bool = False) -> Any:
+    """An aiohttp session with no connection limit and a whole-request timeout; its pool keeps idle connections
+    `KEEPALIVE_S` and says when it reuses one (`Attempt`). `fresh`: a new connection for every request."""
+    import aiohttp
+
+    async def reused(session, context, params) -> None:
+        if isinstance(context.trace_request_ctx, Attempt):
+            context.trace_request_ctx.reused = True
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(reused)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True) if fresh else aiohttp.TCPConnector(
+        limit=0, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers,
-                                 connector=aiohttp.TCPConnector(limit=0), read_bufsize=LINE_LIMIT_BYTES)
+                                 connector=connector, read_bufsize=LINE_LIMIT_BYTES, trace_configs=[trace])
 
 
 async def run_benchmark(base_url: str, endpoint: str, bodies: Sequence[dict[str, Any]], prompt_lens: Sequence[int],
@@ -171,11 +211,12 @@ async def run_benchmark(base_url: str, endpoint: str, bodies: Sequence[dict[str,
     progress = tqdm(total=len(bodies), desc="requests", disable=disable_tqdm, dynamic_ncols=True)
     own = session is None
     session = open_session(timeout_s, headers) if own else session
+    fresh_session = open_session(timeout_s, headers, fresh=True) if own else None
     try:
         run_start = clock()
 
         async def one(index: int) -> RequestResult:
-            args = (session, url, endpoint, bodies[index], prompt_lens[index], run_start, clock)
+            args = (session, url, endpoint, bodies[index], prompt_lens[index], run_start, clock, fresh_session)
             if gate is None:
                 result = await send_request(*args)
             else:
@@ -194,6 +235,7 @@ async def run_benchmark(base_url: str, endpoint: str, bodies: Sequence[dict[str,
     finally:
         if own:
             await session.close()
+            await fresh_session.close()
         progress.close()
     return list(results), duration
 

@@ -43,6 +43,7 @@ class RequestResult:
     cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (usage.prompt_tokens_details)
     generated_text: str = ""
     served_by: str = ""  # a router's x-jaxserve-worker answer header: the worker that served it
+    retries: int = 0  # sends again on a fresh connection after a reused one closed under it (`client.py`)
 
 
 def tpot(result: RequestResult) -> float | None:
@@ -107,6 +108,7 @@ class ServingMetrics:
 
     completed: int
     failed: int
+    retries: int  # requests sent again on a fresh connection (a pooled one the server had closed)
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
@@ -138,6 +140,7 @@ def compute_serving_metrics(results: Sequence[RequestResult], duration_s: float,
     return ServingMetrics(
         completed=len(done),
         failed=len(results) - len(done),
+        retries=sum(r.retries for r in results),
         duration_s=duration_s,
         total_input_tokens=total_input,
         total_output_tokens=total_output,
@@ -162,6 +165,7 @@ def serving_report_rows(metrics: ServingMetrics, max_concurrency: int | None,
     rows = [
         ("Successful requests:", str(metrics.completed)),
         ("Failed requests:", str(metrics.failed)),
+        *((("Retried on a fresh connection:", str(metrics.retries)),) if metrics.retries else ()),
         ("Maximum request concurrency:", str(max_concurrency) if max_concurrency else "unlimited"),
         ("Request rate configured (RPS):", "inf" if math.isinf(request_rate) else number(request_rate)),
         ("Benchmark duration (s):", number(metrics.duration_s)),
@@ -221,6 +225,7 @@ def vllm_result(summary: ServingMetrics, results: Sequence[RequestResult],
         "duration": summary.duration_s,
         "completed": summary.completed,
         "failed": summary.failed,
+        "retries": summary.retries,
         "total_input_tokens": summary.total_input_tokens,
         "total_output_tokens": summary.total_output_tokens,
         "request_throughput": summary.request_throughput,
