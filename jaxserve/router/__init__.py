@@ -13,6 +13,8 @@ import logging
 import sys
 import urllib.parse
 
+UPSTREAM_KEEPALIVE_S = 2.0  # idle connections to the workers live this long (httpx's default, 5 s, is uvicorn's)
+
 
 def worker_url(value: str) -> str:
     """An http(s)://host[:port] URL, normalized (no trailing slash); argparse errors name the bad value."""
@@ -77,9 +79,11 @@ def router_main(argv: list[str] | None = None) -> None:
         policy = make_policy(args.policy, PrefixTree(args.max_tree_size), cache_threshold=args.cache_threshold,
                              balance_abs_threshold=args.balance_abs_threshold,
                              balance_rel_threshold=args.balance_rel_threshold)
-        # streams have no read timeout: a long answer may pause between tokens as long as the worker takes
+        # streams have no read timeout: a long answer may pause between tokens as long as the worker takes; idle
+        # connections are dropped before a worker's own keep-alive timeout (5 s) could close one under a request
         client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0, write=30.0),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                       keepalive_expiry=UPSTREAM_KEEPALIVE_S))
         pool = WorkerPool(args.worker_urls, client, args.health_check_interval, args.health_failure_threshold)
     except ValueError as err:
         parser.error(str(err))
