@@ -84,9 +84,13 @@ class MLAttention(nn.Module):
             rope_attention_factor(scaling)
         q_rope = apply_rope(q_rope, meta.positions, inv_freq, rope_scale)
         k_rope = apply_rope(k_rope, meta.positions, inv_freq, rope_scale)
-        # rows and queries zero-padded to the pool's stored width (a TPU's 128 lanes): zeros change no score
-        kv = KVPages(scatter_pages(kv.k, self.attention.stored(jnp.concatenate([c_kv, k_rope], axis=-1)),
-                                   meta.slot_mapping), None)
+        # rows and queries zero-padded to the pool's stored width (a TPU's 128 lanes): zeros change no score. The
+        # row is the two parts padded and added (exact): XLA:GPU failed to compile their concatenation ("'scf.if'
+        # op along control flow edge") once the decode kernel read the pool, for decode batches over 1 (h200x8)
+        width = mla.cache_dim
+        row = (jnp.pad(c_kv, [(0, 0)] * 3 + [(0, width - mla.kv_lora_rank)])
+               + jnp.pad(k_rope, [(0, 0)] * 3 + [(mla.kv_lora_rank, 0)]))
+        kv = KVPages(scatter_pages(kv.k, self.attention.stored(row), meta.slot_mapping), None)
 
         kv_b = Kernel((mla.kv_lora_rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
         kv_b = kv_b.reshape(mla.kv_lora_rank, heads, nope + mla.v_head_dim)
