@@ -25,7 +25,6 @@ from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
-from jaxserve.distributed.shardings import path_name
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.layers.fp8 import FP8
 from jaxserve.loading.awq import load_awq_checkpoint
@@ -34,7 +33,7 @@ from jaxserve.loading.hf_files import (check_fp8_scales, check_shape, checkpoint
                                        hf_model_config, is_mxfp4, mxfp4_shape, read_fp8_block_slice, read_hf_slice,
                                        read_mxfp4_slice, source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
-from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources, model_spec, param_shardings
+from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources, param_shardings
 
 
 def is_source(leaf) -> bool:
@@ -52,14 +51,14 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
     dtype = np.dtype(dtype)
     files = tensor_files(path)
     shapes = checkpoint_shapes(config, dtype) if shapes is None else shapes
-    spec = model_spec(config.model_type)
+    sources = checkpoint_sources(config)
 
     def load_leaf(key_path, expected: jax.ShapeDtypeStruct, sharding) -> jax.Array:
-        name = path_name(key_path)
-        if name.endswith("/block_scale"):
-            kernel = spec.checkpoint_source(name.removesuffix("block_scale") + "kernel", config)
-            return load(scale_source(kernel), sharding, expected)
-        return load(spec.checkpoint_source(name, config), sharding, expected)
+        *module, leaf = [str(getattr(key, "key", key)) for key in key_path]
+        source = functools.reduce(lambda tree, key: tree[key], module, sources)
+        if leaf == "block_scale":  # an FP8 kernel's scales, read from the tensors beside its weights
+            return load(scale_source(source["kernel"]), sharding, expected)
+        return load(source[leaf], sharding, expected)
 
     def load(source: TensorSource, sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
         stacked = len(source.names) > 1
