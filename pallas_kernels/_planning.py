@@ -62,8 +62,10 @@ def validate_paged_kv(
     v_pages: jax.Array,
     k_scales: jax.Array | None,
     v_scales: jax.Array | None,
+    triton_tiles: bool = True,
 ) -> tuple[int, int, int]:
-    """Checks the K/V pool layout; returns (num_kv_heads, num_pages, page_size)."""
+    """Checks the K/V pool layout; returns (num_kv_heads, num_pages, page_size). `triton_tiles`: the head size
+    must be a power of two (Triton's tiles; Mosaic takes the pools' 128-lane multiples, as MLA's 640)."""
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
             "k_pages and v_pages must both be [num_kv_heads, num_pages, page_size, "
@@ -76,7 +78,7 @@ def validate_paged_kv(
         raise ValueError(
             f"num_q_heads ({q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if not is_power_of_2(head_dim) or head_dim < MIN_TILE:
+    if triton_tiles and (not is_power_of_2(head_dim) or head_dim < MIN_TILE):
         raise ValueError(f"head_dim must be a power of two >= 16 (Triton tiles); got {head_dim}")
     if not is_power_of_2(page_size):
         raise ValueError(f"page_size must be a power of two; got {page_size}")

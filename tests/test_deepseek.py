@@ -79,6 +79,26 @@ def test_engine_greedy_equals_transformers_over_the_latent_cache(deepseek_dir):
         assert tokens == ref, len(prompt)
 
 
+def test_decompressed_attention_matches_transformers(deepseek_dir, monkeypatch):
+    """Steps of two or more query tokens a row decompress the latent rows into every head's keys and values (what a
+    long prefill does, `mla.decompressed_attention`): logits and greedy tokens equal transformers', and through the
+    engine with chunked prefill over cached pages."""
+    from jaxserve.layers import mla
+
+    monkeypatch.setattr(mla, "DECOMPRESS_MIN_TOKENS", {"cpu": 2})
+    assert_matches_transformers(deepseek_dir, "decompressed")
+    prompts = random_prompts(2, 500, 20, 40, seed=21)
+    llm = LLM(deepseek_dir, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, warmup=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
 def test_tensor_and_expert_parallel_on_four_devices_match_one_device(deepseek_dir):
     """The heads split (q_b_proj and kv_b_proj on their output features, o_proj on its input), the latent and its
     cache whole on every device; the experts split inside each or whole per device; int8 weights the same."""
@@ -99,34 +119,45 @@ def test_tensor_and_expert_parallel_on_four_devices_match_one_device(deepseek_di
         quantization="int8")[0]
 
 
-def test_the_pallas_backend_decodes_with_the_latent_kernel_on_one_and_two_devices(tmp_path, monkeypatch):
-    """A latent of 32 and a rope key of 16 (powers of two, as the kernel's tiles need): the decode steps run the
-    MLA decode kernel (interpreted here), with the heads split under -tp 2, and the greedy tokens equal
-    transformers'."""
+@pytest.mark.parametrize("backend", ["pallas-interpret", "pallas-tpu-interpret"])
+def test_the_pallas_backends_attend_over_the_latent_pool_with_their_kernels(tmp_path, monkeypatch, backend):
+    """A latent of 128 and a rope key of 16 (the kernels' tiles: powers of two, whole TPU lanes), the heads split
+    over two devices: the Triton backend's decode steps run the MLA decode kernel, the TPU backend's steps the
+    ragged kernel over the latent pool (both interpreted here), and the greedy tokens equal transformers'."""
     import pallas_kernels
+    from jaxserve.layers import attention_tpu
 
-    path = save_deepseek(str(tmp_path / "model"), qk_rope_head_dim=16, num_hidden_layers=2)
-    calls = []
-    kernel = pallas_kernels.mla_paged_attention
-    monkeypatch.setattr(pallas_kernels, "mla_paged_attention",
-                        lambda *args, **kw: calls.append(args[0].shape) or kernel(*args, **kw))
+    path = save_deepseek(str(tmp_path / "model"), kv_lora_rank=128, qk_rope_head_dim=16, num_hidden_layers=2)
+    owner, name = ((pallas_kernels, "mla_paged_attention") if backend == "pallas-interpret"
+                   else (attention_tpu, "ragged_paged_attention"))
+    kernel, calls = getattr(owner, name), []
+    monkeypatch.setattr(owner, name, lambda *args, **kw: calls.append(kw.get("value_dim", 128)) or kernel(*args, **kw))
     prompts = random_prompts(2, 500, 5, 20, seed=4)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    for tp in (1, 2):
-        calls.clear()
-        llm = LLM(path, attention_backend="pallas-interpret", tensor_parallel_size=tp, max_num_seqs=2,
-                  max_model_len=64, warmup=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [out.outputs[0].token_ids for out in outs] == expected, tp
-        assert calls and all(shape[1:] == (4 // tp, 32) for shape in calls), calls  # each device's heads
+    llm = LLM(path, attention_backend=backend, tensor_parallel_size=2, max_num_seqs=2, max_model_len=64,
+              warmup=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert calls and set(calls) == {128}, calls  # the latent pool's kernel, not the per-head one
 
 
-@pytest.mark.parametrize("options, named", [(dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
-                                            (dict(kv_offloading_size=0.01), "KV tiers")])
+def test_host_and_disk_tiers_keep_latent_pages_on_two_devices(deepseek_dir, tmp_path):
+    """The KV tiers store and restore pages of latent rows (one leaf per layer, whole on every device): outputs
+    equal the untiered engine's, and the second round restores pages the pool had evicted."""
+    from tests.test_kv_tiers import OPTIONS, two_rounds
+
+    expected, _ = two_rounds(LLM(deepseek_dir, **OPTIONS))
+    llm = LLM(deepseek_dir, **OPTIONS, tensor_parallel_size=2, kv_offloading_size=0.05,
+              kv_offloading_dir=str(tmp_path))
+    outputs, cached = two_rounds(llm)
+    assert outputs == expected and cached[1] > 0 and llm.llm_engine.runner.transfers.pages_restored > 0
+
+
+@pytest.mark.parametrize("options, named", [(dict(kv_cache_dtype="int8"), "kv_cache_dtype")])
 def test_what_the_latent_cache_cannot_take_yet_is_refused_by_name(deepseek_dir, options, named):
     with pytest.raises(ValueError, match=named):
         LLM(deepseek_dir, warmup=False, **options)

@@ -98,6 +98,23 @@ def test_ragged_matches_float64_reference(group, kv_heads, head_dim, page_size, 
     assert_matches(out, reference(q, contexts, q_lens, kv, dtype, window), q_lens, dtype, "ragged")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_over_a_latent_pool_matches_float64_reference(dtype):
+    """Multi-head Latent Attention (`value_dim`): 8 query heads over one pool of 256-wide rows whose first 128 lanes
+    are also the values, each page copied once: the float64 reference is attention with those lanes as values."""
+    import dataclasses
+
+    rng = np.random.default_rng(11)
+    rows = mixed_rows(8, 8)
+    q, contexts, q_lens, kv = make_rows(rng, rows, 8, kv_heads=1, group=8, head_dim=256, page_size=8, dtype=dtype)
+    out = ragged_paged_attention(q, jnp.asarray(kv.k_pages, dtype), None, jnp.asarray(contexts), jnp.asarray(q_lens),
+                                 jnp.asarray(kv.page_indices), pages_per_block=2, value_dim=128, interpret=INTERPRET)
+    assert out.shape == (*q.shape[:3], 128) and out.dtype == q.dtype
+    values = dataclasses.replace(kv, v_pages=np.where(np.arange(256) < 128, kv.k_pages, 0.0))
+    expected = reference(q, contexts, q_lens, values, dtype, None)
+    assert_matches(out, expected[..., :128], q_lens, dtype, "latent")
+
+
 @pytest.mark.parametrize("dtype,window,quantized", [("float32", None, None), ("bfloat16", 12, "int8")])
 def test_ragged_soft_cap_matches_float64_reference(dtype, window, quantized):
     """Gemma 2's attention-logit soft-cap (cap 2, binding: logits of 4x-scaled queries), poisoned pools."""

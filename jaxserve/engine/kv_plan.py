@@ -128,8 +128,7 @@ def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple
     """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool."""
     draft = ec.speculative_config is not None and ec.speculative_config.method == "draft_model"
     if isinstance(specs[0], MLASpec):  # the latent pool has no V: what reads K and V pools cannot take it yet
-        refused = {"kv_cache_dtype int8/fp8": ec.kv_cache_dtype != "auto", "KV tiers (kv_offloading_size/dir)":
-                   ec.kv_tiers, "a draft model": draft}
+        refused = {"kv_cache_dtype int8/fp8": ec.kv_cache_dtype != "auto", "a draft model": draft}
         if any(refused.values()):
             raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
                              "Multi-head Latent Attention's latent KV cache")

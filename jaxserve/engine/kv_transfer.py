@@ -108,7 +108,9 @@ class KVTransfers:
         device = mesh.devices.flat[0]
         kinds = {memory.kind for memory in device.addressable_memories()}
         self.memory_kind = "pinned_host" if "pinned_host" in kinds and device.platform != "cpu" else None
-        self.host_sharding = NamedSharding(mesh, KV_PAGES, memory_kind=self.memory_kind)
+        # pages stacked [pages, leaves, heads, ...], split like the pool: by head, or whole (a latent pool)
+        spec = KV_PAGES if runner.model_config.mla is None else REPLICATED
+        self.host_sharding = NamedSharding(mesh, spec, memory_kind=self.memory_kind)
         # each page's arrays off the device: (dtype, [2 * layers, heads, page_size(, head_dim)]) per leaf kind
         self.page_specs = page_specs(runner.kv_cache)
         self._zero_pages = [np.zeros(shape, numpy_dtype(dtype)) for dtype, shape in self.page_specs]  # padding
@@ -132,7 +134,8 @@ class KVTransfers:
         kv_in = kv_cache_shardings(runner.backend, runner.model_config)
         kinds = (self.host_sharding,) * len(self.page_specs)
         store = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
-        on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, KV_PAGES, memory_kind="device")
+        on_device = None if self.memory_kind is None else NamedSharding(runner.mesh, self.host_sharding.spec,
+                                                                         memory_kind="device")
         restore = jax.jit(functools.partial(restore_step, on_device),
                           in_shardings=(kv_in, RestoreInputs(replicated, kinds)),
                           out_shardings=(None, (kv_in,)), donate_argnums=(0,))

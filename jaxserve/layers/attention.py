@@ -200,7 +200,7 @@ class PagedAttention:
         q_rope]`, `value_dim + rope_dim` wide before padding) over the one latent row per token of `kv` (no V: a
         row's first `value_dim` values are its value), `[B, T, heads, value_dim]`. The heads split over the
         devices, the latent pool whole on each. A backend with an `attend_latent` of its own runs it (the Triton
-        decode kernel); the others attend in XLA."""
+        decode kernel, the Mosaic ragged kernel); the others attend in XLA."""
         attend = getattr(self.backend, "attend_latent", None)
         if attend is None:
             return xla_paged_attention(q, kv, meta, sm_scale=sm_scale, sliding_window=None, value_dim=value_dim)

@@ -4,7 +4,8 @@ which works on a CPU.
 
 `write_kv` writes a step's new K/V with DMAs of whole row groups (`pallas_kernels/tpu/kv_write.py`); `attend` runs
 one ragged paged attention call over the step's rows (the engine's prefill and decode steps are separate calls,
-each through this one kernel), with sliding windows, attention-logit soft-caps and sinks. The kernels read the
+each through this one kernel), with sliding windows, attention-logit soft-caps and sinks, and Multi-head Latent
+Attention's latent pool (`attend_latent`). The kernels read the
 pool layout all backends share: one page of one head is a contiguous `[page_size, head_dim]` tile, its unit of
 DMA, lane-dense at head_dim 128 (the heads are stored padded to it); quantized pools keep their
 `[kv_heads, num_pages, page_size]` scales.
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxserve.layers.attention_xla import xla_paged_attention
 from jaxserve.layers.paged_kv import AttentionMetadata, KVPages, QuantizedPages, quantize_kv, split_quantized
 from pallas_kernels.tpu import ragged_paged_attention, write_to_pages
 
@@ -79,3 +81,13 @@ class MosaicTpuAttention:
                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                       sinks=sinks,
                                       interpret=self.interpret_params(), **scales)
+
+    def attend_latent(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
+                      value_dim: int, rope_dim: int) -> jax.Array:
+        """Multi-head Latent Attention (`PagedAttention.attend_latent`): the ragged kernel over the latent pool, each
+        page copied once, its first `value_dim` lanes the values, when they are whole lanes (DeepSeek's 512);
+        otherwise in XLA."""
+        if value_dim % 128:
+            return xla_paged_attention(q, kv, meta, sm_scale=sm_scale, sliding_window=None, value_dim=value_dim)
+        return ragged_paged_attention(q, kv.k, None, meta.context_lens, meta.query_lens, meta.page_tables,
+                                      sm_scale=sm_scale, value_dim=value_dim, interpret=self.interpret_params())

@@ -9,6 +9,7 @@ is never dequantized. Attention sinks (gpt-oss) start each query's online softma
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,12 @@ PREFILL_BLOCK_TOKENS = 128  # with many query tokens per row a block has more wo
 
 def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
                         soft_cap: float | None = None, sinks: jax.Array | None = None,
-                        value_dim: int | None = None) -> jax.Array:
+                        value_dim: int | None = None, expand: Callable | None = None) -> jax.Array:
     """Causal attention blockwise over each row's pages with an online softmax (flash attention in plain XLA).
     A cache with no V pool (MLA) reads each key's first `value_dim` dims as its value: the output is
-    `[B, T, q_heads, value_dim]`.
+    `[B, T, q_heads, value_dim]`. With `expand` (MLA decompressed) each block of the one latent pool's rows,
+    `[1, B, block, width]`, becomes every query head's own keys and values, `([q_heads, B, block, head_dim],
+    [q_heads, B, block, value_dim])`, attended as multi-head attention.
 
     The loop runs only as many key blocks as the longest context in the batch needs and never
     materializes a sequence's whole K/V, which on CPU beats both one gather of all pages (decode) and
@@ -51,6 +54,7 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
     k_pool, v_pool = kv.k, kv.v
     value_dim = head_dim if v_pool is not None or value_dim is None else value_dim
     num_kv_heads, _, page_size, _ = k_pool.shape
+    num_kv_heads = num_q_heads if expand is not None else num_kv_heads
     quantized = isinstance(k_pool, QuantizedPages)
     group = num_q_heads // num_kv_heads
     target_tokens = DECODE_BLOCK_TOKENS if num_tokens == 1 else PREFILL_BLOCK_TOKENS
@@ -71,7 +75,10 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
         running_max, denominator, accumulator = carry
         pages = jax.lax.dynamic_slice_in_dim(page_tables, index * pages_per_block, pages_per_block, axis=1)
         keys = key_block(k_pool, pages, block_tokens)
-        values = keys[..., :value_dim] if v_pool is None else key_block(v_pool, pages, block_tokens)
+        if expand is not None:
+            keys, values = expand(keys)
+        else:
+            values = keys[..., :value_dim] if v_pool is None else key_block(v_pool, pages, block_tokens)
         key_pos = index * block_tokens + jnp.arange(block_tokens)
         # Slots past a row's context (the scratch page, pages it does not own) may hold anything, even NaN or
         # inf: zero their values, since a zero probability times NaN would still be NaN. Inside the context

@@ -21,19 +21,45 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import LayerSpec, ModelConfig
+from jaxserve.config import LayerSpec, MLAConfig, ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
+from jaxserve.layers import matmul_blocks
+from jaxserve.layers.attention_xla import xla_paged_attention
 from jaxserve.layers.norms import RMSNorm
 from jaxserve.layers.paged_kv import scatter_pages
 from jaxserve.layers.quant_dense import Linear
 from jaxserve.layers.rotary import apply_rope, rope_attention_factor, rope_inverse_frequencies
 
 
+# steps of this many query tokens a row or more decompress the latent rows (`decompressed_attention`), fewer absorb,
+# by the platform the step is compiled for: measured on CPU (benchmarks/mla_attention.py); on GPU and TPU, not
+# measured yet, where DeepSeek-V3's dims make decompressing the fewer operations (from about 170 tokens)
+DECOMPRESS_MIN_TOKENS = {"cpu": 64, "gpu": 256, "tpu": 256}
+
+
 def deinterleaved(x: jax.Array) -> jax.Array:
     """Rope dims stored as interleaved pairs `(x0, x1), (x2, x3), ...` in first-half / second-half order, the
     order `apply_rope` rotates (transformers' `apply_rotary_pos_emb_interleave` gives the same result)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def decompressed_attention(q_nope: jax.Array, q_rope: jax.Array, kv: KVPages, meta: AttentionMetadata,
+                           w_uk: jax.Array, w_uv: jax.Array, mla: MLAConfig, dtype) -> jax.Array:
+    """Attention with each block of cached latent rows decompressed into every head's keys `[k_nope | k_rope]`
+    (`c W_UK`, the shared rope key) and values (`c W_UV`), as transformers computes it: `[B, T, heads, v_head_dim]`.
+    Fewer operations than absorbing when many queries share each decompressed key (a long prefill chunk)."""
+    heads = q_nope.shape[2]
+    latent, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
+
+    def expand(rows: jax.Array) -> tuple[jax.Array, jax.Array]:  # rows [1, B, block, width]
+        c, k_rope = rows[0, ..., :latent], rows[0, ..., latent:latent + rope]
+        k_nope = jnp.einsum("bsl,lhn->hbsn", c, w_uk, preferred_element_type=jnp.float32).astype(dtype)
+        values = jnp.einsum("bsl,lhv->hbsv", c, w_uv, preferred_element_type=jnp.float32).astype(dtype)
+        return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[None], (heads, *k_rope.shape))], axis=-1), values
+
+    return xla_paged_attention(jnp.concatenate([q_nope, q_rope], axis=-1), kv, meta, sm_scale=mla.softmax_scale,
+                               sliding_window=None, value_dim=mla.v_head_dim, expand=expand)
 
 
 class Kernel(nn.Module):
@@ -95,6 +121,11 @@ class MLAttention(nn.Module):
         kv_b = Kernel((mla.kv_lora_rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
         kv_b = kv_b.reshape(mla.kv_lora_rank, heads, nope + mla.v_head_dim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
+        if num_tokens >= DECOMPRESS_MIN_TOKENS[matmul_blocks.lowering_platform()]:
+            out = decompressed_attention(q_nope, q_rope, kv, meta, w_uk, w_uv, mla, self.dtype)
+            out = out.reshape(batch, num_tokens, heads * mla.v_head_dim)
+            return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=self.tp.size,
+                          name="o_proj")(out), kv
         q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
         query = self.attention.stored(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1))
         out = self.attention.attend_latent(query, kv, meta, sm_scale=mla.softmax_scale, value_dim=mla.kv_lora_rank,

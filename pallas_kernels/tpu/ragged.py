@@ -11,7 +11,8 @@ only the blocks its causal (and sliding-window) range needs. Int8/fp8 pages come
 scales: each page's `[1, page_size]` row is copied alongside the page into its own sublane row of a
 `[pages_per_block, page_size]` buffer (Mosaic copies no row into a lane slice), spread along the keys by an exact
 selection matmul and applied to the scores and probabilities. Attention sinks (one logit per
-query head, gpt-oss) start each row's online softmax as a key of that logit with no value.
+query head, gpt-oss) start each row's online softmax as a key of that logit with no value. A latent pool (MLA,
+`value_dim`) is copied once per block: its rows are the keys and their first `value_dim` lanes the values.
 
 Each copy lands in a slice of the VMEM buffer; no DMA'd ref is reshaped or bitcast, so the same code runs in
 Pallas' TPU interpret mode (`interpret=pltpu.InterpretParams()`) on a CPU.
@@ -43,7 +44,7 @@ def query_block_tokens(num_tokens: int, group: int) -> int:
 
 
 def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap,
-            group, query_tokens, page_size, pages_per_block, quantized, has_sinks):
+            group, query_tokens, page_size, pages_per_block, quantized, has_sinks, value_dim):
     sinks_ref = None
     if quantized:
         k_scales_hbm, v_scales_hbm, *rest = rest
@@ -65,7 +66,8 @@ def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm
             page = page_table[block * pages_per_block + p]
             tile = pl.ds(p * page_size, page_size)
             out.append(pltpu.make_async_copy(k_hbm.at[head, page], k_buf.at[slot, tile], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, tile], sems.at[1, slot]))
+            if value_dim is None:  # a latent pool (MLA) has no values of its own: they are the keys' first dims
+                out.append(pltpu.make_async_copy(v_hbm.at[head, page], v_buf.at[slot, tile], sems.at[1, slot]))
             if quantized:  # a page's [1, page_size] scales into sublane row p (Mosaic copies no lane slices)
                 one, row_p = pl.ds(page, 1), pl.ds(p, 1)
                 out.append(pltpu.make_async_copy(k_scales_hbm.at[head, one], ks_buf.at[slot, row_p],
@@ -121,7 +123,8 @@ def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm
                 c.wait()
             key_pos = block * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
             in_context = key_pos < context
-            keys, values = k_buf[slot], v_buf[slot]
+            keys = k_buf[slot]
+            values = v_buf[slot] if value_dim is None else keys[:, :value_dim]
             if quantized:  # int8 and fp8 convert exactly; the scales apply to scores and probabilities
                 keys, values = keys.astype(q.dtype), values.astype(q.dtype)
             # slots past the context (pages the row does not own, the scratch page) may hold NaN or inf:
@@ -153,7 +156,7 @@ def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm
             running_max, denominator = jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
         else:
             running_max, denominator = sinks_ref[...], jnp.ones((rows, 1), jnp.float32)
-        init = (running_max, denominator, jnp.zeros((rows, q_ref.shape[-1]), jnp.float32))
+        init = (running_max, denominator, jnp.zeros((rows, o_ref.shape[-1]), jnp.float32))
         _, denominator, accumulator = jax.lax.fori_loop(first_block, end_block, body, init)
         out = accumulator / jnp.maximum(denominator, 1e-30)
         o_ref[...] = jnp.where(real, out, 0.0).astype(o_ref.dtype)
@@ -164,14 +167,14 @@ def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block",
-                                             "query_tokens", "interpret"))
-def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, context_lens: jax.Array,
+                                             "query_tokens", "value_dim", "interpret"))
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None, context_lens: jax.Array,
                            query_lens: jax.Array, page_tables: jax.Array, *, k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None, sm_scale: float | None = None,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            sinks: jax.Array | None = None, pages_per_block: int | None = None,
-                           query_tokens: int | None = None, interpret: pltpu.InterpretParams | None = None
-                           ) -> jax.Array:
+                           query_tokens: int | None = None, value_dim: int | None = None,
+                           interpret: pltpu.InterpretParams | None = None) -> jax.Array:
     """Causal attention of each row's new tokens over its paged K/V (already holding those tokens).
 
     Args:
@@ -190,13 +193,23 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         with no value.
       pages_per_block: pages per KV block (default: `TARGET_BLOCK_TOKENS` keys, at most the table's width).
       query_tokens: query tokens per grid cell, dividing T (default `query_block_tokens`).
+      value_dim: Multi-head Latent Attention's pool (DeepSeek, absorbed): `v_pages` is None and each key's first
+        `value_dim` dims (a multiple of 128) are its value, read from the same copy of the page; the output is
+        `[B, T, q_heads, value_dim]`.
       interpret: `pltpu.InterpretParams()` to run in Pallas' TPU interpreter (any backend), None on a TPU.
 
     Returns:
       [B, T, q_heads, head_dim] in q's dtype.
     """
     batch, num_tokens, q_heads, head_dim = q.shape
-    kv_heads, num_pages, page_size = validate_paged_kv(q_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
+    latent = value_dim is not None
+    if latent and (k_scales is not None or value_dim % 128 or value_dim > head_dim):
+        raise ValueError(f"value_dim {value_dim}: a latent pool is unquantized and its values are whole lanes of "
+                         f"its {head_dim}-wide rows")
+    v_pages = k_pages if latent else v_pages  # passed twice, copied once
+    out_dim = value_dim if latent else head_dim
+    kv_heads, num_pages, page_size = validate_paged_kv(q_heads, head_dim, k_pages, v_pages, k_scales, v_scales,
+                                                       triton_tiles=False)
     quantized = k_scales is not None
     group = q_heads // kv_heads
     query_tokens = query_tokens or query_block_tokens(num_tokens, group)
@@ -221,14 +234,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return b, h, jnp.minimum(i, last), 0
 
     row_spec = pl.BlockSpec((None, None, rows, head_dim), q_index)
-    out_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, i, *_: (b, h, i, 0))
+    out_spec = pl.BlockSpec((None, None, rows, out_dim), lambda b, h, i, *_: (b, h, i, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # one row of the table at a time: all of it, scalar-prefetched, overflowed SMEM (1 MiB) at 512 x 1024 pages
     table_spec = pl.BlockSpec((None, None, width), lambda b, h, i, *_: (b, 0, 0), memory_space=pltpu.SMEM)
     in_specs = [row_spec, table_spec, hbm, hbm]
     operands = [q_rows, table[:, None], k_pages, v_pages]  # [B, 1, width]: blocks span whole trailing dims
     scratch = [pltpu.VMEM((2, block_tokens, head_dim), k_pages.dtype),
-               pltpu.VMEM((2, block_tokens, head_dim), v_pages.dtype)]
+               pltpu.VMEM((2, 8, 128) if latent else (2, block_tokens, head_dim), v_pages.dtype)]  # latent: unused
     if quantized:
         in_specs += [hbm, hbm]
         operands += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
@@ -241,21 +254,22 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         query_tokens=query_tokens,
         page_size=page_size, pages_per_block=pages_per_block, quantized=quantized,
-        has_sinks=sinks is not None)
+        has_sinks=sinks is not None, value_dim=value_dim)
     cells = batch * kv_heads * (num_tokens // query_tokens)
     keys = visible_keys(width * page_size, sliding_window, query_tokens, block_tokens)
+    key_bytes = kv_bytes_per_key(head_dim, k_pages.dtype, quantized) // (2 if latent else 1)
     cost = attention_cost(query_rows=batch * num_tokens * q_heads, keys=keys, head_dim=head_dim,
-                          kv_bytes_per_key=kv_bytes_per_key(head_dim, k_pages.dtype, quantized),
+                          kv_bytes_per_key=key_bytes,
                           kv_reads=cells * keys, io_bytes=2 * nbytes(q) + 4 * table.size, soft_cap=soft_cap is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(batch, kv_heads, num_tokens // query_tokens), in_specs=in_specs,
             out_specs=out_spec, scratch_shapes=scratch),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((*q_rows.shape[:-1], out_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
     )(context_lens, query_lens, *operands)
-    out = out.reshape(batch, kv_heads, num_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(batch, num_tokens, q_heads, head_dim)
+    out = out.reshape(batch, kv_heads, num_tokens, group, out_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, num_tokens, q_heads, out_dim)
