@@ -67,3 +67,60 @@ def test_padding_tokens_leave_the_state_alone():
     args = [jnp.asarray(x[name]) for name in ("q", "k", "v", "g", "beta", "state")]
     for _, state in (recurrent_gated_delta(*args), chunked_gated_delta(*args, chunk=16)):
         np.testing.assert_allclose(np.asarray(state), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def hf_layer(seed: int = 0):
+    """transformers' Gated DeltaNet layer of a small Qwen3-Next config (2 key heads, 4 value heads), random weights
+    (the decay parameters too)."""
+    import transformers
+
+    config = transformers.Qwen3NextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                                          linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                          num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    layer = hf.Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.3)
+    return config, layer
+
+
+def our_layer(config, layer):
+    from jaxserve.layers.gated_deltanet import GatedDeltaNet
+
+    module = GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                           config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                           config.rms_norm_eps)
+    weights = {name: jnp.asarray(value.detach().numpy()) for name, value in layer.state_dict().items()}
+    params = {"in_proj_qkvz": {"kernel": weights["in_proj_qkvz.weight"].T},
+              "in_proj_ba": {"kernel": weights["in_proj_ba.weight"].T},
+              "conv1d": weights["conv1d.weight"][:, 0], "dt_bias": weights["dt_bias"], "A_log": weights["A_log"],
+              "norm": weights["norm.weight"], "out_proj": {"kernel": weights["out_proj.weight"].T}}
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+        config.linear_num_value_heads * config.linear_value_head_dim)
+    states = (jnp.zeros((2, channels, config.linear_conv_kernel_dim - 1)),
+              jnp.zeros((2, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)))
+    return lambda x, conv, recurrent, lens: module.apply({"params": params}, x, conv, recurrent, lens), states
+
+
+def test_the_layer_matches_transformers_and_carries_its_states():
+    """A prompt of 70 tokens (two chunks) equals transformers' layer; the same prompt as a 40-token chunk, a 27-token
+    chunk padded to 32 and three one-token decode steps, each step from the states the last one left, equals it
+    too; the padding changes no state."""
+    config, layer = hf_layer()
+    run, (conv, recurrent) = our_layer(config, layer)
+    x = np.random.default_rng(3).standard_normal((2, 70, 64)).astype(np.float32)
+    with torch.no_grad():
+        expected = layer(torch.from_numpy(x)).numpy()
+    whole, _, _ = run(jnp.asarray(x), conv, recurrent, jnp.asarray([70, 70]))
+    np.testing.assert_allclose(np.asarray(whole), expected, rtol=1e-5, atol=1e-5)
+    outs = []
+    first, conv, recurrent = run(jnp.asarray(x[:, :40]), conv, recurrent, jnp.asarray([40, 40]))
+    outs.append(first)
+    padded = np.concatenate([x[:, 40:67], np.full((2, 5, 64), np.nan, np.float32)], axis=1)
+    second, conv, recurrent = run(jnp.asarray(np.nan_to_num(padded, nan=7.0)), conv, recurrent, jnp.asarray([27, 27]))
+    outs.append(second[:, :27])
+    for t in range(67, 70):
+        out, conv, recurrent = run(jnp.asarray(x[:, t:t + 1]), conv, recurrent, jnp.asarray([1, 1]))
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), expected, rtol=1e-5, atol=1e-5)
