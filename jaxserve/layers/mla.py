@@ -123,14 +123,12 @@ class MLAttention(nn.Module):
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
         if num_tokens >= DECOMPRESS_MIN_TOKENS[matmul_blocks.lowering_platform()]:
             out = decompressed_attention(q_nope, q_rope, kv, meta, w_uk, w_uv, mla, self.dtype)
-            out = out.reshape(batch, num_tokens, heads * mla.v_head_dim)
-            return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=self.tp.size,
-                          name="o_proj")(out), kv
-        q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
-        query = self.attention.stored(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1))
-        out = self.attention.attend_latent(query, kv, meta, sm_scale=mla.softmax_scale, value_dim=mla.kv_lora_rank,
-                                           rope_dim=rope)
-        out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
+        else:
+            q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
+            query = self.attention.stored(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1))
+            out = self.attention.attend_latent(query, kv, meta, sm_scale=mla.softmax_scale,
+                                               value_dim=mla.kv_lora_rank, rope_dim=rope)
+            out = jnp.einsum("bthl,lhv->bthv", out, w_uv, preferred_element_type=jnp.float32).astype(self.dtype)
         out = out.reshape(batch, num_tokens, heads * mla.v_head_dim)
         return Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=self.tp.size,
                       name="o_proj")(out), kv
