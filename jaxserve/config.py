@@ -9,6 +9,8 @@ from typing import Any, Iterable
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation of each SwiGLU / GeGLU feed-forward
 FEED_FORWARDS = ("dense", "moe")  # per layer: a dense MLP, or the model's mixture of experts (`MoEConfig`)
+MIXERS = ("attention", "gated_deltanet")  # per layer: attention over the KV pages, or linear attention over a
+# per-sequence state (`LinearAttentionConfig`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +22,13 @@ class LayerSpec:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable copy of HF's rope parameters
     feed_forward: str = "dense"
     rotary_dim: int | None = None  # the rope turns each head's first rotary_dim dims (partial rotary); None: all
+    mixer: str = "attention"
 
     def __post_init__(self) -> None:
         if self.feed_forward not in FEED_FORWARDS:
             raise ValueError(f"feed_forward must be one of {FEED_FORWARDS}, got {self.feed_forward!r}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"mixer must be one of {MIXERS}, got {self.mixer!r}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -100,6 +105,30 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5; `layers/gated_deltanet.py`): `key_heads`
+    query/key heads of `key_dim`, `value_heads` value heads of `value_dim` (a multiple of the key heads: each key
+    head serves consecutive value heads), a causal depthwise convolution of `conv_kernel` over the q, k and v
+    channels. Each sequence keeps the convolution's last `conv_kernel - 1` inputs and a float32 matrix
+    `[value_heads, key_dim, value_dim]` per layer, whatever its length."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.key_heads})")
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model: `model_type` names its family in the registry; `layers` holds one
     `LayerSpec` per layer. `rope_theta` and `rope_scaling` are the config's model-wide rope (what a layer without
@@ -126,6 +155,8 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per query head in each softmax, with no value (gpt-oss)
     moe: MoEConfig | None = None  # the experts of the layers whose feed_forward is "moe"
     mla: MLAConfig | None = None  # every layer's attention is MLA over a latent cache (num_kv_heads 1)
+    linear_attention: LinearAttentionConfig | None = None  # the layers whose mixer is "gated_deltanet"
+    attention_output_gate: bool = False  # q_proj also gives a per-head gate: out * sigmoid(gate) (Qwen3-Next)
     # Gemma's decoder: scores scaled by attention_scale (None: head_dim ** -0.5), RMSNorm scales of 1 + w
     # (norm_offset 1), the gate's activation, the embedding times embedding_scale, norms after attention and
     # after the feed-forward too (sandwich_norms), final logits capped as cap * tanh(x / cap)
@@ -146,6 +177,14 @@ class ModelConfig:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if (self.moe is None) != all(layer.feed_forward == "dense" for layer in self.layers):
             raise ValueError("a ModelConfig has a MoEConfig exactly when some layer's feed_forward is 'moe'")
+        if (self.linear_attention is None) != all(layer.mixer == "attention" for layer in self.layers):
+            raise ValueError("a ModelConfig has a LinearAttentionConfig exactly when some layer's mixer is "
+                             "'gated_deltanet'")
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a per-sequence state instead of KV pages."""
+        return tuple(index for index, layer in enumerate(self.layers) if layer.mixer != "attention")
 
     @property
     def rope_length_rule(self) -> tuple[str, int] | None:
@@ -196,6 +235,8 @@ class ModelConfig:
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
         raw["moe"] = MoEConfig(**raw["moe"]) if raw.get("moe") else None
         raw["mla"] = MLAConfig(**raw["mla"]) if raw.get("mla") else None
+        raw["linear_attention"] = LinearAttentionConfig(**raw["linear_attention"]) if raw.get("linear_attention") \
+            else None
         return cls(**raw)
 
 

@@ -3,6 +3,8 @@ fresh random inputs, grouped key heads, a nonzero starting state, lengths around
 
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,41 +88,56 @@ def hf_layer(seed: int = 0):
 
 
 def our_layer(config, layer):
+    """Our layer on transformers' weights (fused into the serving layout as the engine fuses them), over a state
+    pool of two slots: `run(x, state, start, lens) -> (out, state)` for rows 0 and 1 starting at position `start`."""
+    from jaxserve.config import LinearAttentionConfig
+    from jaxserve.distributed.tensor_parallel import TensorParallel
+    from jaxserve.layers.attention import AttentionMetadata
     from jaxserve.layers.gated_deltanet import GatedDeltaNet
+    from jaxserve.layers.state_slots import StateSlots
+    from jaxserve.models.qwen3_next import fuse_linear_attention
 
-    module = GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
-                           config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
-                           config.rms_norm_eps)
+    linear = LinearAttentionConfig(config.linear_num_key_heads, config.linear_num_value_heads,
+                                   config.linear_key_head_dim, config.linear_value_head_dim,
+                                   config.linear_conv_kernel_dim)
+    module = GatedDeltaNet(linear, config.hidden_size, config.rms_norm_eps)
     weights = {name: jnp.asarray(value.detach().numpy()) for name, value in layer.state_dict().items()}
-    params = {"in_proj_qkvz": {"kernel": weights["in_proj_qkvz.weight"].T},
-              "in_proj_ba": {"kernel": weights["in_proj_ba.weight"].T},
-              "conv1d": weights["conv1d.weight"][:, 0], "dt_bias": weights["dt_bias"], "A_log": weights["A_log"],
-              "norm": weights["norm.weight"], "out_proj": {"kernel": weights["out_proj.weight"].T}}
-    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
-        config.linear_num_value_heads * config.linear_value_head_dim)
-    states = (jnp.zeros((2, channels, config.linear_conv_kernel_dim - 1)),
-              jnp.zeros((2, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)))
-    return lambda x, conv, recurrent, lens: module.apply({"params": params}, x, conv, recurrent, lens), states
+    checkpoint = {"in_proj_qkvz": {"kernel": weights["in_proj_qkvz.weight"].T},
+                  "in_proj_ba": {"kernel": weights["in_proj_ba.weight"].T},
+                  "conv1d": weights["conv1d.weight"], "dt_bias": weights["dt_bias"], "A_log": weights["A_log"],
+                  "norm": weights["norm.weight"], "out_proj": {"kernel": weights["out_proj.weight"].T}}
+    params = fuse_linear_attention(checkpoint, types.SimpleNamespace(linear_attention=linear), TensorParallel())
+    state = StateSlots(jnp.full((2, linear.conv_channels, linear.conv_kernel - 1), jnp.nan),  # poisoned: a fresh
+                       jnp.full((2, linear.value_heads, linear.key_dim, linear.value_dim), jnp.nan))  # row reads none
+
+    def run(x, state, start: int, lens):
+        tokens = x.shape[1]
+        positions = jnp.broadcast_to(start + jnp.arange(tokens, dtype=jnp.int32), (2, tokens))
+        meta = AttentionMetadata(positions=positions, slot_mapping=jnp.zeros((2, tokens), jnp.int32),
+                                 page_tables=jnp.zeros((2, 1), jnp.int32), context_lens=start + lens,
+                                 query_lens=lens, state_slots=jnp.arange(2, dtype=jnp.int32))
+        return module.apply({"params": params}, x, state, meta)
+    return run, state
 
 
 def test_the_layer_matches_transformers_and_carries_its_states():
     """A prompt of 70 tokens (two chunks) equals transformers' layer; the same prompt as a 40-token chunk, a 27-token
-    chunk padded to 32 and three one-token decode steps, each step from the states the last one left, equals it
-    too; the padding changes no state."""
+    chunk padded to 32 and three one-token decode steps, each step from the states the last one left in the slots,
+    equals it too; the padding changes no state."""
     config, layer = hf_layer()
-    run, (conv, recurrent) = our_layer(config, layer)
+    run, state = our_layer(config, layer)
     x = np.random.default_rng(3).standard_normal((2, 70, 64)).astype(np.float32)
     with torch.no_grad():
         expected = layer(torch.from_numpy(x)).numpy()
-    whole, _, _ = run(jnp.asarray(x), conv, recurrent, jnp.asarray([70, 70]))
+    whole, _ = run(jnp.asarray(x), state, 0, jnp.asarray([70, 70]))
     np.testing.assert_allclose(np.asarray(whole), expected, rtol=1e-5, atol=1e-5)
     outs = []
-    first, conv, recurrent = run(jnp.asarray(x[:, :40]), conv, recurrent, jnp.asarray([40, 40]))
+    first, state = run(jnp.asarray(x[:, :40]), state, 0, jnp.asarray([40, 40]))
     outs.append(first)
-    padded = np.concatenate([x[:, 40:67], np.full((2, 5, 64), np.nan, np.float32)], axis=1)
-    second, conv, recurrent = run(jnp.asarray(np.nan_to_num(padded, nan=7.0)), conv, recurrent, jnp.asarray([27, 27]))
+    padded = np.concatenate([x[:, 40:67], np.full((2, 5, 64), 7.0, np.float32)], axis=1)
+    second, state = run(jnp.asarray(padded), state, 40, jnp.asarray([27, 27]))
     outs.append(second[:, :27])
     for t in range(67, 70):
-        out, conv, recurrent = run(jnp.asarray(x[:, t:t + 1]), conv, recurrent, jnp.asarray([1, 1]))
+        out, state = run(jnp.asarray(x[:, t:t + 1]), state, t, jnp.asarray([1, 1]))
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), expected, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,8 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
                              f"multiple of it (KV heads are then replicated)")
         widths = {"intermediate_size": config.intermediate_size if config.has_dense_layers else 0}
+        if config.linear_attention is not None:  # its key heads split, each with its value heads
+            widths |= {"linear_num_key_heads": config.linear_attention.key_heads}
         if self.expert_parallel and config.moe is None:
             raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; model_type "
                              f"{config.model_type!r} has no experts")

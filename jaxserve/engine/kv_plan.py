@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
@@ -25,6 +27,7 @@ from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_budget import cpu_pool_pages, page_bytes
 from jaxserve.layers.attention import KVPages, PagedAttention
+from jaxserve.layers.state_slots import StateSlots, state_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,21 @@ class MLASpec:
     cache_dim: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """A layer that keeps a fixed-size state per sequence instead of pages (Gated DeltaNet's; `layers/
+    state_slots.py`): its convolution's last inputs `[channels, width]` in the model's dtype and a float32
+    recurrent state of `recurrent` shape, one of each per decode slot."""
+
+    conv: tuple[int, int]
+    recurrent: tuple[int, ...]
+
+    def slot_bytes(self, dtype) -> int:
+        """One slot's bytes over all devices."""
+        return (math.prod(self.conv) * jnp.dtype(dtype).itemsize
+                + math.prod(self.recurrent) * jnp.dtype(jnp.float32).itemsize)
+
+
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
 FULL_SPECS = (FullAttentionSpec, MLASpec)  # the specs of group 0: every position kept
 
@@ -76,8 +94,11 @@ class KVCacheGroup:
 class KVPlan:
     page_size: int
     groups: tuple[KVCacheGroup, ...]
-    layer_groups: tuple[int, ...]  # each layer's group
+    layer_groups: tuple[int, ...]  # each layer's group (-1: a layer with a state and no pages)
     draft_page_bytes: int = 0  # a draft model's pool: as many pages as group 0, this many bytes each
+    state: StateSpec | None = None  # the state layers' (`ModelConfig.state_layers`)
+    state_slots: int = 0  # states each such layer keeps: one per decode slot
+    state_slot_bytes: int = 0  # one slot's states over all state layers and devices
 
     @property
     def num_pages(self) -> int:
@@ -93,7 +114,12 @@ class KVPlan:
     def pool_bytes(self) -> int:
         """Bytes of every pool over all devices (a draft model's included)."""
         return (sum(group.num_pages * group.page_bytes for group in self.groups)
-                + self.num_pages * self.draft_page_bytes)
+                + self.num_pages * self.draft_page_bytes + self.state_bytes)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of every state slot over all devices."""
+        return self.state_slots * self.state_slot_bytes
 
     @property
     def window_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -101,17 +127,26 @@ class KVPlan:
 
     @property
     def layer_pages(self) -> list[int]:
-        """Each layer's pool's pages (its group's)."""
-        return [self.groups[group].num_pages for group in self.layer_groups]
+        """Each layer's pool's pages (its group's; 0: a state layer's)."""
+        return [self.groups[group].num_pages if group >= 0 else 0 for group in self.layer_groups]
 
 
-def layer_specs(config: ModelConfig) -> tuple[KVCacheSpec, ...]:
+def state_spec(config: ModelConfig) -> StateSpec | None:
+    la = config.linear_attention
+    if la is None:
+        return None
+    return StateSpec((la.conv_channels, la.conv_kernel - 1), (la.value_heads, la.key_dim, la.value_dim))
+
+
+def layer_specs(config: ModelConfig) -> tuple[KVCacheSpec | StateSpec, ...]:
     """Each layer's cache, as its family declares it."""
     if config.mla is not None:
         return (MLASpec(config.mla.cache_dim),) * config.num_layers
-    return tuple(FullAttentionSpec(config.num_kv_heads, config.head_dim) if window is None
-                 else SlidingWindowSpec(config.num_kv_heads, config.head_dim, window)
-                 for window in config.layer_sliding_windows)
+    state = state_spec(config)
+    return tuple(state if layer.mixer != "attention"
+                 else FullAttentionSpec(config.num_kv_heads, config.head_dim) if layer.sliding_window is None
+                 else SlidingWindowSpec(config.num_kv_heads, config.head_dim, layer.sliding_window)
+                 for layer in config.layers)
 
 
 def window_pages_per_seq(ec: EngineConfig, window: int) -> int:
@@ -124,18 +159,27 @@ def pages_per_seq(spec: KVCacheSpec, ec: EngineConfig) -> int:
     return window_pages_per_seq(ec, spec.window) if isinstance(spec, SlidingWindowSpec) else ec.pages_per_seq
 
 
-def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple[KVCacheSpec, list[int]]]:
-    """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool."""
+def group_layers(specs: tuple[KVCacheSpec | StateSpec, ...], ec: EngineConfig) -> list[tuple[KVCacheSpec, list[int]]]:
+    """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool; layers
+    with a state (`StateSpec`) take no pages and are in no group."""
     draft = ec.speculative_config is not None and ec.speculative_config.method == "draft_model"
     if isinstance(specs[0], MLASpec):  # the latent pool has no V: what reads K and V pools cannot take it yet
         refused = {"kv_cache_dtype int8/fp8": ec.kv_cache_dtype != "auto", "a draft model": draft}
         if any(refused.values()):
             raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
                              "Multi-head Latent Attention's latent KV cache")
+    if any(isinstance(spec, StateSpec) for spec in specs):  # a state cannot be rolled back, copied or shared yet
+        refused = {"speculative decoding": ec.speculative_config is not None, "the KV tiers": bool(ec.kv_tiers)}
+        if any(refused.values()):
+            raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
+                             "models with linear-attention layers (their per-sequence state)")
+    specs_of_pages = [spec for spec in specs if not isinstance(spec, StateSpec)]
     hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers or draft)
     full: FullAttentionSpec | MLASpec | None = None
     groups: list[tuple[KVCacheSpec | None, list[int]]] = [(None, [])]
     for layer, spec in enumerate(specs):
+        if isinstance(spec, StateSpec):
+            continue
         if isinstance(spec, SlidingWindowSpec) and (not hybrid or pages_per_seq(spec, ec) >= ec.pages_per_seq):
             spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)  # full pages, read through the window mask
         if isinstance(spec, FULL_SPECS):
@@ -151,7 +195,8 @@ def group_layers(specs: tuple[KVCacheSpec, ...], ec: EngineConfig) -> list[tuple
             index = len(groups) - 1
         groups[index][1].append(layer)
     # every layer has a window: group 0 only names page indices
-    groups[0] = (full or FullAttentionSpec(specs[0].num_kv_heads, specs[0].head_size), groups[0][1])
+    groups[0] = (full or FullAttentionSpec(specs_of_pages[0].num_kv_heads, specs_of_pages[0].head_size),
+                 groups[0][1])
     return groups
 
 
@@ -160,8 +205,18 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     """The plan for `budget_bytes` per device (None: a CPU, or `num_kv_pages` set). One group: the budget's worth of
     pages, or enough for every slot up to a fixed size. With window groups: each holds every slot's window and
     step, or with a budget its share of it, so that every group runs out together for sequences of max_model_len;
-    group 0 gets the rest."""
+    group 0 gets the rest. State layers' slots (one per sequence slot, `StateSpec`) come off the budget first."""
     grouped = group_layers(layer_specs(config), ec)
+    state = state_spec(config)
+    slot_bytes = state.slot_bytes(dtype) * len(config.state_layers) if state is not None else 0
+    if budget_bytes is not None and slot_bytes:
+        state_device_bytes = ec.max_num_seqs * slot_bytes // tp.size
+        if state_device_bytes >= budget_bytes:
+            raise ValueError(f"the linear-attention state of max_num_seqs={ec.max_num_seqs} sequences "
+                             f"({state_device_bytes / 2**30:.2f} GiB per device) does not fit the KV budget "
+                             f"({budget_bytes / 2**30:.2f} GiB per device): lower max_num_seqs or raise "
+                             "gpu_memory_utilization / kv_cache_memory_bytes")
+        budget_bytes -= state_device_bytes
     group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, len(layers)) for _, layers in grouped]
     total = [group_bytes[0] + draft_page_bytes, *group_bytes[1:]]  # a draft model's page rides on group 0's
     device = [size // tp.size for size in total]
@@ -177,13 +232,14 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
                    for every, need, size in zip(windows, needs[1:], device[1:])]
         rest = budget_bytes - sum(pages * size for pages, size in zip(windows, device[1:]))
         full = max(2, rest // device[0]) if device[0] else ec.max_num_seqs * ec.pages_per_seq + 1
-    layer_groups = [0] * config.num_layers
+    layer_groups = [-1] * config.num_layers
     groups = []
     for index, ((spec, layers), pages) in enumerate(zip(grouped, [full, *windows])):
         for layer in layers:
             layer_groups[layer] = index
         groups.append(KVCacheGroup(spec, tuple(layers), pages, group_bytes[index], ec.page_size))
-    return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes)
+    return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes, state,
+                  ec.max_num_seqs if state is not None else 0, slot_bytes)
 
 
 def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
@@ -200,25 +256,31 @@ def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
 
 
 def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
-                   page_size: int, dtype, allocator: Allocator) -> list[KVPages]:
+                   page_size: int, dtype, allocator: Allocator, state_slots: int = 0) -> list[KVPages | StateSlots]:
     """Each layer's cache: its K and V pools of `layer_pages[layer]` pages (arrays, or QuantizedPages: values +
-    per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`."""
-    def cache(pages: int) -> KVPages:
+    per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`. A state layer's: `state_slots`
+    zeroed slots (`plan.state_slots`)."""
+    state = state_spec(config)
+    state_placed = state_shardings(backend.mesh)
+
+    def cache(layer: int, pages: int) -> KVPages | StateSlots:
+        if config.layers[layer].mixer != "attention":
+            return StateSlots(allocator.full((state_slots, *state.conv), dtype, state_placed.conv),
+                              allocator.full((state_slots, *state.recurrent), jnp.float32, state_placed.recurrent))
         if config.mla is not None:  # one replicated latent pool, no V
             shape = (1, pages, page_size, backend.stored_head_dim(config.mla.cache_dim))
             placed = NamedSharding(backend.mesh, P()) if backend.mesh is not None else None
             return KVPages(allocator.full(shape, backend.storage_dtype(dtype), placed), None)
         shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
         return backend.empty_cache(shape, dtype, allocator)
-    return [cache(pages) for pages in layer_pages]
+    return [cache(layer, pages) for layer, pages in enumerate(layer_pages)]
 
 
-def kv_cache_shardings(backend: PagedAttention, config: ModelConfig) -> list[KVPages]:
+def kv_cache_shardings(backend: PagedAttention, config: ModelConfig) -> list[KVPages | StateSlots]:
     """The sharding tree of a cache `empty_kv_cache` makes, for jit's in and out shardings; needs the backend's
     mesh."""
-    if config.mla is not None:
-        return [KVPages(NamedSharding(backend.mesh, P()), None)] * config.num_layers
-    return [backend.cache_shardings()] * config.num_layers
+    pages = KVPages(NamedSharding(backend.mesh, P()), None) if config.mla is not None else backend.cache_shardings()
+    return [pages if layer.mixer == "attention" else state_shardings(backend.mesh) for layer in config.layers]
 
 
 def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_dtype: str, backend: PagedAttention,
@@ -229,6 +291,9 @@ def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_
     for index, group in enumerate(plan.groups):
         logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index, group.spec,
                     len(group.layers), group.num_pages, group.capacity_tokens)
+    if plan.state is not None:
+        logger.info("state slots: %s, %d layers, %d slots of %.2f MiB each (%.1f MiB), no pages", plan.state,
+                    len(config.state_layers), plan.state_slots, plan.state_slot_bytes / 2**20, plan.state_bytes / 2**20)
     if len(plan.groups) == 1 and any(window is not None for window in config.layer_sliding_windows):
         logger.info("one KV cache group for every layer, sliding-window ones included (the hybrid KV cache is off: "
                     "disabled, KV tiers, a draft model, or a window near max_model_len)")

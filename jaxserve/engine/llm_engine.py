@@ -14,6 +14,8 @@ step's tokens are read; a request with max_tokens=0 finishes ("length") once its
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import queue
@@ -80,6 +82,10 @@ class LLMEngine:
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         runner, plan = self.runner, self.runner.kv_plan
         check_plan(plan, self.engine_config)
+        if plan.state is not None and self.engine_config.enable_prefix_caching:
+            logger.warning("prefix caching is off for %s: a prefix hit needs the linear-attention layers' state at "
+                           "the hit, which is not kept yet", loaded_config.model_type)
+            self.engine_config = dataclasses.replace(self.engine_config, enable_prefix_caching=False)
         windows = tuple(WindowManager(group.num_pages, plan.page_size, group.spec.window, index)
                         for index, group in enumerate(plan.window_groups, 1))
         self.page_manager = PageManager(plan.num_pages, plan.page_size, self.engine_config.enable_prefix_caching,

@@ -114,7 +114,7 @@ class ModelRunner:
         if draft is not None:
             draft.allocate_pool(self.kv_plan.num_pages)
         self.kv_cache = empty_kv_cache(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
-                                       self.dtype, self.allocator)
+                                       self.dtype, self.allocator, self.kv_plan.state_slots)
         self.steps = StepRegistry()
         speculator_steps = self.speculator.steps() if self.speculator is not None else []
         self.steps.add(runner_steps.runner_steps(self) + speculator_steps)

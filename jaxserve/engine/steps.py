@@ -181,14 +181,14 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     page_index = jnp.minimum(positions // page_size, page_tables.shape[2] - 1)
     pages = jnp.take_along_axis(page_tables, jnp.broadcast_to(page_index, (page_tables.shape[0], rows, chunk)), 2)
     slot_mapping = jnp.where(valid, pages * page_size + positions % page_size, 0)
+    live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     meta = _metadata(page_tables, slot_mapping, layer_groups, positions=positions,
                      context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0), query_lens=num_tokens,
-                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1))
+                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1), state_slots=live)
     (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                          logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
                                          with_hidden=True, lora_slots=batch.lora_slots)
     greedy = argmax(logits)
-    live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     slot_state = SlotState(
         tokens=slot_state.tokens.at[live].set(jnp.where(batch.is_final, greedy, batch.next_tokens), mode="drop"),
         page_tables=slot_state.page_tables.at[:, live].set(page_tables, mode="drop"))
@@ -228,7 +228,8 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     slot_mapping = jnp.where(active, pages * page_size + positions % page_size, 0)[:, :, None]
     token_ids = slot_state.tokens[slots]
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions[:, None],
-                     context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32))
+                     context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32),
+                     state_slots=live)
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
                                lora_slots=batch.lora_slots)

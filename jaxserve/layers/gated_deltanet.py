@@ -1,13 +1,16 @@
 """The Gated DeltaNet layer of Qwen3-Next and Qwen3.5 (linear attention with a per-sequence state), as transformers'
-`Qwen3NextGatedDeltaNet` computes it, over a batch of rows that each carry their state from step to step.
+`Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` compute it, over a batch of rows that each carry their state from
+step to step in the engine's state slots (`layers/state_slots.py`).
 
-Per token: `in_proj_qkvz` and `in_proj_ba` (laid out per key head: each key head's q, k, then its value heads' v
-and z; its value heads' b, then a), a causal depthwise convolution (`conv1d`, kernel `K`) with SiLU over the q, k
-and v channels, `beta = sigmoid(b)`, the log decay `g = -exp(A_log) * softplus(a + dt_bias)`, the gated delta rule
-(`layers/gated_delta.py`) with L2-normalized q and k, an RMS norm of each value head gated by `silu(z)`, and
-`out_proj`. A row's state is the convolution's last `K - 1` inputs `[channels, K - 1]` and the rule's
-`[value_heads, key_dim, value_dim]` matrix (float32); a step takes the states its rows had and returns the ones
-their real tokens (`query_lens`) leave; padding tokens change neither.
+Per token: one fused in-projection (`in_proj`, the serving layout: each device's columns together, `[q_d | k_d |
+v_d | z_d | b_d | a_d]` for its key heads and their value heads), a causal depthwise convolution (`conv1d`, kernel
+`K`, channels in the same per-device order) with SiLU over the q, k and v channels, `beta = sigmoid(b)`, the log
+decay `g = -exp(A_log) * softplus(a + dt_bias)`, the gated delta rule (`layers/gated_delta.py`) with L2-normalized
+q and k, an RMS norm of each value head gated by `silu(z)`, and `out_proj`. Tensor parallelism splits the key heads
+(and so their value heads, channels and states) over the devices; `out_proj` splits on its input features.
+A row's state is the convolution's last `K - 1` inputs `[channels, K - 1]` and the rule's `[value_heads, key_dim,
+value_dim]` matrix (float32); a step reads the states its rows had and writes the ones their real tokens
+(`query_lens`) leave; padding tokens change neither.
 """
 
 from __future__ import annotations
@@ -18,64 +21,71 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import LinearAttentionConfig
 from jaxserve.layers.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from jaxserve.layers.paged_kv import AttentionMetadata
 from jaxserve.layers.quant_dense import Linear
+from jaxserve.layers.state_slots import StateSlots
 
 CHUNK_TOKENS = 64  # tokens per chunk of the chunked form (transformers' default)
 
 
-class GatedDeltaNet(nn.Module):
-    """`(x [B, T, hidden], conv_state [B, channels, K - 1], recurrent_state [B, value_heads, key_dim, value_dim],
-    query_lens [B]) -> (out [B, T, hidden], conv_state, recurrent_state)`; a step of one token per row runs the
-    recurrence, longer ones the chunked form."""
+def projection_widths(la: LinearAttentionConfig, shards: int) -> tuple[int, ...]:
+    """One device's q, k, v, z, b, a columns of `in_proj`, in order."""
+    key, value, heads = la.key_heads * la.key_dim, la.value_heads * la.value_dim, la.value_heads
+    return tuple(width // shards for width in (key, key, value, value, heads, heads))
 
+
+class GatedDeltaNet(nn.Module):
+    """`(x [B, T, hidden], state, meta) -> (out [B, T, hidden], state)`: rows read their state slots
+    (`meta.state_slots`; zeros for a row starting its sequence) and write back what their tokens leave. A step of
+    one token per row runs the recurrence, longer ones the chunked form."""
+
+    config: LinearAttentionConfig
     hidden_size: int
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
-    conv_kernel: int
     eps: float
+    shards: int = 1  # devices the heads split over
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, conv_state: jax.Array, recurrent_state: jax.Array, query_lens: jax.Array):
+    def __call__(self, x: jax.Array, state: StateSlots, meta: AttentionMetadata) -> tuple[jax.Array, StateSlots]:
+        la, n = self.config, self.shards
         batch, tokens, _ = x.shape
-        per_key = self.value_heads // self.key_heads  # value heads each key head serves
-        qkvz = Linear(self.key_heads * (2 * self.key_dim + 2 * per_key * self.value_dim), dtype=self.dtype,
-                      name="in_proj_qkvz")(x).reshape(batch, tokens, self.key_heads, -1)
-        ba = Linear(2 * self.value_heads, dtype=self.dtype, name="in_proj_ba")(x).reshape(
-            batch, tokens, self.key_heads, 2 * per_key)
-        q, k, v, z = jnp.split(qkvz, [self.key_dim, 2 * self.key_dim, 2 * self.key_dim + per_key * self.value_dim],
-                               axis=-1)
-        b, a = jnp.split(ba, 2, axis=-1)
-        mixed = jnp.concatenate([part.reshape(batch, tokens, -1) for part in (q, k, v)], axis=-1)  # [B, T, C]
+        widths = projection_widths(la, n)
+        projected = Linear(n * sum(widths), dtype=self.dtype, out_shards=n, name="in_proj")(x)
+        projected = projected.reshape(batch, tokens, n, sum(widths))  # one row of columns per device
+        offsets = [sum(widths[:i]) for i in range(1, len(widths))]
+        q, k, v, z, b, a = jnp.split(projected, offsets, axis=-1)
+        mixed = jnp.concatenate([q, k, v], axis=-1).reshape(batch, tokens, -1)  # [B, T, channels], per device
 
-        real = jnp.arange(tokens)[None, :] < query_lens[:, None]  # [B, T]
-        weight = self.param("conv1d", nn.initializers.lecun_normal(), (mixed.shape[-1], self.conv_kernel),
+        query_lens = meta.query_lens
+        conv_state, recurrent_state = state.read(meta.state_slots, meta.positions[:, 0] == 0)
+        weight = self.param("conv1d", nn.initializers.lecun_normal(), (la.conv_channels, la.conv_kernel),
                             self.dtype)
         mixed, conv_state = causal_conv(mixed, conv_state, weight, query_lens)
-        q, k, v = jnp.split(nn.silu(mixed), [self.key_heads * self.key_dim, 2 * self.key_heads * self.key_dim],
-                            axis=-1)
-        q = q.reshape(batch, tokens, self.key_heads, self.key_dim)
-        k = k.reshape(batch, tokens, self.key_heads, self.key_dim)
-        v = v.reshape(batch, tokens, self.value_heads, self.value_dim)
+        q, k, v = jnp.split(nn.silu(mixed).reshape(batch, tokens, n, -1), offsets[:2], axis=-1)
+        q = q.reshape(batch, tokens, la.key_heads, la.key_dim)
+        k = k.reshape(batch, tokens, la.key_heads, la.key_dim)
+        v = v.reshape(batch, tokens, la.value_heads, la.value_dim)
 
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (self.value_heads,), jnp.float32)
-        a_log = self.param("A_log", nn.initializers.zeros, (self.value_heads,), jnp.float32)
-        beta = jnp.where(real[..., None], jax.nn.sigmoid(b.reshape(batch, tokens, -1).astype(jnp.float32)), 0.0)
-        g = -jnp.exp(a_log) * jax.nn.softplus(a.reshape(batch, tokens, -1).astype(jnp.float32) + dt_bias)
-        g = jnp.where(real[..., None], g, 0.0)  # padding tokens leave the state as it is
+        real = (jnp.arange(tokens)[None, :] < query_lens[:, None])[..., None]  # [B, T, 1]
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (la.value_heads,), jnp.float32)
+        a_log = self.param("A_log", nn.initializers.zeros, (la.value_heads,), jnp.float32)
+        beta = jnp.where(real, jax.nn.sigmoid(b.reshape(batch, tokens, -1).astype(jnp.float32)), 0.0)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+            a.reshape(batch, tokens, -1).astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        g = jnp.where(real, g, 0.0)  # padding tokens leave the state as it is
         rule = recurrent_gated_delta if tokens == 1 else (
             lambda *args: chunked_gated_delta(*args, chunk=CHUNK_TOKENS))
         out, recurrent_state = rule(q, k, v, g, beta, recurrent_state)
 
-        norm = self.param("norm", nn.initializers.ones, (self.value_dim,), self.dtype)
+        scale = self.param("norm", nn.initializers.ones, (la.value_dim,), self.dtype)
         variance = jnp.mean(out * out, axis=-1, keepdims=True)
-        out = (out * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype) * norm
+        out = (out * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype) * scale
         out = out.astype(jnp.float32) * nn.silu(z.reshape(out.shape).astype(jnp.float32))
-        out = out.astype(self.dtype).reshape(batch, tokens, self.value_heads * self.value_dim)
-        return Linear(self.hidden_size, dtype=self.dtype, name="out_proj")(out), conv_state, recurrent_state
+        out = out.astype(self.dtype).reshape(batch, tokens, la.value_heads * la.value_dim)
+        out = Linear(self.hidden_size, dtype=self.dtype, in_shards=n, name="out_proj")(out)
+        return out, state.write(meta.state_slots, conv_state, recurrent_state)
 
 
 def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, query_lens: jax.Array

@@ -80,13 +80,16 @@ class AttentionMetadata:
     group_page_tables: jax.Array | None = None
     group_slot_mapping: jax.Array | None = None
     layer_groups: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    # int32 [B]: each row's decode slot, whose state the state-keeping layers read and write (`layers/
+    # state_slots.py`); rows that are not live name one past the last slot. None: a model without such layers
+    state_slots: jax.Array | None = None
 
     def token_rope_lens(self) -> jax.Array:
         return self.positions + 1 if self.rope_lens is None else self.rope_lens
 
     def for_layer(self, layer: int) -> "AttentionMetadata":
         """The metadata layer `layer` reads: its KV cache group's page tables and slots."""
-        if not self.layer_groups or self.layer_groups[layer] == 0:
+        if not self.layer_groups or self.layer_groups[layer] <= 0:  # -1: a layer with a state, no pages
             return self
         group = self.layer_groups[layer]
         return self.replace(page_tables=self.group_page_tables[group], slot_mapping=self.group_slot_mapping[group])

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxserve.config import LayerSpec, ModelConfig, MoEConfig, token_ids
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
+from jaxserve.layers.gated_deltanet import GatedDeltaNet
 from jaxserve.layers.mla import MLAttention
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.moe import MoE
@@ -99,10 +100,11 @@ class Attention(nn.Module):
         batch, num_tokens, _ = x.shape
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
         kv_width = tp.kv_heads_per_device(cfg) * cfg.head_dim
-        qkv = Linear(tp.size * (q_width + 2 * kv_width), use_bias=cfg.qkv_bias, dtype=self.dtype,
-                     out_shards=tp.size, name="qkv_proj")(x)
-        qkv = qkv.reshape(batch, num_tokens, tp.size, q_width + 2 * kv_width)  # one row of columns per device
-        q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
+        width = q_width + 2 * kv_width + (q_width if cfg.attention_output_gate else 0)
+        qkv = Linear(tp.size * width, use_bias=cfg.qkv_bias, dtype=self.dtype, out_shards=tp.size,
+                     name="qkv_proj")(x)
+        qkv = qkv.reshape(batch, num_tokens, tp.size, width)  # one row of columns per device, [q | k | v | gate]
+        q, k, v, gate = jnp.split(qkv, [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)
         q = q.reshape(batch, num_tokens, cfg.num_q_heads, cfg.head_dim)
         k = k.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
         v = v.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
@@ -130,6 +132,9 @@ class Attention(nn.Module):
                                     sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap,
                                     sinks=sinks)
         out = out.reshape(batch, num_tokens, cfg.q_size)
+        if cfg.attention_output_gate:
+            gate = jax.nn.sigmoid(gate.reshape(out.shape).astype(jnp.float32))
+            out = (out.astype(jnp.float32) * gate).astype(out.dtype)
         out = Linear(cfg.hidden_size, use_bias=cfg.o_bias, dtype=self.dtype, in_shards=tp.size, name="o_proj")(out)
         return out, kv
 
@@ -148,9 +153,13 @@ class DecoderLayer(nn.Module):
         def norm(name: str):
             return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
 
-        attention = Attention if cfg.mla is None else MLAttention
-        attn_out, kv = attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
-            norm("input_norm")(x), kv, meta)
+        if self.layer.mixer == "gated_deltanet":
+            attn_out, kv = GatedDeltaNet(cfg.linear_attention, cfg.hidden_size, cfg.rms_norm_eps, self.tp.size,
+                                         self.dtype, name="linear_attn")(norm("input_norm")(x), kv, meta)
+        else:
+            attention = Attention if cfg.mla is None else MLAttention
+            attn_out, kv = attention(cfg, self.tp, self.attention, self.layer, self.dtype, name="attn")(
+                norm("input_norm")(x), kv, meta)
         if self.layer.feed_forward == "moe":
             feed_forward = MoE(cfg, self.tp, self.dtype, name="mlp")
         else:

@@ -150,7 +150,8 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
         return group
 
     def layer(spec) -> dict:
-        attn = {"q_proj": dense(cfg.hidden_size, cfg.q_size, cfg.qkv_bias),
+        q_width = cfg.q_size * (2 if cfg.attention_output_gate else 1)  # each head's query, then its gate
+        attn = {"q_proj": dense(cfg.hidden_size, q_width, cfg.qkv_bias),
                 "k_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
                 "v_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
                 "o_proj": dense(cfg.q_size, cfg.hidden_size, cfg.o_bias)}
@@ -175,10 +176,11 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
 
 
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
-    """One decoder layer's checkpoint-layout params -> serving layout: q/k/v into `qkv_proj` and gate/up into
-    `gate_up_proj` (the dense MLP's, the experts' and the shared expert's), each device's columns together (all
-    their leaves: an AWQ layer's zeros and scales too). Jit it with the serving shardings as `out_shardings` and
-    every device builds its own columns from its own shards (k/v replicated when the KV heads are)."""
+    """One decoder layer's checkpoint-layout params -> serving layout: q/k/v (and an output gate: `[q_d | k_d |
+    v_d | gate_d]`) into `qkv_proj` and gate/up into `gate_up_proj` (the dense MLP's, the experts' and the shared
+    expert's), each device's columns together (all their leaves: an AWQ layer's zeros and scales too). Jit it with
+    the serving shardings as `out_shardings` and every device builds its own columns from its own shards (k/v
+    replicated when the KV heads are)."""
     cfg, n = config, tp.size
     attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
     sources = jnp.asarray(tp.pool_head_sources(cfg))
@@ -192,8 +194,14 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
 
     def fused(leaf: str) -> jax.Array:
         q, k, v = (attn[f"{name}_proj"][leaf] for name in "qkv")
+        gate = None
+        if cfg.attention_output_gate:  # q_proj's columns: each head's query, then its gate
+            pairs = q.reshape(*q.shape[:-1], cfg.num_q_heads, 2, cfg.head_dim)
+            q, gate = (pairs[..., i, :].reshape(*q.shape[:-1], cfg.q_size) for i in range(2))
         parts = [per_device(q, cfg.num_q_heads, False), per_device(k, cfg.num_kv_heads, True),
                  per_device(v, cfg.num_kv_heads, True)]
+        if gate is not None:
+            parts.append(per_device(gate, cfg.num_q_heads, False))
         return jnp.concatenate(parts, axis=-1).reshape(*q.shape[:-1], -1)
 
     # every leaf along the output features: kernel, bias, and an AWQ layer's per-group zeros and scales

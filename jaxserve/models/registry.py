@@ -27,14 +27,16 @@ from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
 from jaxserve.layers.lora import lora_variables
-from jaxserve.models import deepseek, gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3, qwen_moe
+from jaxserve.models import (deepseek, gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3, qwen3_next,
+                             qwen_moe)
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
 
 
 FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC,
-                                   gpt_oss.SPEC, deepseek.SPEC, glm4_moe.SPEC, minimax_m2.SPEC)
+                                   gpt_oss.SPEC, deepseek.SPEC, glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC,
+                                   qwen3_next.MULTIMODAL_SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
@@ -93,10 +95,13 @@ def checkpoint_sources(config: ModelConfig) -> dict:
 
 def group_kind(name: str, config: ModelConfig) -> str:
     """The kind of the top-level parameter group `name`: groups of one kind have one structure and shapes, so one
-    compiled function (a conversion, a random draw) serves them all. Decoder layers are "layer" or "moe_layer"."""
+    compiled function (a conversion, a random draw) serves them all. Decoder layers are "layer" or "moe_layer",
+    prefixed by their mixer when it is not attention ("gated_deltanet_moe_layer")."""
     if not name.startswith("layers_"):
         return name
-    return "moe_layer" if config.layers[int(name.removeprefix("layers_"))].feed_forward == "moe" else "layer"
+    layer = config.layers[int(name.removeprefix("layers_"))]
+    kind = "moe_layer" if layer.feed_forward == "moe" else "layer"
+    return kind if layer.mixer == "attention" else f"{layer.mixer}_{kind}"
 
 
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
