@@ -62,6 +62,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
         sliding_window=None, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-next-80b-a3b": dict(  # 3 Gated DeltaNet layers per gated full-attention one; 512 experts of 512, 10 per
+        # token and a shared expert: 80B parameters, 3B active
+        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
+        num_experts_per_tok=10, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, full_attention_interval=4,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.25, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_theta=10000000.0, tie_word_embeddings=False, attention_bias=False, bos_token_id=151643,
+        eos_token_id=151645),
     "mixtral-8x7b": dict(  # 8 experts of 14336, 2 per token: 46.7B parameters, 12.9B active
         model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
         intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,

@@ -1,0 +1,142 @@
+"""Qwen3-Next and Qwen3.5 against transformers: hybrid decoders whose Gated DeltaNet layers keep a per-sequence state
+in the engine's state slots (no pages) beside gated full-attention layers, served through the engine with chunked
+prefill, preemption, batching and tensor parallelism; greedy tokens equal transformers' own loop in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.kv_plan import FullAttentionSpec, StateSpec
+from tests.conftest import TINY_DIMS, random_prompts, save_tiny_model, save_tiny_tokenizer
+
+# 4 layers (3 Gated DeltaNet + 1 full attention); 2 key heads serving 4 value heads of another size than the keys
+DIMS = {**TINY_DIMS, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "tie_word_embeddings": False}
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CONFIGS = {"qwen3_next": lambda: transformers.Qwen3NextConfig(**DIMS, **EXPERTS),
+           "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**DIMS),
+           "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**DIMS, **EXPERTS)}
+MAX_TOKENS = 10
+
+
+def randomize_vectors(model) -> None:
+    """transformers starts the `(1 + w)` norms at zero and the decay parameters at fixed values: random, so each
+    enters the outputs."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.normal_(1.0 if name.endswith("dt_bias") else 0.0, 0.3)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    dirs = {}
+    for family, config in CONFIGS.items():
+        path = save_tiny_model(family, str(tmp_path_factory.mktemp(family)), config=config())
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        randomize_vectors(model)
+        model.save_pretrained(path, safe_serialization=True)
+        dirs[family] = path
+    return dirs
+
+
+def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_greedy_equals_transformers_under_chunked_prefill_preemption_and_batching(model_dirs, family):
+    """Prompts of 20-90 tokens in chunks of 16 (each chunk continues the state the last one left; chunks cross the
+    chunked form's 64-token blocks), batched with each other (a row's state is its own), with a page pool small
+    enough that sequences are preempted and recomputed from a fresh state. Only the full-attention layer takes
+    pages."""
+    prompts = random_prompts(5, 500, 20, 90, seed=7)
+    llm = LLM(model_dirs[family], max_num_seqs=4, max_model_len=160, page_size=8, num_kv_pages=24,
+              max_num_batched_tokens=16, warmup=False)
+    assert greedy(llm, prompts) == transformers_greedy(model_dirs[family], prompts)
+    engine = llm.llm_engine
+    assert engine.stats().num_preemptions > 0
+    plan = engine.runner.kv_plan
+    (group,) = plan.groups
+    assert group.layers == (3,) and group.spec == FullAttentionSpec(2, 16)
+    assert plan.state == StateSpec((2 * 2 * 16 + 4 * 8, 3), (4, 16, 8)) and plan.state_slots == 4
+    assert plan.state_slot_bytes == 3 * (96 * 3 * 4 + 4 * 16 * 8 * 4)  # 3 layers, float32 conv inputs and state
+    assert group.page_bytes == 2 * 8 * 2 * 16 * 4  # K and V of one layer
+
+
+def test_heads_and_states_split_over_two_devices(model_dirs):
+    """Tensor parallelism: each device keeps one key head, its two value heads, their channels and states."""
+    prompts = random_prompts(3, 500, 10, 70, seed=8)
+    llm = LLM(model_dirs["qwen3_next"], max_num_seqs=4, max_model_len=128, tensor_parallel_size=2,
+              max_num_batched_tokens=32, warmup=False)
+    assert greedy(llm, prompts) == transformers_greedy(model_dirs["qwen3_next"], prompts)
+    recurrent = llm.llm_engine.runner.kv_cache[0].recurrent
+    assert {shard.data.shape for shard in recurrent.addressable_shards} == {(4, 2, 16, 8)}
+
+
+def test_an_image_and_text_checkpoint_serves_its_text_decoder(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (what Qwen3.5 publishes): `text_config` and the language model's
+    tensors; the vision tower is not read."""
+    path = str(tmp_path / "qwen3_5")
+    text = CONFIGS["qwen3_5_text"]().to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                     vision_config=vision))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    randomize_vectors(model)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, text["vocab_size"])
+    prompts = random_prompts(2, 500, 5, 30, seed=9)
+    llm = LLM(path, max_num_seqs=2, max_model_len=64, page_size=8, warmup=False)
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert greedy(llm, prompts) == expected
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
+    ({"kv_offloading_size": 0.01}, "the KV tiers"),
+])
+def test_what_the_state_cannot_take_yet_is_refused_by_name(model_dirs, options, named):
+    with pytest.raises(ValueError, match=f"{named}: not supported yet for models with linear-attention layers"):
+        LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False, **options)
+
+
+def test_prefix_caching_is_off_and_says_so(model_dirs, caplog):
+    """A prefix hit would need the state at the hit: these models serve with prefix caching off, logged."""
+    llm = LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False)
+    assert not llm.llm_engine.page_manager.enable_prefix_caching
+    assert "prefix caching is off for qwen3_5_text" in caplog.text
+
+
+def test_no_compile_after_warm_up_and_the_state_pools_are_donated(model_dirs, caplog):
+    """Prefill chunks and decodes of every bucket run the executables warm-up compiled, and each step consumes the
+    state pools it was given (updated in place, never copied)."""
+    import logging
+
+    import jax
+
+    llm = LLM(model_dirs["qwen3_5_text"], max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=16,
+              decode_batch_buckets=(1, 2))
+    old = llm.llm_engine.runner.kv_cache[0]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        greedy(llm, random_prompts(3, 500, 1, 40, seed=10))
+    assert not [record for record in caplog.records if "Compiling" in record.getMessage()]
+    assert old.conv.is_deleted() and old.recurrent.is_deleted()
