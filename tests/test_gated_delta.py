@@ -38,7 +38,7 @@ def test_both_forms_match_transformers(length):
     x = random_inputs(np.random.default_rng(length), length)
     expected_out, expected_state = transformers_recurrent(x)
     args = [jnp.asarray(x[name]) for name in ("q", "k", "v", "g", "beta", "state")]
-    for out, state in (recurrent_gated_delta(*args), chunked_gated_delta(*args, chunk=16)):
+    for out, state in (recurrent_gated_delta(*args), chunked_gated_delta(*args, chunk=16)[:2]):
         np.testing.assert_allclose(np.asarray(out), expected_out, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(state), expected_state, rtol=1e-5, atol=1e-6)
 
@@ -47,9 +47,10 @@ def test_a_sequence_split_in_two_calls_carries_its_state():
     """Prefill in chunks (the engine's chunked prefill) then decode one token at a time: the state each call hands
     on gives the outputs one call over the whole sequence gives."""
     x = random_inputs(np.random.default_rng(5), 37)
-    whole, final = chunked_gated_delta(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "state")), chunk=16)
+    whole, final, _ = chunked_gated_delta(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "state")),
+                                          chunk=16)
     part = {name: jnp.asarray(value[:, :30]) for name, value in x.items() if name != "state"}
-    first, state = chunked_gated_delta(**part, state=jnp.asarray(x["state"]), chunk=16)
+    first, state, _ = chunked_gated_delta(**part, state=jnp.asarray(x["state"]), chunk=16)
     outs = [first]
     for t in range(30, 37):
         token = {name: jnp.asarray(value[:, t:t + 1]) for name, value in x.items() if name != "state"}
@@ -67,8 +68,28 @@ def test_padding_tokens_leave_the_state_alone():
     real = {name: jnp.asarray(value[:, :12]) for name, value in x.items() if name != "state"}
     _, expected = recurrent_gated_delta(**real, state=jnp.asarray(x["state"]))
     args = [jnp.asarray(x[name]) for name in ("q", "k", "v", "g", "beta", "state")]
-    for _, state in (recurrent_gated_delta(*args), chunked_gated_delta(*args, chunk=16)):
+    for _, state in (recurrent_gated_delta(*args), chunked_gated_delta(*args, chunk=16)[:2]):
         np.testing.assert_allclose(np.asarray(state), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_shifted_rows_keep_the_state_after_each_chunk():
+    """With offsets, row b's tokens come after `offsets[b]` padding tokens: the outputs and final state are the
+    unshifted ones, and the state kept after chunk j is the recurrent form's after the row's first 16(j+1) -
+    offset tokens (its chunks end at positions that are multiples of 16 when its first position is offset mod 16)."""
+    x = random_inputs(np.random.default_rng(11), 37)
+    args = [jnp.asarray(x[name]) for name in ("q", "k", "v", "g", "beta", "state")]
+    offsets = np.array([5, 0], np.int32)
+    out, final, states = chunked_gated_delta(*args, chunk=16, offsets=jnp.asarray(offsets))
+    expected_out, expected_final = recurrent_gated_delta(*args)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(expected_final), rtol=1e-5, atol=1e-5)
+    assert states.shape == (2, 4, 4, 16, 8)  # (37 + 15) / 16 rounded up
+    for row, offset in enumerate(offsets):
+        for block in range(4):
+            tokens = min(16 * (block + 1) - offset, 37)
+            part = [arg[row:row + 1, :tokens] for arg in args[:5]]
+            _, expected = recurrent_gated_delta(*part, args[5][row:row + 1])
+            np.testing.assert_allclose(np.asarray(states[row, block]), np.asarray(expected[0]), rtol=1e-5, atol=1e-5)
 
 
 def hf_layer(seed: int = 0):

@@ -119,11 +119,49 @@ def test_what_the_state_cannot_take_yet_is_refused_by_name(model_dirs, options, 
         LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False, **options)
 
 
-def test_prefix_caching_is_off_and_says_so(model_dirs, caplog):
-    """A prefix hit would need the state at the hit: these models serve with prefix caching off, logged."""
-    llm = LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False)
-    assert not llm.llm_engine.page_manager.enable_prefix_caching
-    assert "prefix caching is off for qwen3_5_text" in caplog.text
+def test_prefix_hits_start_from_the_state_kept_where_they_end(model_dirs):
+    """Prefix caching with state checkpoints every 64 tokens: prompts sharing 150 tokens hit 128 of them (the
+    deepest checkpoint), in chunks of up to 48 that start off the chunked form's 64-token grid and under preemption;
+    a second turn hits the state a decode step saved (turn one's 50 + 40 tokens pass position 64). Greedy tokens
+    equal transformers', and the cached-token counts say what was hit."""
+    path = model_dirs["qwen3_next"]
+    shared = random_prompts(1, 500, 150, 150, seed=11)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 500, 3, 20, seed=13)] + random_prompts(2, 500, 20, 90, 7)
+    llm = LLM(path, max_num_seqs=4, max_model_len=256, page_size=8, num_kv_pages=36, max_num_batched_tokens=48,
+              mamba_block_size=64, warmup=False)
+    greedy(llm, prompts[:1])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == transformers_greedy(path, prompts)
+    assert [out.num_cached_tokens for out in outs] == [128, 128, 128, 0, 0]
+    assert llm.llm_engine.stats().num_preemptions > 0
+
+    turn = random_prompts(1, 500, 50, 50, seed=3)[0]
+    first = llm.generate([{"prompt_token_ids": turn}], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                         use_tqdm=False)[0]
+    second = turn + first.outputs[0].token_ids + [5, 6, 7]
+    out = llm.generate([{"prompt_token_ids": second}],
+                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == transformers_greedy(path, [second])[0]
+
+
+def test_state_checkpoints_evict_least_recent_and_never_a_row_a_step_reads():
+    from jaxserve.engine.state_checkpoints import StateCheckpoints
+
+    states = StateCheckpoints(capacity=2, interval=64, page_size=16)
+    assert states.saves(1, 0, 130) == ((64, 0), (128, 1))  # every checkpoint position the tokens pass
+    assert states.saves(2, 0, 64) == ()  # every row is claimed
+    states.register(1, 3, serial=10)  # the page ending at 64
+    states.register(1, 7, serial=11)  # at 128
+    assert states.usable_hit([0, 1, 2, 10, 4, 5, 6, 11, 12]) == 8 and states.usable_hit([0, 1, 2, 10, 4]) == 4
+    assert states.usable_hit([0, 1, 2, 9]) == 0
+    states.admit(3, [0, 1, 2, 10])  # seq 3 starts from row 0, now the most recently used
+    assert states.saves(4, 100, 40) == ((128, 1),)  # evicts the least recent (serial 11), not the row seq 3 reads
+    assert states.saves(5, 0, 64) == ()
+    states.forget(10)  # its page left the cache while seq 3 is still to read its row
+    assert states.take_source(3) == 0 and states.saves(5, 0, 64) == ()
+    states.end_step()  # freed once the step reading it is built
+    assert states.saves(5, 0, 64) == ((64, 0),)
 
 
 def test_no_compile_after_warm_up_and_the_state_pools_are_donated(model_dirs, caplog):

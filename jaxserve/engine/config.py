@@ -87,6 +87,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     # vLLM's: one pool for every layer even where sliding-window layers could keep only their window's pages
     disable_hybrid_kv_cache_manager: bool = False
+    # prefix caching for models with linear-attention layers (`engine/state_checkpoints.py`): their state is kept
+    # every mamba_block_size tokens (vLLM's name; a multiple of 64 and of page_size; default lcm(256, page_size))
+    # in num_state_checkpoints rows (default 2 * max_num_seqs)
+    mamba_block_size: int | None = None
+    num_state_checkpoints: int | None = None
     dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
     # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq", "fp8" (W8A16 in 128x128 blocks)
     quantization: str | None = None
@@ -167,6 +172,12 @@ class EngineConfig:
              "must be > 0"),
             ("enable_prefix_caching", self.enable_prefix_caching or not self.kv_tiers,
              "must be on for the KV tiers (kv_offloading_size / kv_offloading_dir)"),
+            ("mamba_block_size", self.mamba_block_size is None or (
+                _int_at_least(self.mamba_block_size, 64) and self.mamba_block_size % 64 == 0
+                and self.mamba_block_size % self.page_size == 0),
+             f"must be a multiple of 64 and of page_size ({self.page_size})"),
+            ("num_state_checkpoints", self.num_state_checkpoints is None or _int_at_least(self.num_state_checkpoints, 1),
+             "must be an integer >= 1"),
             ("max_loras", _int_at_least(self.max_loras, 1), "must be an integer >= 1"),
             ("max_lora_rank", _int_at_least(self.max_lora_rank, 1), "must be an integer >= 1"),
             ("max_cpu_loras", self.max_cpu_loras is None or (_int_at_least(self.max_cpu_loras, 1)
@@ -221,6 +232,16 @@ class EngineConfig:
             smallest_prefill_bucket=self.smallest_prefill_bucket or (16 if platform == "cpu" else 64),
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
             quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
+
+    @property
+    def state_checkpoint_interval(self) -> int:
+        """Tokens between a linear-attention model's state checkpoints (`mamba_block_size`, or its default)."""
+        return self.mamba_block_size or math.lcm(256, self.page_size)
+
+    @property
+    def state_checkpoints(self) -> int:
+        """Rows of a linear-attention model's state checkpoints (`num_state_checkpoints`, or its default)."""
+        return self.num_state_checkpoints or 2 * self.max_num_seqs
 
     @property
     def kv_tiers(self) -> bool:

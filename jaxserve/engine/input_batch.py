@@ -91,6 +91,8 @@ class InputBatch:
         self.guided = np.zeros(slots, bool)  # constrained decoding: the sampler waits for a token mask
         # LoRA: each slot's adapter slot in the device stack (-1: the base model); None without enable_lora
         self.lora_slots = np.full(slots, -1, np.int32) if config.enable_lora else None
+        # state checkpoints (a hybrid model under prefix caching): the steps read and save them (the runner's plan)
+        self.state_checkpoints = False
         self.sampling = SlotSamplingParams(slots)
         self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, allocator, groups)
         self.penalties = PenaltyState(prompt_mask=allocator.full((slots, vocab_size), bool, sharding),

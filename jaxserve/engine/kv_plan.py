@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -99,6 +100,7 @@ class KVPlan:
     state: StateSpec | None = None  # the state layers' (`ModelConfig.state_layers`)
     state_slots: int = 0  # states each such layer keeps: one per decode slot
     state_slot_bytes: int = 0  # one slot's states over all state layers and devices
+    state_checkpoints: int = 0  # states kept for prefix hits, as many bytes each (`engine/state_checkpoints.py`)
 
     @property
     def num_pages(self) -> int:
@@ -118,8 +120,8 @@ class KVPlan:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of every state slot over all devices."""
-        return self.state_slots * self.state_slot_bytes
+        """Bytes of every state slot and checkpoint over all devices."""
+        return (self.state_slots + self.state_checkpoints) * self.state_slot_bytes
 
     @property
     def window_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -209,13 +211,14 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     grouped = group_layers(layer_specs(config), ec)
     state = state_spec(config)
     slot_bytes = state.slot_bytes(dtype) * len(config.state_layers) if state is not None else 0
+    checkpoints = ec.state_checkpoints if state is not None and ec.enable_prefix_caching else 0
     if budget_bytes is not None and slot_bytes:
-        state_device_bytes = ec.max_num_seqs * slot_bytes // tp.size
+        state_device_bytes = (ec.max_num_seqs + checkpoints) * slot_bytes // tp.size
         if state_device_bytes >= budget_bytes:
-            raise ValueError(f"the linear-attention state of max_num_seqs={ec.max_num_seqs} sequences "
-                             f"({state_device_bytes / 2**30:.2f} GiB per device) does not fit the KV budget "
-                             f"({budget_bytes / 2**30:.2f} GiB per device): lower max_num_seqs or raise "
-                             "gpu_memory_utilization / kv_cache_memory_bytes")
+            raise ValueError(f"the linear-attention state of max_num_seqs={ec.max_num_seqs} sequences and "
+                             f"{checkpoints} state checkpoints ({state_device_bytes / 2**30:.2f} GiB per device) does "
+                             f"not fit the KV budget ({budget_bytes / 2**30:.2f} GiB per device): lower max_num_seqs "
+                             "or num_state_checkpoints, or raise gpu_memory_utilization / kv_cache_memory_bytes")
         budget_bytes -= state_device_bytes
     group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, len(layers)) for _, layers in grouped]
     total = [group_bytes[0] + draft_page_bytes, *group_bytes[1:]]  # a draft model's page rides on group 0's
@@ -239,7 +242,7 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
             layer_groups[layer] = index
         groups.append(KVCacheGroup(spec, tuple(layers), pages, group_bytes[index], ec.page_size))
     return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes, state,
-                  ec.max_num_seqs if state is not None else 0, slot_bytes)
+                  ec.max_num_seqs if state is not None else 0, slot_bytes, checkpoints)
 
 
 def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
@@ -256,17 +259,21 @@ def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
 
 
 def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
-                   page_size: int, dtype, allocator: Allocator, state_slots: int = 0) -> list[KVPages | StateSlots]:
+                   page_size: int, dtype, allocator: Allocator, state_slots: int = 0,
+                   state_checkpoints: int = 0) -> list[KVPages | StateSlots]:
     """Each layer's cache: its K and V pools of `layer_pages[layer]` pages (arrays, or QuantizedPages: values +
     per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`. A state layer's: `state_slots`
-    zeroed slots (`plan.state_slots`)."""
+    zeroed slots and `state_checkpoints` checkpoint rows (`plan.state_slots`, `plan.state_checkpoints`)."""
     state = state_spec(config)
-    state_placed = state_shardings(backend.mesh)
+    state_placed = state_shardings(backend.mesh, state_checkpoints > 0)
+
+    def states(rows: int) -> tuple[jax.Array, jax.Array]:
+        return (allocator.full((rows, *state.conv), dtype, state_placed.conv),
+                allocator.full((rows, *state.recurrent), jnp.float32, state_placed.recurrent))
 
     def cache(layer: int, pages: int) -> KVPages | StateSlots:
         if config.layers[layer].mixer != "attention":
-            return StateSlots(allocator.full((state_slots, *state.conv), dtype, state_placed.conv),
-                              allocator.full((state_slots, *state.recurrent), jnp.float32, state_placed.recurrent))
+            return StateSlots(*states(state_slots), *(states(state_checkpoints) if state_checkpoints else ()))
         if config.mla is not None:  # one replicated latent pool, no V
             shape = (1, pages, page_size, backend.stored_head_dim(config.mla.cache_dim))
             placed = NamedSharding(backend.mesh, P()) if backend.mesh is not None else None
@@ -276,11 +283,13 @@ def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParall
     return [cache(layer, pages) for layer, pages in enumerate(layer_pages)]
 
 
-def kv_cache_shardings(backend: PagedAttention, config: ModelConfig) -> list[KVPages | StateSlots]:
+def kv_cache_shardings(backend: PagedAttention, config: ModelConfig, state_checkpoints: bool = False
+                       ) -> list[KVPages | StateSlots]:
     """The sharding tree of a cache `empty_kv_cache` makes, for jit's in and out shardings; needs the backend's
     mesh."""
     pages = KVPages(NamedSharding(backend.mesh, P()), None) if config.mla is not None else backend.cache_shardings()
-    return [pages if layer.mixer == "attention" else state_shardings(backend.mesh) for layer in config.layers]
+    states = state_shardings(backend.mesh, state_checkpoints)
+    return [pages if layer.mixer == "attention" else states for layer in config.layers]
 
 
 def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_dtype: str, backend: PagedAttention,
@@ -292,8 +301,9 @@ def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_
         logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index, group.spec,
                     len(group.layers), group.num_pages, group.capacity_tokens)
     if plan.state is not None:
-        logger.info("state slots: %s, %d layers, %d slots of %.2f MiB each (%.1f MiB), no pages", plan.state,
-                    len(config.state_layers), plan.state_slots, plan.state_slot_bytes / 2**20, plan.state_bytes / 2**20)
+        logger.info("state slots: %s, %d layers, %d slots and %d checkpoints of %.2f MiB each (%.1f MiB), no "
+                    "pages", plan.state, len(config.state_layers), plan.state_slots, plan.state_checkpoints,
+                    plan.state_slot_bytes / 2**20, plan.state_bytes / 2**20)
     if len(plan.groups) == 1 and any(window is not None for window in config.layer_sliding_windows):
         logger.info("one KV cache group for every layer, sliding-window ones included (the hybrid KV cache is off: "
                     "disabled, KV tiers, a draft model, or a window near max_model_len)")

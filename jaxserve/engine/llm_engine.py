@@ -14,7 +14,6 @@ step's tokens are read; a request with max_tokens=0 finishes ("length") once its
 
 from __future__ import annotations
 
-import dataclasses
 
 import logging
 import os
@@ -35,6 +34,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.runner_steps import measure_step_costs
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.state_checkpoints import StateCheckpoints
 from jaxserve.engine.stats import IterationStats, SchedulerStats, fragmentation, pools_usage
 from jaxserve.engine.window_manager import WindowManager
 from jaxserve.engine.step_output import InFlightStep
@@ -82,14 +82,13 @@ class LLMEngine:
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         runner, plan = self.runner, self.runner.kv_plan
         check_plan(plan, self.engine_config)
-        if plan.state is not None and self.engine_config.enable_prefix_caching:
-            logger.warning("prefix caching is off for %s: a prefix hit needs the linear-attention layers' state at "
-                           "the hit, which is not kept yet", loaded_config.model_type)
-            self.engine_config = dataclasses.replace(self.engine_config, enable_prefix_caching=False)
         windows = tuple(WindowManager(group.num_pages, plan.page_size, group.spec.window, index)
                         for index, group in enumerate(plan.window_groups, 1))
+        states = (StateCheckpoints(plan.state_checkpoints, self.engine_config.state_checkpoint_interval,
+                                   plan.page_size) if plan.state_checkpoints else None)
         self.page_manager = PageManager(plan.num_pages, plan.page_size, self.engine_config.enable_prefix_caching,
-                                        tiers=attach_kv_tiers(self.engine_config, runner), windows=windows)
+                                        tiers=attach_kv_tiers(self.engine_config, runner), windows=windows,
+                                        states=states)
         self.scheduler = Scheduler(self.engine_config, self.page_manager, frozenset(self.eos_token_ids),
                                    loaded_config.rope_length_rule)
         detokenizer_process = self.engine_config.detokenizer_process and self.tokenizer is not None

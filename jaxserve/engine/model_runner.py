@@ -114,7 +114,9 @@ class ModelRunner:
         if draft is not None:
             draft.allocate_pool(self.kv_plan.num_pages)
         self.kv_cache = empty_kv_cache(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
-                                       self.dtype, self.allocator, self.kv_plan.state_slots)
+                                       self.dtype, self.allocator, self.kv_plan.state_slots,
+                                       self.kv_plan.state_checkpoints)
+        self.batch.state_checkpoints = self.kv_plan.state_checkpoints > 0
         self.steps = StepRegistry()
         speculator_steps = self.speculator.steps() if self.speculator is not None else []
         self.steps.add(runner_steps.runner_steps(self) + speculator_steps)
@@ -139,7 +141,7 @@ class ModelRunner:
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
-        kv_in = kv_cache_shardings(self.backend, self.model_config)
+        kv_in = kv_cache_shardings(self.backend, self.model_config, self.kv_plan.state_checkpoints > 0)
         replicated = NamedSharding(self.mesh, REPLICATED)
         params_in = serving_shardings(self.forward_params, self.model_config, self.tp, self.mesh)
         static = (self.model_config, self.tp, self.backend, self.dtype, self.page_size)

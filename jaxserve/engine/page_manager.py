@@ -25,6 +25,10 @@ its page indices name every group's). Each sliding-window group has its own mana
 freeing and trimming release in all, a full page registers in all, and a prefix hit is only as long as every window
 group still holds what its next token's window reads.
 
+A hybrid model's state-keeping layers hit only where a state is kept (`states`, `engine/state_checkpoints.py`):
+a hit is cut to the deepest checkpoint position, the admitted sequence starts from that state, and every page
+registered at a checkpoint position makes the state saved there findable.
+
 The manager owns the page table and the prefix-cache chain (the key and registration serial of each full page) of
 every sequence holding pages; it writes nothing into a `Sequence`. Token counters are the scheduler's.
 """
@@ -41,6 +45,7 @@ import numpy as np
 from jaxserve.engine.kv_tiers import KVTiers, TierPage
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.state_checkpoints import StateCheckpoints
 from jaxserve.engine.window_manager import WindowManager
 
 PageHash = Callable[[bytes, tuple[int, ...]], bytes]
@@ -77,13 +82,15 @@ class CachedPage:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None, windows: tuple[WindowManager, ...] = ()):
+                 hash_fn: PageHash = page_key, tiers: KVTiers | None = None, windows: tuple[WindowManager, ...] = (),
+                 states: StateCheckpoints | None = None):
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.tiers = tiers
         self.windows = windows  # the sliding-window groups' managers (none: every layer reads this group's pages)
+        self.states = states  # the state-keeping layers' checkpoints (a hybrid model under prefix caching)
         self.cached: dict[int, CachedPage] = {}  # page -> its registration
         self.page_of_key: dict[bytes, int] = {}
         self._serials = itertools.count()
@@ -130,6 +137,8 @@ class PageManager:
                                                seq.prefix_root))
         for window in self.windows:  # as far as the window groups still hold the pages the next token reads
             pages = pages[:window.usable_hit([self.cached[page].serial for page in pages])]
+        if self.states is not None:  # as far as a state is kept where the hit ends
+            pages = pages[:self.states.usable_hit([self.cached[page].serial for page in pages])]
         return pages
 
     def num_cached_tokens(self, chain: Iterable[tuple[bytes, tuple[int, ...]]]) -> int:
@@ -168,7 +177,28 @@ class PageManager:
             window.admit(seq.seq_id, [self.cached[page].serial for page in cached_pages])
         self._chains[seq.seq_id] = ([self.cached[page].key for page in cached_pages],
                                     [self.cached[page].serial for page in cached_pages])
+        if self.states is not None:
+            self.states.admit(seq.seq_id, self._chains[seq.seq_id][1])
         return len(cached_pages) * self.page_size
+
+    def state_io(self, seq: Sequence, start: int, num_tokens: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Where a step computing `seq`'s tokens `[start, start + num_tokens)` reads its starting state (a
+        checkpoint row, -1: its slot's) and saves the states at checkpoint positions ((position, row) pairs)."""
+        if self.states is None or not self.caches(seq):
+            return -1, ()
+        return self.states.take_source(seq.seq_id), self.states.saves(seq.seq_id, start, num_tokens)
+
+    def assign_states(self, chunks: list, decodes: tuple, seqs: dict[int, Sequence]) -> tuple:
+        """A step's state checkpoints: where each `PrefillChunk` starts from and saves (set on it), and the decodes
+        (`ScheduledDecode`s) with the row each saves into (unchanged without `states`)."""
+        if self.states is None:
+            return decodes
+        for chunk in chunks:
+            chunk.state_source, chunk.state_saves = self.state_io(chunk.seq, chunk.start, chunk.num_tokens)
+        decodes = tuple(decode._replace(state_save=next(
+            (row for _, row in self.state_io(seqs[decode.seq_id], decode.position, 1)[1]), -1)) for decode in decodes)
+        self.states.end_step()
+        return decodes
 
     def restore(self, seq: Sequence, found: list[tuple[TierPage, str]]) -> list[tuple[int, TierPage]]:
         """Registers the pages allocated to `seq` past its device match for the tier pages `found` (whose K/V the
@@ -232,6 +262,8 @@ class PageManager:
                 self.tiers.note_registered(page, key, seq.token_ids, (index + 1) * self.page_size)
             for window in self.windows:
                 window.register(seq.seq_id, index, serials[-1])
+            if self.states is not None:
+                self.states.register(seq.seq_id, index, serials[-1])
 
     def _register(self, page: int, key: bytes, tokens: tuple[int, ...], index: int,
                   parent_serial: int | None) -> int | None:
@@ -257,6 +289,8 @@ class PageManager:
         self._chains.pop(seq.seq_id, None)
         for window in self.windows:
             window.free(seq.seq_id)
+        if self.states is not None:
+            self.states.free(seq.seq_id)
 
     def trim(self, seq: Sequence) -> None:
         """Releases the pages past those holding `seq`'s tokens (the room a speculative step made for drafts that
@@ -281,8 +315,12 @@ class PageManager:
         self.page_of_key.clear()
         for window in self.windows:
             window.reset()
+        if self.states is not None:
+            self.states.reset()
 
     def _forget(self, page: int) -> None:
         entry = self.cached.pop(page, None)
         if entry is not None:
             del self.page_of_key[entry.key]
+            if self.states is not None:
+                self.states.forget(entry.serial)

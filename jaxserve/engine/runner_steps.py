@@ -41,7 +41,8 @@ def runner_steps(runner: RunnerState) -> list[Step]:
     return [
         Step("prefill", runner.jit_forward(prefill_step, with_hidden=True), runner.forward_state,
              runner.keep_forward_state,
-             functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora),
+             functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora,
+                               runner.batch.state_checkpoints),
              forwards=("logits", "hidden")),
         Step("score", jit_step(functools.partial(prompt_scores_step, runner.model_config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),
@@ -49,7 +50,8 @@ def runner_steps(runner: RunnerState) -> list[Step]:
                  score_examples, ec, runner.model_config.hidden_size, runner.dtype, replicated, runner.allocator),
              forwarded=("hidden",)),
         Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
-             functools.partial(decode_examples, ec, len(runner.kv_plan.groups), ec.enable_lora), forwards=("logits",)),
+             functools.partial(decode_examples, ec, len(runner.kv_plan.groups), ec.enable_lora,
+                               runner.batch.state_checkpoints), forwards=("logits",)),
         Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
              assign(runner.batch, "sampling_table"), functools.partial(table_examples, ec)),
         Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
@@ -67,7 +69,7 @@ def measure_step_costs(runner: RunnerState, repeats: int = 2) -> tuple[dict[int,
     """What the forwards take on this device once warm (the fastest of `repeats` runs of each): seconds per decode
     step by decode bucket, and seconds per prefill token (the largest one-row prefill's time over its tokens). The
     slo policy's first estimates (`slo.StepCosts.seed`) until real steps are measured."""
-    ec, groups = runner.engine_config, len(runner.kv_plan.groups)
+    ec, groups, checkpoints = runner.engine_config, len(runner.kv_plan.groups), runner.batch.state_checkpoints
 
     def seconds(name: str, inputs) -> float:
         times = []
@@ -77,9 +79,10 @@ def measure_step_costs(runner: RunnerState, repeats: int = 2) -> tuple[dict[int,
             times.append(time.perf_counter() - started)
         return min(times)
 
-    decode = {rows: seconds("decode", empty_decode(rows, groups, ec.enable_lora)) for rows in ec.decode_batch_buckets}
+    decode = {rows: seconds("decode", empty_decode(rows, groups, ec.enable_lora, checkpoints))
+              for rows in ec.decode_batch_buckets}
     tokens = ec.prefill_buckets[-1]
-    prefill = seconds("prefill", empty_prefill(1, tokens, ec.pages_per_seq, groups, ec.enable_lora))
+    prefill = seconds("prefill", empty_prefill(1, tokens, ec.pages_per_seq, groups, ec.enable_lora, checkpoints))
     return decode, prefill / tokens
 
 
@@ -93,9 +96,10 @@ def reset_buckets(ec: EngineConfig) -> tuple[int, ...]:
     return power_of_two_buckets(16, max(16, ec.max_model_len))
 
 
-def prefill_examples(ec: EngineConfig, groups: int = 1, lora: bool = False) -> Iterator[PrefillBatch]:
+def prefill_examples(ec: EngineConfig, groups: int = 1, lora: bool = False, checkpoints: bool = False
+                     ) -> Iterator[PrefillBatch]:
     for rows, tokens in ec.prefill_shapes:
-        yield empty_prefill(rows, tokens, ec.pages_per_seq, groups, lora)
+        yield empty_prefill(rows, tokens, ec.pages_per_seq, groups, lora, checkpoints)
 
 
 def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocator: Allocator
@@ -107,9 +111,10 @@ def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocato
                           np.zeros((rows, tokens), np.int32), zeros, zeros)
 
 
-def decode_examples(ec: EngineConfig, groups: int = 1, lora: bool = False) -> Iterator[DecodeBatch]:
+def decode_examples(ec: EngineConfig, groups: int = 1, lora: bool = False, checkpoints: bool = False
+                    ) -> Iterator[DecodeBatch]:
     for rows in ec.decode_batch_buckets:
-        yield empty_decode(rows, groups, lora)
+        yield empty_decode(rows, groups, lora, checkpoints)
 
 
 def table_examples(ec: EngineConfig) -> Iterator[SamplingBatch]:

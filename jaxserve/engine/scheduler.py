@@ -204,6 +204,7 @@ class Scheduler:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
         decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config, self.drafter)
+        decodes = self.page_manager.assign_states(plan.prefills, decodes, self.seqs)  # state checkpoints
         output, sent = scheduler_output(plan, tuple(self._left_slots), decodes, self.sent, self.page_manager.tables)
         self.sent.update(sent)
         self._left_slots = []

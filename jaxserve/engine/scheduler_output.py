@@ -61,6 +61,8 @@ class ScheduledChunk(NamedTuple):
     num_tokens: int
     is_final: bool
     scored: range
+    state_source: int = -1  # a hybrid model's prefix hit: the state checkpoint it starts from (-1: none)
+    state_saves: tuple[tuple[int, int], ...] = ()  # (position, checkpoint) where it saves its state
 
 
 class ScheduledDecode(NamedTuple):
@@ -72,6 +74,7 @@ class ScheduledDecode(NamedTuple):
     position: int
     num_draft: int = 0
     draft_token_ids: tuple[int, ...] = ()
+    state_save: int = -1  # a hybrid model under prefix caching: the checkpoint its state goes to (-1: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +151,8 @@ def scheduler_output(plan: "Plan", left: tuple[int, ...], decodes: tuple[Schedul
             if change is not None:
                 cached.append(change[0])
                 updates[seq.seq_id] = change[1]
-    chunks = tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored) for c in plan.prefills)
+    chunks = tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored, c.state_source,
+                                  c.state_saves) for c in plan.prefills)
     return SchedulerOutput(left, tuple(new), tuple(cached), chunks, decodes, tuple(plan.restores),
                            tuple(plan.lora_loads)), updates
 
@@ -181,6 +185,8 @@ class PrefillChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    state_source: int = -1
+    state_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_final(self) -> bool:

@@ -19,6 +19,7 @@ from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.scheduler_output import ScheduledChunk, ScheduledDecode
 from jaxserve.engine.step_output import RowSequence
 from jaxserve.engine.steps import DecodeBatch, PrefillBatch, VerifyBatch
+from jaxserve.layers.gated_deltanet import CHUNK_TOKENS, save_blocks
 
 
 def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
@@ -74,7 +75,8 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     else by the prompt's (`layers/rotary.py`)."""
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
     groups, _, pages_per_seq = rows_of.page_tables.shape
-    batch = empty_prefill(rows, tokens, pages_per_seq, groups, rows_of.lora_slots is not None)
+    batch = empty_prefill(rows, tokens, pages_per_seq, groups, rows_of.lora_slots is not None,
+                          rows_of.state_checkpoints)
     inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
     for row, chunk in enumerate(chunks):
         slot = rows_of.slot_of[chunk.seq_id]
@@ -89,6 +91,10 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
         batch.rope_lens[row] = len(token_ids) if rope_by_sequence else rows_of.num_prompt_tokens[slot]
         if batch.lora_slots is not None:
             batch.lora_slots[row] = rows_of.lora_slots[slot]
+        if batch.state_saves is not None:
+            batch.state_sources[row] = chunk.state_source
+            for end, checkpoint in chunk.state_saves:  # the chunk of the chunked form ending there
+                batch.state_saves[row, (end - chunk.start + chunk.start % CHUNK_TOKENS) // CHUNK_TOKENS - 1] = checkpoint
         if chunk.is_final:
             inputs.sampled.append(RowSequence(row, chunk.seq_id, rows_of.logprobs_of(slot)))
             if rows_of.guided[slot]:
@@ -100,29 +106,35 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     return inputs
 
 
-def empty_prefill(rows: int, tokens: int, pages_per_seq: int, groups: int = 1, lora: bool = False) -> PrefillBatch:
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int, groups: int = 1, lora: bool = False,
+                  checkpoints: bool = False) -> PrefillBatch:
     """A prefill call of empty rows (zero tokens: they write only to the scratch page), with page tables for
-    `groups` KV cache groups; `lora`: with each row's adapter slot (-1: none)."""
+    `groups` KV cache groups; `lora`: with each row's adapter slot (-1: none); `checkpoints`: with the state
+    checkpoints each row reads and saves (-1: none)."""
     zeros = functools.partial(np.zeros, rows, np.int32)
     return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
                         page_tables=np.zeros((groups, rows, pages_per_seq), np.int32), slots=zeros(),
                         is_final=np.zeros(rows, bool), next_tokens=zeros(), rope_lens=zeros(),
-                        lora_slots=np.full(rows, -1, np.int32) if lora else None)
+                        lora_slots=np.full(rows, -1, np.int32) if lora else None,
+                        state_sources=np.full(rows, -1, np.int32) if checkpoints else None,
+                        state_saves=np.full((rows, save_blocks(tokens)), -1, np.int32) if checkpoints else None)
 
 
-def empty_decode(rows: int, groups: int = 1, lora: bool = False) -> DecodeBatch:
+def empty_decode(rows: int, groups: int = 1, lora: bool = False, checkpoints: bool = False) -> DecodeBatch:
     """A decode call of `rows` inactive rows (they write only to the scratch page), with pages for `groups` KV
-    cache groups; `lora`: with each row's adapter slot (-1: none)."""
+    cache groups; `lora`: with each row's adapter slot (-1: none); `checkpoints`: with the state checkpoint each
+    row saves into (-1: none)."""
     return DecodeBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                        pages=np.zeros((groups, rows), np.int32), active=np.zeros(rows, bool),
-                       lora_slots=np.full(rows, -1, np.int32) if lora else None)
+                       lora_slots=np.full(rows, -1, np.int32) if lora else None,
+                       state_saves=np.full(rows, -1, np.int32) if checkpoints else None)
 
 
 def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:
     """O(rows) host work: the device holds every slot's page table and latest token."""
     count = len(decodes)
     batch = empty_decode(bucket_for(count, config.decode_batch_buckets), rows_of.page_tables.shape[0],
-                         rows_of.lora_slots is not None)
+                         rows_of.lora_slots is not None, rows_of.state_checkpoints)
     slot_of = rows_of.slot_of
     seq_ids = [decode.seq_id for decode in decodes]
     slots, positions = batch.slots, batch.positions
@@ -138,6 +150,8 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     guided = [sampled[row] for row in np.flatnonzero(rows_of.guided[live]).tolist()]
     if batch.lora_slots is not None:
         batch.lora_slots[:count] = rows_of.lora_slots[live]
+    if batch.state_saves is not None:
+        batch.state_saves[:count] = [decode.state_save for decode in decodes]
     return DecodeInputs(sampled, guided, batch, output_index)
 
 

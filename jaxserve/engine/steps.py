@@ -73,6 +73,10 @@ class PrefillBatch:
     next_tokens: jax.Array  # int32 [rows]: the token after a chunk that is not final (what its slot feeds next)
     rope_lens: jax.Array  # int32 [rows]: the rope length each row's tokens have at least (`layers/rotary.py`)
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
+    # state checkpoints (a hybrid model under prefix caching): int32 [rows], the checkpoint each row starts from,
+    # and int32 [rows, save_blocks(tokens)], those its chunks' states go to (-1: none; `AttentionMetadata`)
+    state_sources: jax.Array | None = None
+    state_saves: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -85,6 +89,7 @@ class DecodeBatch:
     # keeps the rest of the tables)
     active: jax.Array  # bool [rows]
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
+    state_saves: jax.Array | None = None  # state checkpoints: int32 [rows], where each row's new state goes (-1: none)
 
 
 @flax.struct.dataclass
@@ -184,7 +189,8 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     meta = _metadata(page_tables, slot_mapping, layer_groups, positions=positions,
                      context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0), query_lens=num_tokens,
-                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1), state_slots=live)
+                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1), state_slots=live,
+                     state_sources=batch.state_sources, state_saves=batch.state_saves)
     (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                          logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
                                          with_hidden=True, lora_slots=batch.lora_slots)
@@ -229,7 +235,7 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     token_ids = slot_state.tokens[slots]
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions[:, None],
                      context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32),
-                     state_slots=live)
+                     state_slots=live, state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
     logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
                                lora_slots=batch.lora_slots)

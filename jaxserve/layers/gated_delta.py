@@ -60,17 +60,35 @@ def recurrent_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     return jnp.moveaxis(out, 0, 1), state
 
 
+def padded_blocks(length: int, chunk: int, offsets: bool) -> int:
+    """Chunks of `chunk` tokens `chunked_gated_delta` computes for `length` tokens, each row shifted right by up to
+    `chunk - 1` padding tokens when it is given `offsets`."""
+    return -(-(length + (chunk - 1 if offsets else 0)) // chunk)
+
+
 def chunked_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
-                        chunk: int = 64, l2_norm: bool = True) -> tuple[jax.Array, jax.Array]:
+                        chunk: int = 64, l2_norm: bool = True, offsets: jax.Array | None = None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """`recurrent_gated_delta`'s result, `chunk` tokens at a time (T padded to a multiple of it with tokens that
-    change nothing)."""
+    change nothing), and with `offsets [B]` each row's state after each of its chunks `[B, chunks, value_heads,
+    key_dim, value_dim]` (else None): row b's tokens then come after `offsets[b]` padding tokens, so that its
+    chunks end where its positions do at multiples of `chunk` (offset: its first position modulo `chunk`)."""
     q, k, v, g, beta = _prepared(q, k, v, g, beta, l2_norm)
     batch, heads, length, key_dim = k.shape
-    pad = -length % chunk
-    if pad:
+    chunks = padded_blocks(length, chunk, offsets is not None)
+    if offsets is None:
+        pad = chunks * chunk - length
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
         g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
-    chunks = (length + pad) // chunk
+    else:  # token t of row b at index t + offsets[b]; the rest change nothing
+        source = jnp.arange(chunks * chunk)[None, :] - offsets[:, None]  # [B, L]
+        inside = (source >= 0) & (source < length)
+
+        def shifted(x):
+            taken = jnp.take_along_axis(x, jnp.clip(source, 0, length - 1).reshape(
+                batch, 1, -1, *(1,) * (x.ndim - 3)), axis=2)
+            return jnp.where(inside.reshape(batch, 1, -1, *(1,) * (x.ndim - 3)), taken, 0.0)
+        q, k, v, g, beta = (shifted(x) for x in (q, k, v, g, beta))
 
     def split(x):  # [B, H, T, ...] -> [chunks, B, H, chunk, ...]
         return jnp.moveaxis(x.reshape(batch, heads, chunks, chunk, *x.shape[3:]), 2, 0)
@@ -96,7 +114,21 @@ def chunked_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
         out = q_decayed @ state + attention @ new
         return state * chunk_decay + jnp.swapaxes(k_to_end, -1, -2) @ new, out
 
-    state, out = jax.lax.scan(step, state.astype(jnp.float32),
-                              (values, k_decayed, attention, q_decayed, k_to_end, chunk_decay))
-    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, chunks * chunk, -1)[:, :, :length]
-    return out.swapaxes(1, 2), state
+    def step_keeping(state, inputs):
+        state, out = step(state, inputs)
+        return state, (out, state)
+
+    inputs = (values, k_decayed, attention, q_decayed, k_to_end, chunk_decay)
+    if offsets is None:
+        state, out = jax.lax.scan(step, state.astype(jnp.float32), inputs)
+        states = None
+    else:
+        state, (out, states) = jax.lax.scan(step_keeping, state.astype(jnp.float32), inputs)
+        states = jnp.moveaxis(states, 0, 1)  # [B, chunks, H, key_dim, value_dim]
+    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, chunks * chunk, -1)
+    if offsets is None:
+        out = out[:, :, :length]
+    else:
+        index = (jnp.arange(length)[None, :] + offsets[:, None]).reshape(batch, 1, length, 1)
+        out = jnp.take_along_axis(out, index, axis=2)
+    return out.swapaxes(1, 2), state, states

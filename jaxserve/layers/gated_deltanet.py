@@ -22,12 +22,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import LinearAttentionConfig
-from jaxserve.layers.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from jaxserve.layers.gated_delta import chunked_gated_delta, padded_blocks, recurrent_gated_delta
 from jaxserve.layers.paged_kv import AttentionMetadata
 from jaxserve.layers.quant_dense import Linear
 from jaxserve.layers.state_slots import StateSlots
 
-CHUNK_TOKENS = 64  # tokens per chunk of the chunked form (transformers' default)
+CHUNK_TOKENS = 64  # tokens per chunk of the chunked form (transformers' default); state checkpoints are kept at
+# multiples of it (`engine/state_checkpoints.py`)
+
+
+def save_blocks(tokens: int) -> int:
+    """Chunks a prefill row of `tokens` tokens saving checkpoints computes (`state_saves`' second axis)."""
+    return padded_blocks(tokens, CHUNK_TOKENS, offsets=True)
 
 
 def projection_widths(la: LinearAttentionConfig, shards: int) -> tuple[int, ...]:
@@ -54,16 +60,20 @@ class GatedDeltaNet(nn.Module):
         widths = projection_widths(la, n)
         projected = Linear(n * sum(widths), dtype=self.dtype, out_shards=n, name="in_proj")(x)
         projected = projected.reshape(batch, tokens, n, sum(widths))  # one row of columns per device
-        offsets = [sum(widths[:i]) for i in range(1, len(widths))]
-        q, k, v, z, b, a = jnp.split(projected, offsets, axis=-1)
+        splits = [sum(widths[:i]) for i in range(1, len(widths))]
+        q, k, v, z, b, a = jnp.split(projected, splits, axis=-1)
         mixed = jnp.concatenate([q, k, v], axis=-1).reshape(batch, tokens, -1)  # [B, T, channels], per device
 
-        query_lens = meta.query_lens
-        conv_state, recurrent_state = state.read(meta.state_slots, meta.positions[:, 0] == 0)
+        query_lens, saves = meta.query_lens, meta.state_saves
+        conv_state, recurrent_state = state.read(meta.state_slots, meta.positions[:, 0] == 0, meta.state_sources)
         weight = self.param("conv1d", nn.initializers.lecun_normal(), (la.conv_channels, la.conv_kernel),
                             self.dtype)
-        mixed, conv_state = causal_conv(mixed, conv_state, weight, query_lens)
-        q, k, v = jnp.split(nn.silu(mixed).reshape(batch, tokens, n, -1), offsets[:2], axis=-1)
+        offsets = None if saves is None else meta.positions[:, 0] % CHUNK_TOKENS
+        ends = None  # a saving prefill's chunk ends, relative to the row's first token: [B, blocks]
+        if saves is not None and tokens > 1:
+            ends = CHUNK_TOKENS * jnp.arange(1, saves.shape[1] + 1)[None, :] - offsets[:, None]
+        mixed, conv_state, conv_kept = causal_conv(mixed, conv_state, weight, query_lens, ends)
+        q, k, v = jnp.split(nn.silu(mixed).reshape(batch, tokens, n, -1), splits[:2], axis=-1)
         q = q.reshape(batch, tokens, la.key_heads, la.key_dim)
         k = k.reshape(batch, tokens, la.key_heads, la.key_dim)
         v = v.reshape(batch, tokens, la.value_heads, la.value_dim)
@@ -75,9 +85,16 @@ class GatedDeltaNet(nn.Module):
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
             a.reshape(batch, tokens, -1).astype(jnp.float32) + dt_bias.astype(jnp.float32))
         g = jnp.where(real, g, 0.0)  # padding tokens leave the state as it is
-        rule = recurrent_gated_delta if tokens == 1 else (
-            lambda *args: chunked_gated_delta(*args, chunk=CHUNK_TOKENS))
-        out, recurrent_state = rule(q, k, v, g, beta, recurrent_state)
+        if tokens == 1:
+            out, recurrent_state = recurrent_gated_delta(q, k, v, g, beta, recurrent_state)
+            if saves is not None:  # a decode: the state after its token, where its position ends a checkpoint's span
+                state = state.save(saves[:, 0], conv_state, recurrent_state)
+        else:
+            out, recurrent_state, kept = chunked_gated_delta(q, k, v, g, beta, recurrent_state, chunk=CHUNK_TOKENS,
+                                                             offsets=offsets)
+            if saves is not None:  # a prefill: the states after the chunks that end where checkpoints do
+                state = state.save(saves.reshape(-1), conv_kept.reshape(-1, *conv_state.shape[1:]),
+                                   kept.reshape(-1, *kept.shape[2:]))
 
         scale = self.param("norm", nn.initializers.ones, (la.value_dim,), self.dtype)
         variance = jnp.mean(out * out, axis=-1, keepdims=True)
@@ -88,14 +105,17 @@ class GatedDeltaNet(nn.Module):
         return out, state.write(meta.state_slots, conv_state, recurrent_state)
 
 
-def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, query_lens: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
+def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, query_lens: jax.Array,
+                ends: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Depthwise causal convolution of `x [B, T, C]` with `weight [C, K]`, each row continuing from its `state [B,
-    C, K - 1]` (its last `K - 1` inputs); returns the outputs and each row's inputs ending at its last real token."""
+    C, K - 1]` (its last `K - 1` inputs); returns the outputs, each row's state after its last real token, and with
+    `ends [B, N]` its states after its first `ends[b, n]` tokens `[B, N, C, K - 1]` (else None)."""
     kernel = weight.shape[-1]
     inputs = jnp.concatenate([state.swapaxes(1, 2).astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
     windows = jnp.stack([inputs[:, i:i + x.shape[1]] for i in range(kernel)], axis=-1)  # [B, T, C, K]
     out = jnp.einsum("btck,ck->btc", windows.astype(jnp.float32), weight.astype(jnp.float32)).astype(x.dtype)
-    new_state = jax.vmap(lambda row, length: jax.lax.dynamic_slice_in_dim(row, length, kernel - 1, axis=0))(
-        inputs, query_lens.astype(jnp.int32))  # inputs [len, len + K - 1): the last K - 1 up to the last real one
-    return out, new_state.swapaxes(1, 2).astype(state.dtype)
+
+    def after(row: jax.Array, length: jax.Array) -> jax.Array:  # inputs [len, len + K - 1): the K - 1 before len
+        return jax.lax.dynamic_slice_in_dim(row, length, kernel - 1, axis=0).swapaxes(0, 1).astype(state.dtype)
+    kept = None if ends is None else jax.vmap(jax.vmap(after, in_axes=(None, 0)))(inputs, ends.astype(jnp.int32))
+    return out, jax.vmap(after)(inputs, query_lens.astype(jnp.int32)), kept

@@ -83,6 +83,11 @@ class AttentionMetadata:
     # int32 [B]: each row's decode slot, whose state the state-keeping layers read and write (`layers/
     # state_slots.py`); rows that are not live name one past the last slot. None: a model without such layers
     state_slots: jax.Array | None = None
+    # state checkpoints (prefix caching, `engine/state_checkpoints.py`): int32 [B], the checkpoint each row starts
+    # from (-1: none), and int32 [B, N], the checkpoints to save each row's state into (-1: none): after each of a
+    # prefill row's chunks of the chunked form (`gated_deltanet.save_blocks`), after a decode row's token (N = 1)
+    state_sources: jax.Array | None = None
+    state_saves: jax.Array | None = None
 
     def token_rope_lens(self) -> jax.Array:
         return self.positions + 1 if self.rope_lens is None else self.rope_lens

@@ -102,6 +102,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                         help="one KV pool for every layer, even where sliding-window layers could keep only their "
                              "window's pages")
+    engine.add_argument("--mamba-block-size", type=int, default=None,
+                        help="linear-attention models under prefix caching: tokens between kept states, where a "
+                             "prefix hit can end (a multiple of 64 and of the page size; default lcm(256, page size))")
+    engine.add_argument("--num-state-checkpoints", type=int, default=None,
+                        help="linear-attention models under prefix caching: states kept for prefix hits (default "
+                             "2 x --max-num-seqs)")
     engine.add_argument("--kv-offloading-size", type=float, default=None,
                         help="GiB of host memory for KV pages under the prefix cache (a host tier; default: none)")
     engine.add_argument("--kv-offloading-dir", default=None,
@@ -202,6 +208,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_offloading_disk_size=args.kv_offloading_disk_size,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+                        mamba_block_size=args.mamba_block_size, num_state_checkpoints=args.num_state_checkpoints,
                         dtype=args.dtype, seed=args.seed, attention_backend=args.attention_backend,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
