@@ -178,3 +178,23 @@ def test_no_compile_after_warm_up_and_the_state_pools_are_donated(model_dirs, ca
         greedy(llm, random_prompts(3, 500, 1, 40, seed=10))
     assert not [record for record in caplog.records if "Compiling" in record.getMessage()]
     assert old.conv.is_deleted() and old.recurrent.is_deleted()
+
+
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
+    """The prefill (chunked form, saving state checkpoints) and decode steps of a Qwen3-Next-shaped model (128-wide
+    linear heads, 256-wide attention heads) compile for a TPU and an H200 with their default kernels, and the plan
+    counts the state slots and checkpoints."""
+    from jaxserve.aot.compile import compile_engine
+    from jaxserve.engine.config import EngineConfig
+    from tests.test_compile_targets import SMALL, assert_compiles_and_fits, compilers_present
+
+    if not compilers_present():
+        pytest.skip("the target compilers (the [aot] extra) are not installed")
+    config = transformers.Qwen3NextConfig(**{**DIMS, "hidden_size": 256, "intermediate_size": 256, "head_dim": 256,
+                                             "linear_key_head_dim": 128, "linear_value_head_dim": 128}, **EXPERTS)
+    config.save_pretrained(tmp_path)
+    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode"})
+    assert_compiles_and_fits(result)
+    plan = result.plan.kv_plan
+    assert plan.state_slots == 4 and plan.state_checkpoints == 8 and plan.state_bytes == 12 * plan.state_slot_bytes
