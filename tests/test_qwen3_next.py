@@ -186,6 +186,7 @@ def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
     linear heads, 256-wide attention heads) compile for a TPU and an H200 with their default kernels, and the plan
     counts the state slots and checkpoints."""
     from jaxserve.aot.compile import compile_engine
+    from jaxserve.aot.report import kv_group_lines, result_json
     from jaxserve.engine.config import EngineConfig
     from tests.test_compile_targets import SMALL, assert_compiles_and_fits, compilers_present
 
@@ -198,3 +199,5 @@ def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
     assert_compiles_and_fits(result)
     plan = result.plan.kv_plan
     assert plan.state_slots == 4 and plan.state_checkpoints == 8 and plan.state_bytes == 12 * plan.state_slot_bytes
+    assert result_json(result)["state_bytes"] == plan.state_bytes
+    assert any(line.startswith("  state slots: 4 slots and 8 checkpoints") for line in kv_group_lines(plan))

@@ -47,14 +47,17 @@ def group_json(group: KVCacheGroup) -> dict[str, Any]:
 
 
 def kv_group_lines(kv_plan: KVPlan | None) -> list[str]:
-    if kv_plan is None or len(kv_plan.groups) == 1:
+    if kv_plan is None:
         return []
     lines = []
-    for index, group in enumerate(kv_plan.groups):
+    for index, group in enumerate(kv_plan.groups if len(kv_plan.groups) > 1 or kv_plan.state else ()):
         entry = group_json(group)
         window = f" {entry['window']}" if entry["window"] else ""
         lines.append(f"  KV cache group {index}: {entry['kind']}{window}, {entry['layers']} layers, "
                      f"{entry['pages']} pages ({entry['tokens']} tokens)")
+    if kv_plan.state is not None:  # in the KV cache figure above
+        lines.append(f"  state slots: {kv_plan.state_slots} slots and {kv_plan.state_checkpoints} checkpoints of "
+                     f"{kv_plan.state_slot_bytes / 2**20:.2f} MiB each over all devices ({gib(kv_plan.state_bytes)})")
     return lines
 
 
@@ -80,6 +83,9 @@ def result_json(result: CompileResult) -> dict[str, Any]:
         "kv_cache_bytes_per_device": plan.kv_cache_bytes,
         "kv_cache_tokens": plan.kv_cache_tokens,
         "kv_cache_groups": [group_json(group) for group in plan.kv_plan.groups] if plan.kv_plan else [],
+        "state_slots": plan.kv_plan.state_slots if plan.kv_plan else 0,
+        "state_checkpoints": plan.kv_plan.state_checkpoints if plan.kv_plan else 0,
+        "state_bytes": plan.kv_plan.state_bytes if plan.kv_plan else 0,
         "peak_bytes_per_device": result.peak_bytes,
         "fits": result.fits,
         "ok": result.ok,
