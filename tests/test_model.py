@@ -16,7 +16,7 @@ from jaxserve.layers.attention import AttentionMetadata, KVPages, make_attention
 from jaxserve.loading import load_model
 from jaxserve.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from jaxserve.models import forward, fuse_params
-from jaxserve.models.hf_config import rope_parameters
+from jaxserve.models.hf_config import parse_rope, rope_parameters
 from tests.conftest import TINY_FAMILIES, random_prompts, save_tiny_model, save_tiny_tokenizer, tiny_hf_config
 
 FAMILIES = TINY_FAMILIES
@@ -103,6 +103,25 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(extra):
     ours = rope_inverse_frequencies(64, theta, dict(ours_scaling))
     np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)  # theirs is float32
     assert rope_attention_factor(dict(ours_scaling)) == pytest.approx(their_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("factor", [None, 2.0])
+def test_proportional_rope_frequencies_are_transformers(factor):
+    """Gemma 4's global layers: a quarter of the head's pairs turned at the whole head's frequencies, the rest not
+    turned (zero frequency), over the whole head (not the partial-rotary path)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    full = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}
+    if factor is not None:
+        full["factor"] = factor
+    config = transformers.Gemma4TextConfig(
+        hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        global_head_dim=64, vocab_size=100, hidden_size_per_layer_input=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": full})
+    theirs, their_factor = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu", layer_type="full_attention")
+    theta, scaling = parse_rope(full, None, 1024)
+    np.testing.assert_allclose(rope_inverse_frequencies(64, theta, dict(scaling)), theirs.numpy(), rtol=1e-6)
+    assert rope_attention_factor(dict(scaling)) == their_factor == 1.0
 
 
 @pytest.mark.parametrize("scaling, message", [

@@ -60,6 +60,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
         return np.where(is_medium, smoothed, scaled)
     if rope_type == "yarn":
         return _yarn_inverse_frequencies(head_dim, theta, scaling, factor)
+    if rope_type == "proportional":  # Gemma 4's global layers: the first pairs turn at the whole head's frequencies,
+        turned = int(float(scaling["partial_rotary_factor"]) * head_dim // 2)  # the rest not at all
+        return np.concatenate([inv_freq[:turned], np.zeros(head_dim // 2 - turned)]) / factor
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional")
 REQUIRED_ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                           "original_max_position_embeddings"),
                         "yarn": ("original_max_position_embeddings",),
                         "longrope": ("long_factor", "short_factor", "original_max_position_embeddings"),
-                        "dynamic": ("factor",)}
+                        "dynamic": ("factor",), "proportional": ()}
 
 
 def rope_parameters(hf_config: Any, partial: bool = False) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
@@ -38,10 +38,14 @@ def parse_rope(rope_params: dict, default_theta: float | None,
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; jaxserve supports {SUPPORTED_ROPE_TYPES}")
-    if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope_type == "proportional":  # its partial factor is part of its frequencies (`rotary.py`), whole head turned
+        rope_params.setdefault("partial_rotary_factor", 1.0)
+        rope_params.setdefault("factor", 1.0)
+    elif rope_params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"rope partial_rotary_factor {rope_params['partial_rotary_factor']} is not supported "
                          "(jaxserve rotates the whole head)")
-    rope_params.pop("partial_rotary_factor", None)
+    if rope_type != "proportional":
+        rope_params.pop("partial_rotary_factor", None)
     if rope_type == "default":
         return float(rope_theta), None
     missing = [name for name in REQUIRED_ROPE_FIELDS[rope_type] if rope_params.get(name) is None]
