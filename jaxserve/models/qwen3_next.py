@@ -24,7 +24,7 @@ from numpy.typing import DTypeLike
 
 from jaxserve.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
-from jaxserve.models import llama
+from jaxserve.models import llama, qwen_moe
 from jaxserve.models import llama_weights as weights
 from jaxserve.models.spec import TensorSource
 
@@ -39,18 +39,14 @@ FUSED_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's
 def experts(hf_config: Any) -> tuple[MoEConfig | None, tuple[bool, ...]]:
     """The mixture of experts and its layers: Qwen3.5-MoE's in every layer, top-k renormalized; Qwen3-Next's as
     Qwen2-MoE's (`mlp_only_layers`, every `decoder_sparse_step`-th layer, `norm_topk_prob`)."""
-    layers, count = hf_config.num_hidden_layers, getattr(hf_config, "num_experts", 0) or 0
-    if count == 0:
-        return None, (False,) * layers
-    step, dense = getattr(hf_config, "decoder_sparse_step", 1), set(getattr(hf_config, "mlp_only_layers", None) or ())
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    moe = MoEConfig(num_experts=count, top_k=hf_config.num_experts_per_tok,
+    sparse = qwen_moe.sparse_layers(hf_config)  # Qwen3.5-MoE's config has neither field: every layer
+    if not any(sparse):
+        return None, sparse
+    moe = MoEConfig(num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
                     intermediate_size=hf_config.moe_intermediate_size,
                     normalize_top_k=bool(getattr(hf_config, "norm_topk_prob", True)),
                     shared_expert_size=hf_config.shared_expert_intermediate_size)
-    return (moe if any(sparse) else None), sparse
+    return moe, sparse
 
 
 def parse_config(hf_config: Any) -> ModelConfig:

@@ -17,14 +17,22 @@ from jaxserve.models import llama
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
+def sparse_layers(hf_config: Any) -> tuple[bool, ...]:
+    """Which layers have the experts: every `decoder_sparse_step`-th not in `mlp_only_layers` (none without
+    experts)."""
+    num_experts = getattr(hf_config, "num_experts", 0) or 0
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    if num_experts > 0 and step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    return tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
+                 for i in range(hf_config.num_hidden_layers))
+
+
 def parse_config(hf_config: Any) -> ModelConfig:
     qwen2 = hf_config.model_type == "qwen2_moe"
     num_experts = hf_config.num_experts
-    step, dense = hf_config.decoder_sparse_step, set(hf_config.mlp_only_layers or ())
-    if num_experts > 0 and step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    sparse = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
-                   for i in range(hf_config.num_hidden_layers))
+    sparse = sparse_layers(hf_config)
     moe = None
     if any(sparse):
         moe = MoEConfig(num_experts=num_experts, top_k=hf_config.num_experts_per_tok,
