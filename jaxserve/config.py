@@ -8,14 +8,19 @@ import json
 from typing import Any, Iterable
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation of each SwiGLU / GeGLU feed-forward
-FEED_FORWARDS = ("dense", "moe")  # per layer: a dense MLP, or the model's mixture of experts (`MoEConfig`)
+# per layer: a dense MLP, the model's mixture of experts (`MoEConfig`), or both side by side (Gemma 4)
+FEED_FORWARDS = ("dense", "moe", "dense_and_moe")
 MIXERS = ("attention", "gated_deltanet")  # per layer: attention over the KV pages, or linear attention over a
 # per-sequence state (`LinearAttentionConfig`)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """How one decoder layer attends and feeds forward."""
+    """How one decoder layer attends and feeds forward. `head_dim`, `num_kv_heads` and `intermediate_size` set:
+    this layer's own, in place of the model's (Gemma 4's global layers and doubled MLPs; `ModelConfig.for_layer`).
+    `kv_source` set: the layer computes queries only and attends over that earlier layer's KV (vLLM's KV sharing),
+    keeping no pages of its own. `values_from_keys`: the values are the key projection's output (one projection
+    for both, Gemma 4's `attention_k_eq_v`)."""
 
     sliding_window: int | None = None  # None: global attention; else each query sees this many positions
     rope_theta: float = 10000.0
@@ -23,6 +28,11 @@ class LayerSpec:
     feed_forward: str = "dense"
     rotary_dim: int | None = None  # the rope turns each head's first rotary_dim dims (partial rotary); None: all
     mixer: str = "attention"
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    kv_source: int | None = None
+    values_from_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.feed_forward not in FEED_FORWARDS:
@@ -33,6 +43,14 @@ class LayerSpec:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def has_experts(self) -> bool:
+        return self.feed_forward in ("moe", "dense_and_moe")
+
+    @property
+    def has_dense(self) -> bool:
+        return self.feed_forward in ("dense", "dense_and_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +85,7 @@ class MoEConfig:
     routed_scaling: float = 1.0
     shared_expert_gate: bool = True
     group_by_max: bool = False
+    activation: str = "silu"  # each expert's gate activation (`ACTIVATIONS`; Gemma 4: "gelu_tanh")
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -166,6 +185,14 @@ class ModelConfig:
     embedding_scale: float | None = None
     sandwich_norms: bool = False
     final_logit_softcap: float | None = None
+    # Gemma 4: every norm's scale applied in float32 before the cast (without Gemma's offset); values normed by a
+    # scale-free RMS norm (`value_norm`); each layer given its own small input (`per_layer_input_size` wide, from a
+    # second embedding table of `per_layer_vocab_size` ids and a projection of the embeddings), gated into the
+    # residual stream after the layer
+    norm_scale_float32: bool = False
+    value_norm: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -175,8 +202,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig has {self.num_layers} layers but {len(self.layers)} LayerSpecs")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if (self.moe is None) != all(layer.feed_forward == "dense" for layer in self.layers):
-            raise ValueError("a ModelConfig has a MoEConfig exactly when some layer's feed_forward is 'moe'")
+        if (self.moe is None) != all(not layer.has_experts for layer in self.layers):
+            raise ValueError("a ModelConfig has a MoEConfig exactly when some layer's feed_forward has experts")
+        for index, layer in enumerate(self.layers):
+            source = layer.kv_source
+            if source is not None and not (0 <= source < index and self.layers[source].kv_source is None
+                                           and self.layers[source].mixer == "attention"):
+                raise ValueError(f"layer {index}'s kv_source must be an earlier attention layer with its own KV, got "
+                                 f"{source}")
         if (self.linear_attention is None) != all(layer.mixer == "attention" for layer in self.layers):
             raise ValueError("a ModelConfig has a LinearAttentionConfig exactly when some layer's mixer is "
                              "'gated_deltanet'")
@@ -200,7 +233,19 @@ class ModelConfig:
 
     @property
     def has_dense_layers(self) -> bool:
-        return any(layer.feed_forward == "dense" for layer in self.layers)
+        return any(layer.has_dense for layer in self.layers)
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Whether every attention layer has the model's head size and KV heads (else `for_layer` differs)."""
+        return all(layer.head_dim in (None, self.head_dim) and layer.num_kv_heads in (None, self.num_kv_heads)
+                   for layer in self.layers)
+
+    def for_layer(self, layer: LayerSpec) -> "ModelConfig":
+        """This config as `layer` sees it: its own head size, KV heads and MLP width where it has them."""
+        own = {name: getattr(layer, name) for name in ("head_dim", "num_kv_heads", "intermediate_size")
+               if getattr(layer, name) is not None and getattr(layer, name) != getattr(self, name)}
+        return dataclasses.replace(self, **own) if own else self
 
     @property
     def q_size(self) -> int:

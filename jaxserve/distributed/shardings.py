@@ -59,6 +59,9 @@ def spec_from_rules(path: str, rules: tuple[tuple[str, str], ...], config: Model
     pattern matches; KeyError when none does. An FP8 kernel's block scales (`layers/fp8.py`) split as it does."""
     if path.endswith("/block_scale"):
         path = path.removesuffix("block_scale") + "kernel"
+    layer = re.match(r"(?:lora/)?layers_(\d+)/", path)
+    if layer and int(layer.group(1)) < len(config.layers):  # its own KV heads decide whether k/v split
+        config = config.for_layer(config.layers[int(layer.group(1))])
     for pattern, kind in rules:
         if re.search(pattern, path):
             return resolve_kind(kind, config, tp)

@@ -13,6 +13,7 @@ A mixture of experts splits each expert's columns the same way, or with `expert_
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -34,18 +35,22 @@ class TensorParallel:
 
     def check(self, config: ModelConfig) -> None:
         """ValueError naming the numbers when `config` cannot be split `size` ways (checked before any loading)."""
-        n, q, kv = self.size, config.num_q_heads, config.num_kv_heads
+        n, q = self.size, config.num_q_heads
         if n < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
         if q % n:
             raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads ({q})")
-        if config.qk_norm_all_heads and kv % n:
-            raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}) for model_type "
-                             f"{config.model_type!r}, whose k norm spans every KV head (they cannot be replicated)")
-        if kv % n and n % kv:
-            raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
-                             f"multiple of it (KV heads are then replicated)")
-        widths = {"intermediate_size": config.intermediate_size if config.has_dense_layers else 0}
+        views = [config.for_layer(layer) for layer in config.layers] or [config]  # each layer's own heads, widths
+        for kv in sorted({view.num_kv_heads for view in views}):
+            if config.qk_norm_all_heads and kv % n:
+                raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}) for model_type "
+                                 f"{config.model_type!r}, whose k norm spans every KV head (they cannot be "
+                                 "replicated)")
+            if kv % n and n % kv:
+                raise ValueError(f"tensor_parallel_size {n} must divide the number of KV heads ({kv}), or be a "
+                                 f"multiple of it (KV heads are then replicated)")
+        dense = {view.intermediate_size for view, layer in zip(views, config.layers) if layer.has_dense}
+        widths = {"intermediate_size": math.gcd(*dense) if dense else 0}  # n divides each: divides their gcd
         if config.linear_attention is not None:  # its key heads split, each with its value heads
             widths |= {"linear_num_key_heads": config.linear_attention.key_heads}
         if self.expert_parallel and config.moe is None:
@@ -67,6 +72,7 @@ class TensorParallel:
         """The devices each expert's columns are split over: all of them, or one under expert parallelism."""
         return 1 if self.expert_parallel else self.size
 
+    # `config` below is a layer's view (`ModelConfig.for_layer`) where layers differ in head size or KV heads
     def q_heads_per_device(self, config: ModelConfig) -> int:
         return config.num_q_heads // self.size
 

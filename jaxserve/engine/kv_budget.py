@@ -5,6 +5,7 @@ accelerator (None on a CPU, whose pools are sized by their slots), and what one 
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
@@ -52,7 +53,8 @@ def activation_bytes(config: ModelConfig, engine_config: EngineConfig) -> int:
     model's steps hold buffers this formula does not count: rope tables, the executable itself). `jaxserve compile`
     checks it against each step's compiled temporaries (tests/test_compile_targets.py)."""
     ec = engine_config
-    width = config.hidden_size * 4 + config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
+    views = [config.for_layer(layer) for layer in config.layers] or [config]  # the widest layer's
+    width = max(view.hidden_size * 4 + view.q_size + 2 * view.kv_size + 3 * view.intermediate_size for view in views)
     if config.moe is not None:  # each token's top_k rows: their inputs, SwiGLU and outputs
         width += config.moe.top_k * (3 * config.moe.intermediate_size + 2 * config.hidden_size)
     if config.mla is not None:  # every head's query and output in latent space (float32) and its padded query
@@ -75,10 +77,13 @@ def accelerator_kv_bytes(memory_stats: dict, utilization: float, allocator_fract
 
 
 def page_bytes(config: ModelConfig, tp: TensorParallel, backend: PagedAttention, page_size: int, dtype,
-               num_layers: int | None = None) -> int:
-    """Bytes of one page of a model's pool over all layers (or `num_layers` of them) and all devices (K and V; a
-    quantized cache's scales included)."""
-    layers = config.num_layers if num_layers is None else num_layers
+               layers: Sequence[int] | None = None) -> int:
+    """Bytes of one page of a model's pool over `layers` (default: every layer that keeps pages) and all devices
+    (K and V, each layer in its own head size and KV heads; a quantized cache's scales included)."""
+    if layers is None:
+        layers = [index for index, layer in enumerate(config.layers)
+                  if layer.mixer == "attention" and layer.kv_source is None]
     if config.mla is not None:  # one latent row per token, no V pool
-        return layers * page_size * tp.size * backend.token_bytes(config.mla.cache_dim, dtype)
-    return 2 * layers * page_size * tp.pool_heads(config) * backend.token_bytes(config.head_dim, dtype)
+        return len(layers) * page_size * tp.size * backend.token_bytes(config.mla.cache_dim, dtype)
+    views = [config.for_layer(config.layers[layer]) for layer in layers]
+    return sum(2 * page_size * tp.pool_heads(view) * backend.token_bytes(view.head_dim, dtype) for view in views)

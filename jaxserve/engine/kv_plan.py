@@ -73,6 +73,14 @@ class StateSpec:
                 + math.prod(self.recurrent) * jnp.dtype(jnp.float32).itemsize)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVSharingSpec:
+    """A layer that reads layer `source`'s KV (vLLM's KV sharing; Gemma 4's last layers): no pages of its own, its
+    queries read that layer's pool through that layer's group."""
+
+    source: int
+
+
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
 FULL_SPECS = (FullAttentionSpec, MLASpec)  # the specs of group 0: every position kept
 
@@ -84,6 +92,7 @@ class KVCacheGroup:
     num_pages: int  # scratch page included
     page_bytes: int  # one page over the group's layers and all devices (K and V, scales included)
     page_size: int
+    shapes: tuple[KVCacheSpec, ...] = ()  # its layers' specs when they differ in shape (vLLM's uniform-type specs)
 
     @property
     def capacity_tokens(self) -> int:
@@ -95,7 +104,7 @@ class KVCacheGroup:
 class KVPlan:
     page_size: int
     groups: tuple[KVCacheGroup, ...]
-    layer_groups: tuple[int, ...]  # each layer's group (-1: a layer with a state and no pages)
+    layer_groups: tuple[int, ...]  # each layer's group, whose pages it reads (-1: a layer with a state, no pages)
     draft_page_bytes: int = 0  # a draft model's pool: as many pages as group 0, this many bytes each
     state: StateSpec | None = None  # the state layers' (`ModelConfig.state_layers`)
     state_slots: int = 0  # states each such layer keeps: one per decode slot
@@ -129,8 +138,9 @@ class KVPlan:
 
     @property
     def layer_pages(self) -> list[int]:
-        """Each layer's pool's pages (its group's; 0: a state layer's)."""
-        return [self.groups[group].num_pages if group >= 0 else 0 for group in self.layer_groups]
+        """Each layer's pool's pages (its group's; 0: a layer with a state, or reading another layer's pool)."""
+        return [self.groups[group].num_pages if group >= 0 and layer in self.groups[group].layers else 0
+                for layer, group in enumerate(self.layer_groups)]
 
 
 def state_spec(config: ModelConfig) -> StateSpec | None:
@@ -140,15 +150,22 @@ def state_spec(config: ModelConfig) -> StateSpec | None:
     return StateSpec((la.conv_channels, la.conv_kernel - 1), (la.value_heads, la.key_dim, la.value_dim))
 
 
-def layer_specs(config: ModelConfig) -> tuple[KVCacheSpec | StateSpec, ...]:
-    """Each layer's cache, as its family declares it."""
+def layer_specs(config: ModelConfig) -> tuple[KVCacheSpec | StateSpec | KVSharingSpec, ...]:
+    """Each layer's cache, as its family declares it (in the layer's own head size and KV heads)."""
     if config.mla is not None:
         return (MLASpec(config.mla.cache_dim),) * config.num_layers
     state = state_spec(config)
-    return tuple(state if layer.mixer != "attention"
-                 else FullAttentionSpec(config.num_kv_heads, config.head_dim) if layer.sliding_window is None
-                 else SlidingWindowSpec(config.num_kv_heads, config.head_dim, layer.sliding_window)
-                 for layer in config.layers)
+
+    def spec(layer) -> KVCacheSpec | StateSpec | KVSharingSpec:
+        own = config.for_layer(layer)
+        if layer.mixer != "attention":
+            return state
+        if layer.kv_source is not None:
+            return KVSharingSpec(layer.kv_source)
+        if layer.sliding_window is None:
+            return FullAttentionSpec(own.num_kv_heads, own.head_dim)
+        return SlidingWindowSpec(own.num_kv_heads, own.head_dim, layer.sliding_window)
+    return tuple(spec(layer) for layer in config.layers)
 
 
 def window_pages_per_seq(ec: EngineConfig, window: int) -> int:
@@ -161,9 +178,11 @@ def pages_per_seq(spec: KVCacheSpec, ec: EngineConfig) -> int:
     return window_pages_per_seq(ec, spec.window) if isinstance(spec, SlidingWindowSpec) else ec.pages_per_seq
 
 
-def group_layers(specs: tuple[KVCacheSpec | StateSpec, ...], ec: EngineConfig) -> list[tuple[KVCacheSpec, list[int]]]:
-    """(spec, layers) per group: group 0 the full-attention layers, then one group per window worth a pool; layers
-    with a state (`StateSpec`) take no pages and are in no group."""
+def group_layers(specs: tuple[KVCacheSpec | StateSpec | KVSharingSpec, ...], ec: EngineConfig
+                 ) -> list[tuple[KVCacheSpec, list[int]]]:
+    """(spec, layers) per group: group 0 the full-attention layers (of one shape or several: each layer its own
+    pool, all named by the same page indices), then one group per window worth a pool; layers with a state
+    (`StateSpec`) or reading another layer's KV (`KVSharingSpec`) take no pages and are in no group."""
     draft = ec.speculative_config is not None and ec.speculative_config.method == "draft_model"
     if isinstance(specs[0], MLASpec):  # the latent pool has no V: what reads K and V pools cannot take it yet
         refused = {"kv_cache_dtype int8/fp8": ec.kv_cache_dtype != "auto", "a draft model": draft}
@@ -175,20 +194,21 @@ def group_layers(specs: tuple[KVCacheSpec | StateSpec, ...], ec: EngineConfig) -
         if any(refused.values()):
             raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
                              "models with linear-attention layers (their per-sequence state)")
-    specs_of_pages = [spec for spec in specs if not isinstance(spec, StateSpec)]
+    specs_of_pages = [spec for spec in specs if not isinstance(spec, (StateSpec, KVSharingSpec))]
+    shapes = {(spec.num_kv_heads, spec.head_size) for spec in specs_of_pages if not isinstance(spec, MLASpec)}
+    if ec.kv_tiers and (len(shapes) > 1 or any(isinstance(spec, KVSharingSpec) for spec in specs)):
+        raise ValueError("the KV tiers: not supported yet for models whose layers keep KV of different shapes or "
+                         "read other layers' KV (they copy every layer's page as one stack)")
     hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers or draft)
     full: FullAttentionSpec | MLASpec | None = None
     groups: list[tuple[KVCacheSpec | None, list[int]]] = [(None, [])]
     for layer, spec in enumerate(specs):
-        if isinstance(spec, StateSpec):
+        if isinstance(spec, (StateSpec, KVSharingSpec)):
             continue
         if isinstance(spec, SlidingWindowSpec) and (not hybrid or pages_per_seq(spec, ec) >= ec.pages_per_seq):
             spec = FullAttentionSpec(spec.num_kv_heads, spec.head_size)  # full pages, read through the window mask
         if isinstance(spec, FULL_SPECS):
-            if full is not None and full != spec:  # group 0's page indices name every page
-                raise ValueError(f"layers {groups[0][1][:1]} and {layer} keep full-attention caches of different "
-                                 f"shapes ({full}, {spec}): one full-attention KV cache group is supported")
-            full = spec
+            full = full or spec
             groups[0][1].append(layer)
             continue
         index = next((i for i, (other, _) in enumerate(groups) if other == spec), None)
@@ -220,7 +240,7 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
                              f"not fit the KV budget ({budget_bytes / 2**30:.2f} GiB per device): lower max_num_seqs "
                              "or num_state_checkpoints, or raise gpu_memory_utilization / kv_cache_memory_bytes")
         budget_bytes -= state_device_bytes
-    group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, len(layers)) for _, layers in grouped]
+    group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, layers) for _, layers in grouped]
     total = [group_bytes[0] + draft_page_bytes, *group_bytes[1:]]  # a draft model's page rides on group 0's
     device = [size // tp.size for size in total]
     windows = [ec.max_num_seqs * pages_per_seq(spec, ec) + 1 for spec, _ in grouped[1:]]
@@ -237,10 +257,16 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
         full = max(2, rest // device[0]) if device[0] else ec.max_num_seqs * ec.pages_per_seq + 1
     layer_groups = [-1] * config.num_layers
     groups = []
+    specs = layer_specs(config)
     for index, ((spec, layers), pages) in enumerate(zip(grouped, [full, *windows])):
         for layer in layers:
             layer_groups[layer] = index
-        groups.append(KVCacheGroup(spec, tuple(layers), pages, group_bytes[index], ec.page_size))
+        shapes = tuple(dict.fromkeys(specs[layer] for layer in layers))
+        groups.append(KVCacheGroup(spec, tuple(layers), pages, group_bytes[index], ec.page_size,
+                                   shapes if len(shapes) > 1 else ()))
+    for layer, spec in enumerate(specs):  # a layer reading another's KV reads it through that layer's group
+        if isinstance(spec, KVSharingSpec):
+            layer_groups[layer] = layer_groups[spec.source]
     return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes, state,
                   ec.max_num_seqs if state is not None else 0, slot_bytes, checkpoints)
 
@@ -261,9 +287,10 @@ def check_plan(plan: KVPlan, ec: EngineConfig) -> None:
 def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParallel, backend: PagedAttention,
                    page_size: int, dtype, allocator: Allocator, state_slots: int = 0,
                    state_checkpoints: int = 0) -> list[KVPages | StateSlots]:
-    """Each layer's cache: its K and V pools of `layer_pages[layer]` pages (arrays, or QuantizedPages: values +
-    per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`. A state layer's: `state_slots`
-    zeroed slots and `state_checkpoints` checkpoint rows (`plan.state_slots`, `plan.state_checkpoints`)."""
+    """Each layer's cache: its K and V pools of `layer_pages[layer]` pages in its own shape (arrays, or
+    QuantizedPages: values + per-token scales for an int8/fp8 cache); a plan's are `plan.layer_pages`. A state
+    layer's: `state_slots` zeroed slots and `state_checkpoints` checkpoint rows (`plan.state_slots`,
+    `plan.state_checkpoints`). None for a layer reading another layer's KV."""
     state = state_spec(config)
     state_placed = state_shardings(backend.mesh, state_checkpoints > 0)
 
@@ -271,14 +298,17 @@ def empty_kv_cache(layer_pages: list[int], config: ModelConfig, tp: TensorParall
         return (allocator.full((rows, *state.conv), dtype, state_placed.conv),
                 allocator.full((rows, *state.recurrent), jnp.float32, state_placed.recurrent))
 
-    def cache(layer: int, pages: int) -> KVPages | StateSlots:
+    def cache(layer: int, pages: int) -> KVPages | StateSlots | None:
         if config.layers[layer].mixer != "attention":
             return StateSlots(*states(state_slots), *(states(state_checkpoints) if state_checkpoints else ()))
+        if config.layers[layer].kv_source is not None:  # reads its source's pool
+            return None
         if config.mla is not None:  # one replicated latent pool, no V
             shape = (1, pages, page_size, backend.stored_head_dim(config.mla.cache_dim))
             placed = NamedSharding(backend.mesh, P()) if backend.mesh is not None else None
             return KVPages(allocator.full(shape, backend.storage_dtype(dtype), placed), None)
-        shape = backend.pool_shape(pages, page_size, tp.pool_heads(config), config.head_dim)
+        own = config.for_layer(config.layers[layer])
+        shape = backend.pool_shape(pages, page_size, tp.pool_heads(own), own.head_dim)
         return backend.empty_cache(shape, dtype, allocator)
     return [cache(layer, pages) for layer, pages in enumerate(layer_pages)]
 
@@ -289,7 +319,8 @@ def kv_cache_shardings(backend: PagedAttention, config: ModelConfig, state_check
     mesh."""
     pages = KVPages(NamedSharding(backend.mesh, P()), None) if config.mla is not None else backend.cache_shardings()
     states = state_shardings(backend.mesh, state_checkpoints)
-    return [pages if layer.mixer == "attention" else states for layer in config.layers]
+    return [states if layer.mixer != "attention" else None if layer.kv_source is not None else pages
+            for layer in config.layers]
 
 
 def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_dtype: str, backend: PagedAttention,
@@ -298,8 +329,12 @@ def log_kv_plan(plan: KVPlan, config: ModelConfig, kv_cache_dtype: str, storage_
                 plan.pool_bytes / 2**20, num_devices, kv_cache_dtype, storage_dtype,
                 " + float32 per-token scales" if backend.quantized else "", backend.name, plan.page_size)
     for index, group in enumerate(plan.groups):
-        logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index, group.spec,
-                    len(group.layers), group.num_pages, group.capacity_tokens)
+        logger.info("KV cache group %d: %s, %d layers, %d pages (%d usable tokens)", index,
+                    " + ".join(map(str, group.shapes)) or group.spec, len(group.layers), group.num_pages,
+                    group.capacity_tokens)
+    shared = [layer for layer in range(config.num_layers) if config.layers[layer].kv_source is not None]
+    if shared:
+        logger.info("layers %s read earlier layers' KV (no pages of their own)", shared)
     if plan.state is not None:
         logger.info("state slots: %s, %d layers, %d slots and %d checkpoints of %.2f MiB each (%.1f MiB), no "
                     "pages", plan.state, len(config.state_layers), plan.state_slots, plan.state_checkpoints,

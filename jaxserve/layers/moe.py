@@ -26,7 +26,7 @@ from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED, TensorParallel
 from jaxserve.layers import matmul_blocks
 from jaxserve.layers.fp8 import dequantize
-from jaxserve.layers.mlp import MLP
+from jaxserve.layers.mlp import MLP, gate_activation
 from jaxserve.layers.quant_dense import Linear
 from pallas_kernels import ops
 from pallas_kernels.triton.grouped_matmul import tile_rows, tile_schedule
@@ -164,9 +164,10 @@ class ExpertLinear(nn.Module):
 
 
 def gated(gate: jax.Array, up: jax.Array, moe: MoEConfig) -> jax.Array:
-    """An expert's activation: SwiGLU `silu(gate) * up`, or gpt-oss's clamped variant when `moe.swiglu_limit`."""
+    """An expert's activation: `act(gate) * up` (SwiGLU, or GeGLU with `moe.activation` "gelu_tanh"), or gpt-oss's
+    clamped SwiGLU when `moe.swiglu_limit`."""
     if moe.swiglu_limit is None:
-        return nn.silu(gate) * up
+        return gate_activation(moe.activation)(gate) * up
     limit = moe.swiglu_limit
     gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
@@ -202,12 +203,7 @@ def expert_outputs(tokens: jax.Array, weights: jax.Array, experts: jax.Array, ke
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward of `config.moe`, `[..., H] -> [..., H]`: the router (float32) picks
     each token's experts, the experts run on the token's rows, their outputs summed by the routing weights; plus
-    the shared expert, gated by a sigmoid, when the model has one.
-
-    On several devices the experts run under `shard_map`, each device on its own kernels (`tp`: its columns of
-    every expert, or under expert parallelism its whole experts, computing only the rows routed to them), and one
-    all-reduce of the `[T, H]` partial sums adds them up: the activations are already on every device, so no
-    token has to be sent anywhere first."""
+    the shared expert, gated by a sigmoid, when the model has one. Over several devices as `run_experts` says."""
 
     config: ModelConfig
     tp: TensorParallel
@@ -222,26 +218,8 @@ class MoE(nn.Module):
         correction = self.param("score_correction_bias", nn.initializers.zeros_init(), (moe.num_experts,),
                                 jnp.float32) if moe.score_correction_bias else None
         weights, experts = route(logits, moe, correction)
-        kernels = ExpertKernels(cfg, self.dtype, name="experts")()
-        down_bias = kernels["down_proj"].pop("bias", None)
-        if tp.size == 1:
-            y = expert_outputs(tokens, weights, experts, kernels, 0, moe, self.dtype)
-        else:
-            per_device = moe.num_experts // tp.size if tp.expert_parallel else 0
-
-            def on_device(tokens, weights, experts, kernels):
-                first = jax.lax.axis_index(MODEL_AXIS) * per_device
-                return jax.lax.psum(expert_outputs(tokens, weights, experts, kernels, first, moe, self.dtype),
-                                    MODEL_AXIS)
-
-            specs = jax.tree_util.tree_map_with_path(
-                lambda path, _: spec_from_rules("experts/" + path_name(path), SHARDING_RULES, cfg, tp), kernels)
-            mesh = AbstractMesh((tp.size,), (MODEL_AXIS,))  # the engine's mesh: one axis of tp.size devices
-            # check_vma off: the CPU tile loop's zero carry would have to be cast to device-varying by hand
-            y = jax.shard_map(on_device, mesh=mesh, in_specs=(REPLICATED, REPLICATED, REPLICATED, specs),
-                              out_specs=REPLICATED, check_vma=False)(tokens, weights, experts, kernels)
-        if down_bias is not None:  # each chosen expert's output bias, by its routing weight: once, not per device
-            y = y + jnp.einsum("tk,tkh->th", weights, down_bias[experts].astype(self.dtype).astype(jnp.float32))
+        y = run_experts(tokens, weights, experts, ExpertKernels(cfg, self.dtype, name="experts")(), cfg, tp,
+                        self.dtype)
         if moe.shared_expert_size:
             shared = MLP(cfg.hidden_size, moe.shared_expert_size, tp, self.dtype, name="shared_expert")(tokens)
             if moe.shared_expert_gate:
@@ -249,3 +227,33 @@ class MoE(nn.Module):
                 shared = jax.nn.sigmoid(gate.astype(jnp.float32)) * shared.astype(jnp.float32)
             y = y + shared.astype(jnp.float32)
         return y.astype(self.dtype).reshape(x.shape)
+
+
+def run_experts(tokens: jax.Array, weights: jax.Array, experts: jax.Array, kernels: dict, config: ModelConfig,
+                tp: TensorParallel, dtype) -> jax.Array:
+    """Float32 `[T, H]`: `tokens [T, H]` through their routed `experts [T, top_k]` (`ExpertKernels`' `kernels`),
+    summed by their routing `weights [T, top_k]`. On several devices each runs its own kernels under `shard_map`
+    (its columns of every expert, or under expert parallelism its whole experts, computing only the rows routed
+    to them) and one all-reduce of the `[T, H]` partial sums adds them up: the activations are already on every
+    device, so no token has to be sent anywhere first. `down_proj`'s bias is added once, not per device."""
+    moe = config.moe
+    kernels = {name: dict(linear) for name, linear in kernels.items()}
+    down_bias = kernels["down_proj"].pop("bias", None)
+    if tp.size == 1:
+        y = expert_outputs(tokens, weights, experts, kernels, 0, moe, dtype)
+    else:
+        per_device = moe.num_experts // tp.size if tp.expert_parallel else 0
+
+        def on_device(tokens, weights, experts, kernels):
+            first = jax.lax.axis_index(MODEL_AXIS) * per_device
+            return jax.lax.psum(expert_outputs(tokens, weights, experts, kernels, first, moe, dtype), MODEL_AXIS)
+
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, _: spec_from_rules("experts/" + path_name(path), SHARDING_RULES, config, tp), kernels)
+        mesh = AbstractMesh((tp.size,), (MODEL_AXIS,))  # the engine's mesh: one axis of tp.size devices
+        # check_vma off: the CPU tile loop's zero carry would have to be cast to device-varying by hand
+        y = jax.shard_map(on_device, mesh=mesh, in_specs=(REPLICATED, REPLICATED, REPLICATED, specs),
+                          out_specs=REPLICATED, check_vma=False)(tokens, weights, experts, kernels)
+    if down_bias is not None:  # each chosen expert's output bias, by its routing weight
+        y = y + jnp.einsum("tk,tkh->th", weights, down_bias[experts].astype(dtype).astype(jnp.float32))
+    return y

@@ -31,7 +31,7 @@ from jaxserve.loading.awq import load_awq_checkpoint
 from jaxserve.loading.fp8_checkpoint import fp8_checkpoint_shapes, read_fp8_slice, scale_source
 from jaxserve.loading.hf_files import (check_fp8_scales, check_shape, checkpoint_quantization_config, fp8_view,
                                        hf_model_config, is_mxfp4, mxfp4_shape, read_fp8_block_slice, read_hf_slice,
-                                       read_mxfp4_slice, source_shape, tensor_files)
+                                       read_mxfp4_slice, rows_axis, source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
 from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources, param_shardings
 
@@ -131,10 +131,13 @@ def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, 
         for name in source.names:
             if name not in state:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            tensor = state[name] if source.rows is None else state[name][source.rows[0]:source.rows[1]]
+            tensor = state[name]
+            if source.rows is not None:
+                tensor = np.moveaxis(np.moveaxis(tensor, rows_axis(tensor.ndim), 0)[slice(*source.rows)], 0,
+                                     rows_axis(tensor.ndim))
             if source.columns is not None:
                 tensor = tensor[..., source.columns[0]::source.columns[1]]
-            tensors.append(tensor.T if source.transposed else tensor)
+            tensors.append(np.swapaxes(tensor, -1, -2) if source.transposed else tensor)
         tensor = np.stack(tensors) if len(tensors) > 1 else tensors[0]
         check_shape(", ".join(source.names), tensor.shape, expected.shape, "state dict")
         return np.ascontiguousarray(tensor, dtype=dtype)

@@ -57,11 +57,13 @@ def tensor_files(path: str) -> dict[str, str]:
 
 def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype,
                   rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> np.ndarray:
-    """Our `index` of the HF tensor `tensor` (a safetensors slice) in `dtype`: for a transposed kernel our
-    `[i0, i1]` is their `[i1, i0]`, read and then transposed; with `rows`, our parameter is their first axis'
-    rows `[start, stop)` only; with `columns` `(offset, step)`, their last axis' every `step`-th entry from
-    `offset` (the span of our slice is read, then strided)."""
-    index = tuple(index) + (slice(None),) * (len(tensor.get_shape()) - len(index))
+    """Our `index` of the HF tensor `tensor` (a safetensors slice) in `dtype`: for a transposed kernel (its last
+    two axes swapped: `[out, in]`, or every expert's `[E, out, in]`) our `[..., i0, i1]` is their `[..., i1, i0]`,
+    read and then swapped; with `rows`, our parameter is their output axis' rows `[start, stop)` only (`rows_axis`);
+    with `columns` `(offset, step)`, their last axis' every `step`-th entry from `offset` (the span of our slice is
+    read, then strided)."""
+    ndim = len(tensor.get_shape())
+    index = tuple(index) + (slice(None),) * (ndim - len(index))
     if columns is not None:
         offset, step = columns
         ours = index[-1]
@@ -70,14 +72,19 @@ def read_hf_slice(tensor, transposed: bool, index: tuple, dtype: np.dtype,
         span = tensor[index[:-1] + (slice(start, stop),)]
         return np.ascontiguousarray(span[..., offset::step], dtype=dtype)
     if rows is not None:
-        first = 1 if transposed else 0  # the index entry that addresses their first axis
-        wanted = index[first]
+        ours = rows_axis(ndim) if not transposed else ndim - 1  # the index entry that addresses their rows
+        wanted = index[ours]
         start = rows[0] + (wanted.start or 0)
         stop = rows[0] + (wanted.stop if wanted.stop is not None else rows[1] - rows[0])
-        index = index[:first] + (slice(start, stop),) + index[first + 1:]
+        index = index[:ours] + (slice(start, stop),) + index[ours + 1:]
     if transposed:
-        return np.ascontiguousarray(tensor[index[1], index[0]].T, dtype=dtype)
+        return np.ascontiguousarray(np.swapaxes(tensor[index[:-2] + (index[-1], index[-2])], -1, -2), dtype=dtype)
     return np.ascontiguousarray(tensor[index], dtype=dtype)
+
+
+def rows_axis(ndim: int) -> int:
+    """The axis a `TensorSource`'s `rows` slice: a kernel's output features (the second-to-last), a vector's only."""
+    return max(ndim - 2, 0)
 
 
 MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -172,12 +179,15 @@ def source_shape(shape: tuple, transposed: bool, rows: tuple[int, int] | None,
                  columns: tuple[int, int] | None = None) -> tuple:
     """A HF tensor's shape in our orientation, of our slice of it (`rows`, `columns`; a tensor too short for the
     slice shows a shorter shape, which `check_shape` reports)."""
-    shape = tuple(shape)
+    shape = list(shape)
     if rows is not None:
-        shape = (max(0, min(shape[0], rows[1]) - rows[0]), *shape[1:])
+        axis = rows_axis(len(shape))
+        shape[axis] = max(0, min(shape[axis], rows[1]) - rows[0])
     if columns is not None:
-        shape = (*shape[:-1], len(range(columns[0], shape[-1], columns[1])))
-    return shape[::-1] if transposed else shape
+        shape[-1] = len(range(columns[0], shape[-1], columns[1]))
+    if transposed:
+        shape[-2:] = shape[-2:][::-1]
+    return tuple(shape)
 
 
 def check_shape(name: str, ours: tuple, expected: tuple, where: str) -> None:

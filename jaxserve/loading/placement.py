@@ -39,7 +39,7 @@ def serving_params(params: dict, config: ModelConfig, tp: TensorParallel, mesh: 
     def to_serving(name: str, group: dict) -> dict:
         layer = name.startswith("layers_")
         group = cast_floats(group, dtype)  # quantized leaves (an AWQ or FP8 checkpoint's) keep their dtype
-        group = fuse_layer(group, config, tp) if layer else group
+        group = fuse_layer(group, config, tp, int(name.removeprefix("layers_"))) if layer else group
         # int8 weights: per output channel, which commutes with fusing's column permutation; fp8: blocks of each
         # device's columns after fusing, decoder layers only (vLLM keeps the embedding and LM head float)
         if quantization == "fp8" and not layer:

@@ -11,6 +11,7 @@ faster on CPU than a `lax.scan` over a stacked pool, which copies the carried po
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import flax.linen as nn
@@ -24,7 +25,7 @@ from jaxserve.layers.gated_deltanet import GatedDeltaNet
 from jaxserve.layers.mla import MLAttention
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.moe import MoE
-from jaxserve.layers.norms import RMSNorm
+from jaxserve.layers.norms import RMSNorm, rms_normalize
 from jaxserve.layers.quant_dense import Embedding, Linear
 from jaxserve.layers.rotary import (apply_rope, rope_attention_factor, rope_inverse_frequencies, rope_length_threshold,
                                     token_inverse_frequencies)
@@ -87,7 +88,17 @@ def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, o_bias: boo
     )
 
 
+def model_norm(config: ModelConfig, dtype, name: str | None = None) -> RMSNorm:
+    """An RMS norm as the model computes its norms (Gemma's offset, Gemma 4's float32 scale)."""
+    return RMSNorm(config.rms_norm_eps, dtype, config.norm_offset, config.norm_scale_float32, name=name)
+
+
 class Attention(nn.Module):
+    """One layer's attention, in its own shape (`ModelConfig.for_layer`). `qkv_proj` holds each device's `[q | k |
+    v | gate]` columns: no v with `values_from_keys` (the values are the key projection's output, normed apart),
+    q alone for a layer that reads another layer's KV (`kv_source`: its cache is that layer's, written already in
+    this step, and is returned unchanged)."""
+
     config: ModelConfig
     tp: TensorParallel
     attention: PagedAttention
@@ -96,40 +107,46 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv: KVPages, meta: AttentionMetadata):
-        cfg, tp = self.config, self.tp
+        cfg, tp, layer = self.config.for_layer(self.layer), self.tp, self.layer
         batch, num_tokens, _ = x.shape
+        shared = layer.kv_source is not None
         q_width = tp.q_heads_per_device(cfg) * cfg.head_dim
-        kv_width = tp.kv_heads_per_device(cfg) * cfg.head_dim
-        width = q_width + 2 * kv_width + (q_width if cfg.attention_output_gate else 0)
-        qkv = Linear(tp.size * width, use_bias=cfg.qkv_bias, dtype=self.dtype, out_shards=tp.size,
+        kv_width = 0 if shared else tp.kv_heads_per_device(cfg) * cfg.head_dim
+        v_width = 0 if layer.values_from_keys else kv_width
+        widths = [q_width, kv_width, v_width, q_width if cfg.attention_output_gate else 0]
+        qkv = Linear(tp.size * sum(widths), use_bias=cfg.qkv_bias, dtype=self.dtype, out_shards=tp.size,
                      name="qkv_proj")(x)
-        qkv = qkv.reshape(batch, num_tokens, tp.size, width)  # one row of columns per device, [q | k | v | gate]
-        q, k, v, gate = jnp.split(qkv, [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)
+        qkv = qkv.reshape(batch, num_tokens, tp.size, sum(widths))  # one row of columns per device
+        q, k, v, gate = jnp.split(qkv, list(itertools.accumulate(widths[:-1])), axis=-1)
         q = q.reshape(batch, num_tokens, cfg.num_q_heads, cfg.head_dim)
-        k = k.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
-        v = v.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
+        if not shared:
+            k = k.reshape(batch, num_tokens, tp.pool_heads(cfg), cfg.head_dim)
+            v = k if layer.values_from_keys else v.reshape(k.shape)
+            if cfg.value_norm:
+                v = rms_normalize(v, cfg.rms_norm_eps).astype(v.dtype)
         if cfg.qk_norm:
-            q_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")
-            k_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")
+            q_norm, k_norm = (model_norm(cfg, self.dtype, name) for name in ("q_norm", "k_norm"))
             if cfg.qk_norm_all_heads:  # over the heads' dims together: under a split, XLA sums over the devices
                 q = q_norm(q.reshape(batch, num_tokens, -1)).reshape(q.shape)
                 k = k_norm(k.reshape(batch, num_tokens, -1)).reshape(k.shape)
             else:
-                q, k = q_norm(q), k_norm(k)
-        scaling, rotary_dim = self.layer.rope_scaling_dict, self.layer.rotary_dim or cfg.head_dim
+                q = q_norm(q)
+                k = k if shared else k_norm(k)
+        scaling, rotary_dim = layer.rope_scaling_dict, layer.rotary_dim or cfg.head_dim
         if rope_length_threshold(scaling) is None:
-            inv_freq = rope_inverse_frequencies(rotary_dim, self.layer.rope_theta, scaling)
+            inv_freq = rope_inverse_frequencies(rotary_dim, layer.rope_theta, scaling)
         else:
-            inv_freq = token_inverse_frequencies(rotary_dim, self.layer.rope_theta, scaling, meta.token_rope_lens())
+            inv_freq = token_inverse_frequencies(rotary_dim, layer.rope_theta, scaling, meta.token_rope_lens())
         rope_scale = rope_attention_factor(scaling)
         q = apply_rope(q, meta.positions, inv_freq, rope_scale)
-        k = apply_rope(k, meta.positions, inv_freq, rope_scale)
-        kv = self.attention.write_kv(kv, k, v, meta.slot_mapping)
-        sm_scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        if not shared:
+            k = apply_rope(k, meta.positions, inv_freq, rope_scale)
+            kv = self.attention.write_kv(kv, k, v, meta.slot_mapping)
+        sm_scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         sinks = self.param("sinks", nn.initializers.zeros_init(), (cfg.num_q_heads,), self.dtype) \
             if cfg.attention_sinks else None
         out = self.attention.attend(q, kv, meta, sm_scale=sm_scale,
-                                    sliding_window=self.layer.sliding_window, soft_cap=cfg.attn_logit_softcap,
+                                    sliding_window=layer.sliding_window, soft_cap=cfg.attn_logit_softcap,
                                     sinks=sinks)
         out = out.reshape(batch, num_tokens, cfg.q_size)
         if cfg.attention_output_gate:
@@ -151,7 +168,7 @@ class DecoderLayer(nn.Module):
         cfg = self.config
 
         def norm(name: str):
-            return RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
+            return model_norm(cfg, self.dtype, name)
 
         if self.layer.mixer == "gated_deltanet":
             attn_out, kv = GatedDeltaNet(cfg.linear_attention, cfg.hidden_size, cfg.rms_norm_eps, self.tp.size,
@@ -204,7 +221,7 @@ def compute_logits(params: dict, config: ModelConfig, x: jax.Array, dtype=jnp.fl
                    tp: TensorParallel = TensorParallel()) -> jax.Array:
     """Float32 logits `[..., vocab]` of last-layer outputs `x [..., hidden]`: the final norm, then the LM head (the
     embedding table when tied), capped when the model caps them."""
-    x = RMSNorm(config.rms_norm_eps, dtype, config.norm_offset).apply({"params": params["final_norm"]}, x)
+    x = model_norm(config, dtype).apply({"params": params["final_norm"]}, x)
     if config.tie_word_embeddings:
         embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, vocab_shards=vocab_shards(config, tp))
         logits = embed.apply({"params": params["embed"]}, x, method=Embedding.attend)

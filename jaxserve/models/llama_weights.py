@@ -150,21 +150,28 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
         return group
 
     def layer(spec) -> dict:
-        q_width = cfg.q_size * (2 if cfg.attention_output_gate else 1)  # each head's query, then its gate
+        own = cfg.for_layer(spec)  # its head size, KV heads and MLP width
+        q_width = own.q_size * (2 if cfg.attention_output_gate else 1)  # each head's query, then its gate
         attn = {"q_proj": dense(cfg.hidden_size, q_width, cfg.qkv_bias),
-                "k_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
-                "v_proj": dense(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias),
-                "o_proj": dense(cfg.q_size, cfg.hidden_size, cfg.o_bias)}
+                "o_proj": dense(own.q_size, cfg.hidden_size, cfg.o_bias)}
+        if spec.kv_source is None:  # a layer reading another's KV has no k/v projections (nor k norm)
+            attn["k_proj"] = dense(cfg.hidden_size, own.kv_size, cfg.qkv_bias)
+            if not spec.values_from_keys:
+                attn["v_proj"] = dense(cfg.hidden_size, own.kv_size, cfg.qkv_bias)
         if cfg.attention_sinks:
             attn["sinks"] = jax.ShapeDtypeStruct((cfg.num_q_heads,), dtype)
         if cfg.qk_norm:
-            attn |= ({"q_norm": norm(cfg.q_size), "k_norm": norm(cfg.kv_size)} if cfg.qk_norm_all_heads
-                     else {"q_norm": norm(cfg.head_dim), "k_norm": norm(cfg.head_dim)})
-        mlp = experts() if spec.feed_forward == "moe" else swiglu(cfg.intermediate_size)
+            attn |= ({"q_norm": norm(own.q_size), "k_norm": norm(own.kv_size)} if cfg.qk_norm_all_heads
+                     else {"q_norm": norm(own.head_dim), "k_norm": norm(own.head_dim)})
+            if spec.kv_source is not None:
+                del attn["k_norm"]
+        mlp = experts() if spec.feed_forward == "moe" else swiglu(own.intermediate_size)
         group = {"input_norm": norm(cfg.hidden_size), "attn": attn, "post_attention_norm": norm(cfg.hidden_size),
                  "mlp": mlp}
         if cfg.sandwich_norms:
             group |= {"pre_feedforward_norm": norm(cfg.hidden_size), "post_feedforward_norm": norm(cfg.hidden_size)}
+        if spec.feed_forward == "dense_and_moe":  # the experts beside the dense MLP (Gemma 4's block)
+            group["moe"] = experts()
         return group
 
     params = {"embed": {"embedding": jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype)}}
@@ -178,12 +185,15 @@ def checkpoint_shapes(config: ModelConfig, dtype: DTypeLike = jnp.float32) -> di
 def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
     """One decoder layer's checkpoint-layout params -> serving layout: q/k/v (and an output gate: `[q_d | k_d |
     v_d | gate_d]`) into `qkv_proj` and gate/up into `gate_up_proj` (the dense MLP's, the experts' and the shared
-    expert's), each device's columns together (all their leaves: an AWQ layer's zeros and scales too). Jit it with
-    the serving shardings as `out_shardings` and every device builds its own columns from its own shards (k/v
-    replicated when the KV heads are)."""
+    expert's), each device's columns together (all their leaves: an AWQ layer's zeros and scales too). A layer
+    without v (values from keys) or without k and v (reading another layer's KV) fuses what it has. `config` is
+    the layer's view (`ModelConfig.for_layer`: its head size and KV heads). Jit it with the serving shardings as
+    `out_shardings` and every device builds its own columns from its own shards (k/v replicated when the KV heads
+    are)."""
     cfg, n = config, tp.size
     attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
     sources = jnp.asarray(tp.pool_head_sources(cfg))
+    present = [name for name in ("q_proj", "k_proj", "v_proj") if name in attn]
 
     def per_device(array, heads: int, kv: bool):  # [..., heads * head_dim] -> [..., n, per-device columns]
         lead = array.shape[:-1]
@@ -193,22 +203,24 @@ def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
         return array.reshape(*lead, n, -1)
 
     def fused(leaf: str) -> jax.Array:
-        q, k, v = (attn[f"{name}_proj"][leaf] for name in "qkv")
+        q, *kv = (attn[name][leaf] for name in present)
         gate = None
         if cfg.attention_output_gate:  # q_proj's columns: each head's query, then its gate
             pairs = q.reshape(*q.shape[:-1], cfg.num_q_heads, 2, cfg.head_dim)
             q, gate = (pairs[..., i, :].reshape(*q.shape[:-1], cfg.q_size) for i in range(2))
-        parts = [per_device(q, cfg.num_q_heads, False), per_device(k, cfg.num_kv_heads, True),
-                 per_device(v, cfg.num_kv_heads, True)]
+        parts = [per_device(q, cfg.num_q_heads, False), *(per_device(x, cfg.num_kv_heads, True) for x in kv)]
         if gate is not None:
             parts.append(per_device(gate, cfg.num_q_heads, False))
         return jnp.concatenate(parts, axis=-1).reshape(*q.shape[:-1], -1)
 
     # every leaf along the output features: kernel, bias, and an AWQ layer's per-group zeros and scales
     qkv = {leaf: fused(leaf) for leaf in attn["q_proj"]}
-    for name in "qkv":
-        del attn[f"{name}_proj"]
-    return {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": fuse_mlp(mlp, tp)}
+    for name in present:
+        del attn[name]
+    fused_layer = {**layer, "attn": {"qkv_proj": qkv, **attn}, "mlp": fuse_mlp(mlp, tp)}
+    if "moe" in layer:
+        fused_layer["moe"] = fuse_mlp(dict(layer["moe"]), tp)
+    return fused_layer
 
 
 def fuse_mlp(mlp: dict, tp: TensorParallel) -> dict:

@@ -27,8 +27,8 @@ from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
 from jaxserve.layers.lora import lora_variables
-from jaxserve.models import (deepseek, gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3, qwen3_next,
-                             qwen_moe)
+from jaxserve.models import (deepseek, gemma, gemma4, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3,
+                             qwen3_next, qwen_moe)
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
@@ -36,7 +36,7 @@ KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout 
 
 FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC,
                                    gpt_oss.SPEC, deepseek.SPEC, glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC,
-                                   qwen3_next.MULTIMODAL_SPEC)
+                                   qwen3_next.MULTIMODAL_SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
@@ -96,24 +96,30 @@ def checkpoint_sources(config: ModelConfig) -> dict:
 def group_kind(name: str, config: ModelConfig) -> str:
     """The kind of the top-level parameter group `name`: groups of one kind have one structure and shapes, so one
     compiled function (a conversion, a random draw) serves them all. Decoder layers are "layer" or "moe_layer",
-    prefixed by their mixer when it is not attention ("gated_deltanet_moe_layer")."""
+    prefixed by their mixer when it is not attention ("gated_deltanet_moe_layer"), and followed by what makes
+    their shapes their own (Gemma 4's global layers, layers reading another's KV)."""
     if not name.startswith("layers_"):
         return name
     layer = config.layers[int(name.removeprefix("layers_"))]
-    kind = "moe_layer" if layer.feed_forward == "moe" else "layer"
-    return kind if layer.mixer == "attention" else f"{layer.mixer}_{kind}"
+    kind = {"dense": "layer", "moe": "moe_layer", "dense_and_moe": "dense_and_moe_layer"}[layer.feed_forward]
+    kind = kind if layer.mixer == "attention" else f"{layer.mixer}_{kind}"
+    view = config.for_layer(layer)
+    own = [f"{field}={getattr(view, field)}" for field in ("head_dim", "num_kv_heads", "intermediate_size")
+           if getattr(view, field) != getattr(config, field)]
+    own += ["shared_kv"] * (layer.kv_source is not None) + ["values_from_keys"] * layer.values_from_keys
+    return f"{kind}({', '.join(own)})" if own else kind
 
 
-def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel) -> dict:
-    """One decoder layer's checkpoint-layout params -> serving layout (all their leaves: an AWQ layer's zeros and
-    scales too). Jit it with the serving shardings as `out_shardings` and every device builds its own columns."""
-    return model_spec(config.model_type).fuse_layer(layer, config, tp)
+def fuse_layer(layer: dict, config: ModelConfig, tp: TensorParallel, index: int = 0) -> dict:
+    """Decoder layer `index`'s checkpoint-layout params -> serving layout (all their leaves: an AWQ layer's zeros
+    and scales too). Jit it with the serving shardings as `out_shardings` and every device builds its own columns."""
+    return model_spec(config.model_type).fuse_layer(layer, config.for_layer(config.layers[index]), tp)
 
 
 def fuse_params(params: dict, config: ModelConfig, tp: TensorParallel = TensorParallel()) -> dict:
     """The whole checkpoint-layout tree -> serving layout (see `fuse_layer`), for tests and one-device use."""
-    return {name: fuse_layer(group, config, tp) if name.startswith("layers_") else group
-            for name, group in params.items()}
+    return {name: fuse_layer(group, config, tp, int(name.removeprefix("layers_"))) if name.startswith("layers_")
+            else group for name, group in params.items()}
 
 
 def param_specs(params, config: ModelConfig, tp: TensorParallel):

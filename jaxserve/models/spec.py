@@ -17,10 +17,12 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
     """The checkpoint tensor(s) one checkpoint-layout parameter is read from: one name, or several stacked on a
-    new leading axis (e.g. one tensor per expert); `transposed` when stored `[out, in]` (HF linears); `rows`
-    `(start, stop)` when it is that slice of the tensor's first axis (a projection fused in the checkpoint,
-    Phi-3's `qkv_proj`); `columns` `(offset, step)` when it is the tensor's last-axis entries `offset, offset +
-    step, ...` (projections interleaved in the checkpoint, gpt-oss's `gate_up_proj`; not transposed)."""
+    new leading axis (e.g. one tensor per expert); `transposed` when its last two axes are stored swapped (HF
+    linears' `[out, in]`, every expert's `[E, out, in]`); `rows` `(start, stop)` when it is that slice of the
+    tensor's output features (its first axis for a matrix or vector, the second for experts: a projection fused in
+    the checkpoint, Phi-3's `qkv_proj`, Gemma 4's experts' `gate_up_proj`); `columns` `(offset, step)` when it
+    is the tensor's last-axis entries `offset, offset + step, ...` (projections interleaved in the checkpoint,
+    gpt-oss's `gate_up_proj`; not transposed)."""
 
     names: tuple[str, ...]
     transposed: bool = False
@@ -44,7 +46,8 @@ class ModelSpec:
     compute_logits: Callable[..., jax.Array]
     checkpoint_shapes: Callable[[ModelConfig, DTypeLike], dict]  # the checkpoint-layout tree of ShapeDtypeStructs
     checkpoint_source: Callable[[str, ModelConfig], TensorSource]  # a checkpoint-layout path -> its tensors
-    fuse_layer: Callable[[dict, ModelConfig, TensorParallel], dict]  # one layer, checkpoint -> serving layout
+    # one layer, checkpoint -> serving layout; its config is the layer's view (`ModelConfig.for_layer`)
+    fuse_layer: Callable[[dict, ModelConfig, TensorParallel], dict]
     sharding_rules: tuple[tuple[str, str], ...]  # (regex on the path, `shardings.SPEC_KINDS` name); first wins
     quantizable_linears: tuple[str, ...]  # checkpoint-layout linears a 4-bit (AWQ) checkpoint stores quantized
     dummy_fan_in: Callable[[str, tuple[int, ...]], int]  # (path, shape) -> fan-in of a random dummy weight
