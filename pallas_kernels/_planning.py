@@ -24,9 +24,13 @@ MASK_VALUE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Triton's tl.dot needs every tile dimension to be >= 16.
 MIN_TILE: int = 16
 
-# Bytes of one float32 K (or V) tile by default: Triton stages float32 tiles in shared memory, and a 64-token
-# tile at head_dim 256 (64 KiB) asked H200's compiler for 272 KiB of its 227 KiB.
+# Most bytes of one K (or V) tile: Triton stages the tiles (two of each in flight) in shared memory, 227 KiB on
+# Hopper. A float32 64-token tile at head_dim 256 (64 KiB) asked H200's compiler for 272 KiB; a bfloat16 128-token
+# decode tile at head_dim 512 (128 KiB) for 404 KiB, and a 64-token ragged one (with its 64-row query tile) for
+# 320 KiB. Decode tiles hold at most MAX_KV_TILE_BYTES, ragged and float32 ones MAX_F32_TILE_BYTES, which
+# leaves every tile below head_dim 512 in 1- and 2-byte pages as it was.
 MAX_F32_TILE_BYTES: int = 32 * 1024
+MAX_KV_TILE_BYTES: int = 64 * 1024
 
 # Page dtypes that come with per-token float32 scales (k = k_pages * k_scales); the kernels convert
 # each KV tile to the compute dtype and apply the scales to the logits and probabilities.
@@ -111,9 +115,9 @@ def validate_decode_request(batch: int, lengths: jax.Array, page_indices: jax.Ar
         raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
 
 
-def f32_block_tokens(target: int, head_dim: int) -> int:
-    """A float32 KV tile's tokens: ``target``, at most ``MAX_F32_TILE_BYTES`` of K (and >= MIN_TILE)."""
-    return max(MIN_TILE, min(target, MAX_F32_TILE_BYTES // (4 * head_dim)))
+def block_tokens(target: int, head_dim: int, itemsize: int, max_bytes: int) -> int:
+    """A KV tile's tokens: ``target``, at most ``max_bytes`` of K (and >= MIN_TILE)."""
+    return max(MIN_TILE, min(target, max_bytes // (itemsize * head_dim)))
 
 
 def pages_per_kv_block(
@@ -197,15 +201,18 @@ def plan_decode(
     """Chooses tiles and the split-K factor for a decode call.
 
     The default KV tile is 128 tokens for 1- and 2-byte K/V and 64 for float32
-    (about the same bytes in registers), fewer for float32 at head_dim > 128
-    (``MAX_F32_TILE_BYTES``).  With ``num_splits=None`` every split
+    (about the same bytes in registers), fewer at head_dim 512 (2-byte) or > 128
+    (float32), to fit shared memory (``MAX_KV_TILE_BYTES``, ``MAX_F32_TILE_BYTES``).  With ``num_splits=None`` every split
     walks ``DEFAULT_BLOCKS_PER_SPLIT`` KV tiles of the page table, so the plan
     is a function of the static page-table width (``pages_per_seq``), page size
     and dtype only: it takes no batch size, so a row's tiling, and with it the
     order of its reduction, cannot depend on what else is in the batch.
     """
     group_size = num_q_heads // num_kv_heads
-    target_block_tokens = 128 if kv_itemsize <= 2 else f32_block_tokens(64, head_dim)
+    if kv_itemsize <= 2:
+        target_block_tokens = block_tokens(128, head_dim, kv_itemsize, MAX_KV_TILE_BYTES)
+    else:
+        target_block_tokens = block_tokens(64, head_dim, kv_itemsize, MAX_F32_TILE_BYTES)
     pages_per_block = pages_per_kv_block(
         page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
     )
@@ -304,8 +311,7 @@ def plan_ragged(
     # which query rows share a tile (and the shape of its dot products) must
     # not change with the other sequences in the call.  At least 16 rows for tl.dot.
     tokens_per_tile = max(1, target_tile_rows // group_padded, cdiv(MIN_TILE, group_padded))
-    if kv_itemsize > 2:
-        target_block_tokens = f32_block_tokens(target_block_tokens, head_dim)
+    target_block_tokens = block_tokens(target_block_tokens, head_dim, kv_itemsize, MAX_F32_TILE_BYTES)
     pages_per_block = pages_per_kv_block(
         page_size, pages_per_seq, pages_per_compute_block, target_block_tokens
     )

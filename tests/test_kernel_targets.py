@@ -100,6 +100,7 @@ RAGGED_CASES = [
     ("bf16-gqa2-d256-p128-prefill512-cap", "bfloat16", None, 2, 256, 128, 1, 512, None, 50.0, False, None, None),
     ("f32-fp8-gqa3-d128-p16-chunk16", "float32", "fp8", 3, 128, 16, 2, 16, None, None, False, 2, 8),
     ("bf16-fp8-gqa1-d64-p64-chunk32-window-cap", "bfloat16", "fp8", 1, 64, 64, 2, 32, 48, 20.0, False, 1, None),
+    ("bf16-gqa4-d512-p16-chunk16", "bfloat16", None, 4, 512, 16, 2, 16, None, None, False, None, None),
 ]
 
 
@@ -192,6 +193,7 @@ GPU_CASES = [  # id, q dtype, pages (None: q's), group, head_dim, page_size, win
     ("bf16-int8-gqa4-d128-p16-window", "bfloat16", "int8", 4, 128, 16, 40, None, False),
     ("bf16-fp8-gqa1-d256-p128-cap", "bfloat16", "fp8", 1, 256, 128, None, 50.0, False),
     ("bf16-gqa3-d64-p64-sinks", "bfloat16", None, 3, 64, 64, None, None, True),
+    ("bf16-gqa4-d512-p16", "bfloat16", None, 4, 512, 16, None, None, False),  # Gemma 4: 404 KiB before tiling
 ]
 
 

@@ -254,6 +254,7 @@ DECODE_CASES = [
     ("bf16-gqa4-d128-p16", 4, 2, 128, 16, "bfloat16", 1, 2),
     ("bf16-gqa1-d64-p8", 1, 2, 64, 8, "bfloat16", None, None),
     ("bf16-mqa8-d64-p32", 8, 1, 64, 32, "bfloat16", 1, 5),
+    ("bf16-gqa2-d512-p16", 2, 1, 512, 16, "bfloat16", None, None),  # Gemma 4's global heads, default tiles
 ]
 
 
@@ -475,6 +476,7 @@ RAGGED_CASES = [
     ("mixed-bf16-gqa4-d128-p16", MIXED, 4, 2, 128, 16, "bfloat16", None, 1, False),
     ("mixed-bf16-gqa1-d64-p8-win20", MIXED, 1, 2, 64, 8, "bfloat16", 20, 2, False),
     ("mixed-int8-gqa2-d64-p16", MIXED, 2, 2, 64, 16, "float32", None, 1, True),
+    ("mixed-bf16-gqa2-d512-p16", MIXED, 2, 1, 512, 16, "bfloat16", None, None, False),
     ("prefill-only-gqa4", [(50, 50), (7, 7)], 4, 2, 64, 16, "float32", None, 1, False),
     ("decode-only-gqa8", [(1, 1), (1, 16), (1, 17), (1, 50)], 8, 2, 128, 16, "float32", 9, 1, False),
 ]
@@ -705,6 +707,20 @@ def test_decode_splits_long_contexts_for_a_full_gpu():
     """A lone 32k-token row of an 8-KV-head model still fills an H200's 132 SMs at least once."""
     plan = planning.plan_decode(32, 8, 16, 2048, pages_per_compute_block=None, num_splits=None)
     assert plan.num_splits * 8 >= 132
+
+
+def test_tiles_at_head_dim_512_stay_within_a_hopper_s_shared_memory():
+    """2-byte K/V tiles at head_dim 512 (Gemma 4's global layers) are halved: 64 decode tokens, 32 ragged ones (the
+    defaults asked an H200 for 404 and 320 KiB of its 227 KiB); below 512 they are as they were."""
+    def tokens(head_dim: int, itemsize: int = 2) -> tuple[int, int]:
+        decode = planning.plan_decode(8, 2, 16, 256, pages_per_compute_block=None, num_splits=None,
+                                      kv_itemsize=itemsize, head_dim=head_dim)
+        ragged = planning.plan_ragged(64, 8, 2, 4, 16, 256, pages_per_compute_block=None, kv_itemsize=itemsize,
+                                      head_dim=head_dim)
+        return decode.pages_per_block * 16, ragged.pages_per_block * 16
+
+    assert tokens(512) == (64, 32) and tokens(512, 1) == (128, 64)
+    assert tokens(256) == tokens(128) == (128, 64) and tokens(256, 4) == (32, 32)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8, 16])

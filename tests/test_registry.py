@@ -22,19 +22,20 @@ def test_supported_model_types_are_the_llama_family_and_its_relatives():
                                      "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
                                      "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe",
                                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
-                                     "qwen3_5_moe")
-    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 12
+                                     "qwen3_5_moe", "gemma4_text", "gemma4")
+    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 14
 
 
 def test_an_unsupported_model_type_is_a_value_error_listing_the_supported_ones_before_any_read(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "hidden_size": 8}))
-    listed = (r"model_type 'gemma4_text' is not supported; jaxserve serves llama, mistral, qwen2, qwen3, smollm, "
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 8}))
+    listed = (r"model_type 'falcon' is not supported; jaxserve serves llama, mistral, qwen2, qwen3, smollm, "
               r"smollm2, qwen2_moe, qwen3_moe, mixtral, gemma, gemma2, gemma3_text, gemma3, phi3, gpt_oss, deepseek_v3, "
-              r"deepseek_v2, glm4_moe, minimax_m2, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe")
+              r"deepseek_v2, glm4_moe, minimax_m2, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe, "
+              r"gemma4_text, gemma4")
     with pytest.raises(ValueError, match=listed):
         load_model(str(tmp_path))  # no weights in the directory: the error comes first
     with pytest.raises(ValueError, match=listed):
-        config_from_hf(types.SimpleNamespace(model_type="gemma4_text"))
+        config_from_hf(types.SimpleNamespace(model_type="falcon"))
 
 
 def test_sliding_windows_per_layer():

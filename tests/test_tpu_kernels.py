@@ -78,6 +78,7 @@ CASES = [
     ("bf16-gqa4-d128-p16-win20", 4, 2, 128, 16, 8, "bfloat16", 20, 1, None, None, "poison_pages"),
     ("int8-gqa2-d64-p16", 2, 2, 64, 16, 8, "float32", None, 2, None, "int8", "out_of_range"),
     ("fp8-gqa1-d128-p8-win12", 1, 2, 128, 8, 8, "bfloat16", 12, 2, 2, "fp8", "poison_pages"),
+    ("bf16-gqa2-d512-p16", 2, 1, 512, 16, 8, "bfloat16", None, None, None, None, "poison_pages"),
 ]
 
 
