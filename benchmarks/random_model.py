@@ -72,6 +72,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_conv_kernel_dim=4, partial_rotary_factor=0.25, max_position_embeddings=262144, rms_norm_eps=1e-6,
         rope_theta=10000000.0, tie_word_embeddings=False, attention_bias=False, bos_token_id=151643,
         eos_token_id=151645),
+    "gemma-4-31b": dict(  # 50 sliding layers (16 KV heads of 256, window 1024), 10 global ones (4 KV heads of 512,
+        # values from keys); the published config's numbers as third-party model cards give them (no hub here)
+        model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=262144, hidden_size=5376,
+        intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16, head_dim=256,
+        global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
+        hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        final_logit_softcapping=30.0, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=2, eos_token_id=1),
     "mixtral-8x7b": dict(  # 8 experts of 14336, 2 per token: 46.7B parameters, 12.9B active
         model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
         intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
