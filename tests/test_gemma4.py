@@ -143,3 +143,29 @@ def test_what_gemma4_cannot_take_is_refused_by_name(model_dirs, tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="use_bidirectional_attention='all' is not supported"):
         LLM(str(tmp_path), max_model_len=64, warmup=False)
+
+
+@pytest.mark.parametrize("target", ["v5e-1", "h200"])
+def test_the_steps_compile_for_the_targets(tmp_path, target):
+    """Prefill and decode of a Gemma-4-shaped model (256-wide sliding heads, 512-wide global heads with values from
+    keys, a layer reading another's KV, per-layer inputs) compile for a TPU and an H200 with their default Pallas
+    kernels (the Triton tiles at head_dim 512 overflowed an H200's shared memory before they were capped), and the
+    plan has a pool per shape and none for the shared layer."""
+    from jaxserve.aot.compile import compile_engine
+    from jaxserve.engine.config import EngineConfig
+    from tests.test_compile_targets import SMALL, assert_compiles_and_fits, compilers_present
+
+    if not compilers_present():
+        pytest.skip("the target compilers (the [aot] extra) are not installed")
+    transformers.Gemma4TextConfig(**{**BASE, "hidden_size": 256, "intermediate_size": 256, "head_dim": 256,
+                                     "global_head_dim": 512, "num_global_key_value_heads": 1, "sliding_window": 32,
+                                     "attention_k_eq_v": True, "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+                                     "layer_types": ["sliding_attention", "full_attention", "full_attention"]}
+                                  ).save_pretrained(tmp_path)
+    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode"})
+    assert_compiles_and_fits(result)
+    assert {step.shape for step in result.steps if step.name == "decode"} == {"rows=4"}  # not its 2 groups
+    plan = result.plan.kv_plan
+    assert [(group.spec, group.layers) for group in plan.groups] == [(FullAttentionSpec(1, 512), (1,)),
+                                                                     (SlidingWindowSpec(2, 256, 32), (0,))]
+    assert plan.layer_groups == (1, 0, 0) and plan.layer_pages[2] == 0

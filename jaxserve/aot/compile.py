@@ -269,6 +269,8 @@ def describe(inputs: Any) -> str:
     widest = max(leaves, key=lambda leaf: len(leaf.shape))
     if hasattr(inputs, "token_ids") and getattr(inputs.token_ids, "ndim", 0) == 2:
         return f"rows={inputs.token_ids.shape[0]} tokens={inputs.token_ids.shape[1]}"
+    if getattr(getattr(inputs, "slots", None), "ndim", 0) == 1:  # a decode's or verify's (its pages lead with groups)
+        return f"rows={inputs.slots.shape[0]}"
     return f"rows={widest.shape[0]}"
 
 
