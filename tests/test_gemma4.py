@@ -169,3 +169,16 @@ def test_the_steps_compile_for_the_targets(tmp_path, target):
     assert [(group.spec, group.layers) for group in plan.groups] == [(FullAttentionSpec(1, 512), (1,)),
                                                                      (SlidingWindowSpec(2, 256, 32), (0,))]
     assert plan.layer_groups == (1, 0, 0) and plan.layer_pages[2] == 0
+
+
+def test_the_31b_shape_keeps_80_kib_per_token_beyond_its_windows():
+    """`benchmarks/kv_bytes.py` on the Gemma-4-31B shape: a token's K/V in the 10 global layers (4 heads of 512,
+    bfloat16) is 80 KiB; without the hybrid KV cache the 50 sliding layers' (16 heads of 256) add 800 KiB; 20
+    KV-shared layers (a variant) take no pages."""
+    from benchmarks import kv_bytes
+
+    hybrid, every_token = kv_bytes.main(["--shape", "gemma-4-31b"])
+    assert hybrid["kib_per_token"] == 10 * 4 * 512 * 2 * 2 / 1024 == 80
+    assert every_token["kib_per_token"] == (10 * 4 * 512 + 50 * 16 * 256) * 2 * 2 / 1024 == 880
+    shared, _ = kv_bytes.main(["--shape", "gemma-4-31b", "--set", "num_kv_shared_layers=20"])
+    assert (shared["full_layers"], shared["window_layers"], shared["no_pages"]) == (6, 34, 20)
