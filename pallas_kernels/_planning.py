@@ -202,8 +202,8 @@ def plan_decode(
 
     The default KV tile is 128 tokens for 1- and 2-byte K/V and 64 for float32
     (about the same bytes in registers), fewer at head_dim 512 (2-byte) or > 128
-    (float32), to fit shared memory (``MAX_KV_TILE_BYTES``, ``MAX_F32_TILE_BYTES``).  With ``num_splits=None`` every split
-    walks ``DEFAULT_BLOCKS_PER_SPLIT`` KV tiles of the page table, so the plan
+    (float32), to fit shared memory (``MAX_KV_TILE_BYTES``, ``MAX_F32_TILE_BYTES``).
+    With ``num_splits=None`` every split walks ``DEFAULT_BLOCKS_PER_SPLIT`` KV tiles of the page table, so the plan
     is a function of the static page-table width (``pages_per_seq``), page size
     and dtype only: it takes no batch size, so a row's tiling, and with it the
     order of its reduction, cannot depend on what else is in the batch.

@@ -178,3 +178,23 @@ def decode_hlo(llm, rows: int) -> str:
 def shard_shapes(array) -> set[tuple[int, ...]]:
     """The shapes of an array's shards on this process's devices."""
     return {shard.data.shape for shard in array.addressable_shards}
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy loop (float32) over each prompt: the reference the families' engine tests compare to."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+
+
+def engine_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The engine's greedy tokens for each prompt (token ids in, EOS ignored)."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]

@@ -11,7 +11,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_plan import FullAttentionSpec, SlidingWindowSpec
-from tests.conftest import random_prompts, save_tiny_model, save_tiny_tokenizer
+from tests.conftest import engine_greedy, hf_greedy, random_prompts, save_tiny_model, save_tiny_tokenizer
 
 # global layers: 32-wide heads (sliding: 16) under a proportional rope over a quarter of each head
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -56,16 +56,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+    return hf_greedy(path, prompts, MAX_TOKENS)
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                              use_tqdm=False)]
+    return engine_greedy(llm, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

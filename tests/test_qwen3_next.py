@@ -10,7 +10,8 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_plan import FullAttentionSpec, StateSpec
-from tests.conftest import TINY_DIMS, random_prompts, save_tiny_model, save_tiny_tokenizer
+from tests.conftest import (TINY_DIMS, engine_greedy, hf_greedy, random_prompts, save_tiny_model,
+                            save_tiny_tokenizer)
 
 # 4 layers (3 Gated DeltaNet + 1 full attention); 2 key heads serving 4 value heads of another size than the keys
 DIMS = {**TINY_DIMS, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -44,16 +45,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+    return hf_greedy(path, prompts, MAX_TOKENS)
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                              use_tqdm=False)]
+    return engine_greedy(llm, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -108,8 +108,8 @@ def parse_config(hf_config: Any) -> ModelConfig:
         sandwich_norms=True, final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
         norm_scale_float32=True, value_norm=True, per_layer_input_size=per_layer,
         per_layer_vocab_size=hf_config.vocab_size_per_layer_input if per_layer else 0,
-        max_position_embeddings=hf_config.max_position_embeddings, bos_token_id=getattr(hf_config, "bos_token_id", None),
-        eos_token_ids=token_ids(hf_config.eos_token_id))
+        max_position_embeddings=hf_config.max_position_embeddings,
+        bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=token_ids(hf_config.eos_token_id))
 
 
 class Scale(nn.Module):

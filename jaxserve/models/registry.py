@@ -6,7 +6,7 @@ tensors each comes from, how a layer's parameters fuse into the serving layout, 
 mesh, which linears a 4-bit checkpoint stores quantized, and the fan-ins of dummy weights. A new family adds one
 module with its spec and one line to `FAMILIES`; the mixture-of-experts families (`qwen_moe`, `mixtral`,
 `gpt_oss`), Gemma (`gemma`) and Phi-3 (`phi3`) are the Llama decoder's spec with their own config parsing (and
-checkpoint names).
+checkpoint names); Gemma 4 (`gemma4`) has a decoder of its own around the Llama family's attention.
 
 Two parameter layouts, kernels stored `[in_features, out_features]` in both: the checkpoint layout (what loaders
 produce, `checkpoint_shapes`) and the serving layout (what the model reads, `fuse_params`).
@@ -34,9 +34,9 @@ from jaxserve.models.spec import ModelSpec
 KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
 
 
-FAMILIES: tuple[ModelSpec, ...] = (llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC,
-                                   gpt_oss.SPEC, deepseek.SPEC, glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC,
-                                   qwen3_next.MULTIMODAL_SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC)
+FAMILIES: tuple[ModelSpec, ...] = (
+    llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC, gpt_oss.SPEC, deepseek.SPEC,
+    glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC, qwen3_next.MULTIMODAL_SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
