@@ -36,7 +36,7 @@ def run(llm: LLM) -> tuple[list, int]:
 @pytest.fixture(scope="module")
 def uniform(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["gemma3_text"], **OPTIONS, kv_cache_memory_bytes=300_000,
-              disable_hybrid_kv_cache_manager=True)
+              disable_hybrid_kv_cache_manager=True, warmup=False)
     assert len(llm.llm_engine.runner.kv_plan.groups) == 1
     return run(llm)
 
@@ -60,7 +60,7 @@ def test_two_devices_and_ngram_speculation(tiny_model_dirs, uniform):
     expected, _ = uniform
     for options in ({"tensor_parallel_size": 2},
                     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
-        llm = LLM(tiny_model_dirs["gemma3_text"], **OPTIONS, kv_cache_memory_bytes=300_000, **options)
+        llm = LLM(tiny_model_dirs["gemma3_text"], **OPTIONS, kv_cache_memory_bytes=300_000, warmup=False, **options)
         assert len(llm.llm_engine.runner.kv_plan.groups) == 2
         assert run(llm)[0] == expected, options
 

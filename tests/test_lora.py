@@ -19,7 +19,8 @@ from jaxserve.models import config_from_hf
 from tests.conftest import random_prompts, tiny_hf_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-OPTIONS = dict(max_num_seqs=8, max_model_len=128, num_kv_pages=96, enable_lora=True, max_lora_rank=16)
+# no warm-up (each shape compiles when first run), but where compiles are counted after it
+OPTIONS = dict(max_num_seqs=8, max_model_len=128, num_kv_pages=96, enable_lora=True, max_lora_rank=16, warmup=False)
 # name -> PEFT LoraConfig fields: attention only, every projection with rsLoRA, and per-module ranks and alphas
 ADAPTERS = {
     "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -108,7 +109,7 @@ def test_mixed_adapters_in_one_batch_match_peft(tiny_llama_dir, adapters, refere
 def test_adapters_evicted_and_read_again_without_compiling(tiny_llama_dir, adapters, references, caplog):
     """One device slot and one host entry for three adapters: rows wait for the slot, adapters are written into it
     again and read from disk again, and none of it compiles after warm-up."""
-    llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=1, max_cpu_loras=1)
+    llm = LLM(tiny_llama_dir, **{**OPTIONS, "warmup": True}, max_loras=1, max_cpu_loras=1)
     engine = llm.llm_engine
     prompts, loras, cases = mixed_batch(adapters)
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
@@ -331,7 +332,7 @@ def test_lora_requests_refused_by_the_engine_which_keeps_serving(tiny_llama_dir,
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("zero", 0, adapters["qv"].lora_path)
     assert token_ids(llm.generate(prompt, GREEDY)) == [references[None][0]]
-    base_only = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=128, num_kv_pages=32)
+    base_only = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=128, num_kv_pages=32, warmup=False)
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         base_only.generate(prompt, GREEDY, lora_request=adapters["qv"])
 

@@ -43,7 +43,7 @@ GREEDY = [
 
 
 def generate(model, prompts, params, **options):
-    llm = LLM(model, **{**OPTIONS, **options})
+    llm = LLM(model, **{"warmup": False, **OPTIONS, **options})
     outputs = llm.generate(prompts, [params[i % len(params)] for i in range(len(prompts))], use_tqdm=False)
     return llm.llm_engine, outputs
 
@@ -178,7 +178,7 @@ def test_ngram_index_proposes_the_latest_longest_match_in_o_of_new_tokens():
 def test_rejected_drafts_release_their_pages(tiny_llama_dir):
     """After every speculative step a sequence holds no page past its tokens (the room made for K drafts goes
     back to the pool wherever drafts were rejected) and every page of its computed tokens."""
-    llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config={**NGRAM, "num_speculative_tokens": 7})
+    llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config={**NGRAM, "num_speculative_tokens": 7}, warmup=False)
     engine = llm.llm_engine
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
