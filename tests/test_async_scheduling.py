@@ -12,7 +12,7 @@ from jaxserve.engine.scheduler_output import ScheduledDecode
 from jaxserve.engine.step_inputs import decode_inputs
 from tests.conftest import random_prompts
 
-ENGINE_OPTIONS = dict(max_num_seqs=6, max_model_len=192, page_size=8, max_num_batched_tokens=48)
+ENGINE_OPTIONS = dict(max_num_seqs=6, max_model_len=192, page_size=8, max_num_batched_tokens=48, warmup=False)
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(7, 500, 3, 70, seed=40)]
 SHARED = random_prompts(1, 500, 40, 40, seed=41)[0]
 PREFIXED = [{"prompt_token_ids": SHARED + p} for p in random_prompts(6, 500, 2, 20, seed=42)]

@@ -10,7 +10,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import RequestOutputKind
 from tests.conftest import random_prompts
 
-ENGINE_OPTIONS = dict(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=64)
+ENGINE_OPTIONS = dict(max_num_seqs=8, max_model_len=256, page_size=8, max_num_batched_tokens=64, warmup=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -95,7 +95,8 @@ def test_counters_count_requests_not_sequences(engine):
 
 
 def test_abort_waiting_request(tiny_llama_dir):
-    engine = LLM(tiny_llama_dir, max_num_seqs=1, max_model_len=64, page_size=8, max_num_batched_tokens=16).llm_engine
+    engine = LLM(tiny_llama_dir, max_num_seqs=1, max_model_len=64, page_size=8, max_num_batched_tokens=16,
+                 warmup=False).llm_engine
     engine.add_request("running", prompt(10), GREEDY)
     engine.add_request("waiting", prompt(11), GREEDY)
     engine.step()
@@ -110,7 +111,7 @@ def test_abort_waiting_request(tiny_llama_dir):
 
 def test_abort_preempted_request(tiny_llama_dir):
     engine = LLM(tiny_llama_dir, max_num_seqs=4, max_model_len=128, page_size=8, num_kv_pages=17,
-                 max_num_batched_tokens=64).llm_engine
+                 max_num_batched_tokens=64, warmup=False).llm_engine
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     for index in range(4):
         engine.add_request(f"r{index}", prompt(20 + index, length=10), params)
@@ -144,7 +145,7 @@ def test_abort_after_one_of_n_completions_finished(engine):
 
 @pytest.mark.parametrize("max_tokens", [None, 6])
 def test_finishing_exactly_at_max_model_len(tiny_llama_dir, max_tokens):
-    llm = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=64)
+    llm = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=64, warmup=False)
     out = llm.generate([prompt(13, length=58)], SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
