@@ -92,6 +92,20 @@ def test_greedy_equals_transformers_under_chunked_prefill_prefix_caching_and_pre
         assert full.page_bytes == 2 * 2 * 8 * 2 * 32 * 4  # K and V of two layers of 2 heads of 32, float32
 
 
+def test_one_group_of_two_shapes_with_the_hybrid_cache_off_and_ngram_speculation(model_dirs):
+    """With the hybrid KV cache off every layer keeping pages is in group 0, in pools of two shapes named by the same
+    page indices; n-gram drafts verified over them (the shared layers reading the verify step's K/V) change no
+    greedy token."""
+    prompts = [p * 3 for p in random_prompts(3, 500, 5, 12, seed=3)]
+    llm = LLM(model_dirs["shared"], max_num_seqs=4, max_model_len=128, page_size=8, warmup=False,
+              disable_hybrid_kv_cache_manager=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    assert greedy(llm, prompts) == transformers_greedy(model_dirs["shared"], prompts)
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
+    (group,) = llm.llm_engine.runner.kv_plan.groups
+    assert group.layers == (0, 1, 2, 3) and group.shapes == (FullAttentionSpec(2, 16), FullAttentionSpec(2, 32))
+
+
 @pytest.mark.parametrize("layout", ["default", "moe"])
 def test_heads_and_experts_split_over_two_devices(model_dirs, layout):
     """Tensor parallelism: query heads, the sliding layers' two KV heads and the experts' columns split; the

@@ -261,7 +261,9 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     for index, ((spec, layers), pages) in enumerate(zip(grouped, [full, *windows])):
         for layer in layers:
             layer_groups[layer] = index
-        shapes = tuple(dict.fromkeys(specs[layer] for layer in layers))
+        shapes = tuple(dict.fromkeys(FullAttentionSpec(specs[layer].num_kv_heads, specs[layer].head_size)
+                                     if isinstance(specs[layer], SlidingWindowSpec) else specs[layer]
+                                     for layer in layers))
         groups.append(KVCacheGroup(spec, tuple(layers), pages, group_bytes[index], ec.page_size,
                                    shapes if len(shapes) > 1 else ()))
     for layer, spec in enumerate(specs):  # a layer reading another's KV reads it through that layer's group
