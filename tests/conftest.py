@@ -101,6 +101,19 @@ def save_tiny_model(family: str, path: str, seed: int = 0, config=None, **overri
     return path
 
 
+def save_randomized_model(family: str, path: str, config, randomize) -> str:
+    """`save_tiny_model` of `config`, then `randomize(model)` on what transformers starts at fixed values (norms,
+    scales), saved again: so that each enters the outputs a test compares."""
+    import torch
+    import transformers
+
+    save_tiny_model(family, path, config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
     """A byte-level BPE tokenizer with exactly `vocab_size` tokens (256 bytes + merges + specials)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

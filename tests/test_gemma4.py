@@ -11,7 +11,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_plan import FullAttentionSpec, SlidingWindowSpec
-from tests.conftest import engine_greedy, hf_greedy, random_prompts, save_tiny_model, save_tiny_tokenizer
+from tests.conftest import engine_greedy, hf_greedy, random_prompts, save_randomized_model, save_tiny_tokenizer
 
 # global layers: 32-wide heads (sliding: 16) under a proportional rope over a quarter of each head
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -44,15 +44,9 @@ def randomize_vectors(model) -> None:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    dirs = {}
-    for layout, overrides in LAYOUTS.items():
-        path = save_tiny_model("gemma4", str(tmp_path_factory.mktemp(layout)),
-                               config=transformers.Gemma4TextConfig(**{**BASE, **overrides}))
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        randomize_vectors(model)
-        model.save_pretrained(path, safe_serialization=True)
-        dirs[layout] = path
-    return dirs
+    return {layout: save_randomized_model("gemma4", str(tmp_path_factory.mktemp(layout)),
+                                          transformers.Gemma4TextConfig(**{**BASE, **overrides}), randomize_vectors)
+            for layout, overrides in LAYOUTS.items()}
 
 
 def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:

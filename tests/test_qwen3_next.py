@@ -10,7 +10,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.kv_plan import FullAttentionSpec, StateSpec
-from tests.conftest import (TINY_DIMS, engine_greedy, hf_greedy, random_prompts, save_tiny_model,
+from tests.conftest import (TINY_DIMS, engine_greedy, hf_greedy, random_prompts, save_randomized_model,
                             save_tiny_tokenizer)
 
 # 4 layers (3 Gated DeltaNet + 1 full attention); 2 key heads serving 4 value heads of another size than the keys
@@ -34,14 +34,8 @@ def randomize_vectors(model) -> None:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    dirs = {}
-    for family, config in CONFIGS.items():
-        path = save_tiny_model(family, str(tmp_path_factory.mktemp(family)), config=config())
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        randomize_vectors(model)
-        model.save_pretrained(path, safe_serialization=True)
-        dirs[family] = path
-    return dirs
+    return {family: save_randomized_model(family, str(tmp_path_factory.mktemp(family)), config(), randomize_vectors)
+            for family, config in CONFIGS.items()}
 
 
 def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
