@@ -228,7 +228,8 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     pages, or enough for every slot up to a fixed size. With window groups: each holds every slot's window and
     step, or with a budget its share of it, so that every group runs out together for sequences of max_model_len;
     group 0 gets the rest. State layers' slots (one per sequence slot, `StateSpec`) come off the budget first."""
-    grouped = group_layers(layer_specs(config), ec)
+    specs = layer_specs(config)
+    grouped = group_layers(specs, ec)
     state = state_spec(config)
     slot_bytes = state.slot_bytes(dtype) * len(config.state_layers) if state is not None else 0
     checkpoints = ec.state_checkpoints if state is not None and ec.enable_prefix_caching else 0
@@ -257,7 +258,6 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
         full = max(2, rest // device[0]) if device[0] else ec.max_num_seqs * ec.pages_per_seq + 1
     layer_groups = [-1] * config.num_layers
     groups = []
-    specs = layer_specs(config)
     for index, ((spec, layers), pages) in enumerate(zip(grouped, [full, *windows])):
         for layer in layers:
             layer_groups[layer] = index

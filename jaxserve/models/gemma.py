@@ -18,7 +18,7 @@ from typing import Any
 from jaxserve.config import ModelConfig
 from jaxserve.models import hf_config as hf
 from jaxserve.models import llama
-from jaxserve.models.spec import TensorSource
+from jaxserve.models.spec import TensorSource, text_decoder_parser
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh"}  # Gemma 1 configs say "gelu", mean tanh
@@ -62,10 +62,6 @@ SPEC = dataclasses.replace(llama.SPEC, model_types=MODEL_TYPES, parse_config=par
 MULTIMODAL_PREFIX = "language_model."  # where a `gemma3` (image + text) checkpoint keeps its text decoder
 
 
-def parse_multimodal_config(hf_config: Any) -> ModelConfig:
-    """A `gemma3` checkpoint's text decoder (its `text_config`), served text-only."""
-    return dataclasses.replace(parse_config(hf_config.text_config), model_type=hf_config.model_type)
-
 
 def multimodal_checkpoint_source(path: str, config: ModelConfig) -> TensorSource:
     source = llama.SPEC.checkpoint_source(path, config)
@@ -74,5 +70,6 @@ def multimodal_checkpoint_source(path: str, config: ModelConfig) -> TensorSource
 
 # Gemma 3's image + text checkpoints (Gemma3ForConditionalGeneration): the text decoder only; the vision tower and
 # its projector are not read, and prompts are text
-MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=("gemma3",), parse_config=parse_multimodal_config,
+MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=("gemma3",),
+                                      parse_config=text_decoder_parser(parse_config),
                                       checkpoint_source=multimodal_checkpoint_source)

@@ -36,9 +36,9 @@ from jaxserve.layers.quant_dense import Embedding, Linear
 from jaxserve.models import gemma
 from jaxserve.models import gemma4_weights as weights
 from jaxserve.models import hf_config as hf
-from jaxserve.models import llama_weights
-from jaxserve.models.llama import Attention, compute_logits, model_norm, vocab_shards
-from jaxserve.models.spec import ModelSpec
+from jaxserve.models import llama
+from jaxserve.models.llama import Attention, model_norm, vocab_shards
+from jaxserve.models.spec import text_decoder_parser
 
 MODEL_TYPES = ("gemma4_text",)
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -227,24 +227,12 @@ class Gemma4Model(nn.Module):
         return x, cache
 
 
-def parse_multimodal_config(hf_config: Any) -> ModelConfig:
-    """A `gemma4` checkpoint's text decoder (its `text_config`), served text-only."""
-    return dataclasses.replace(parse_config(hf_config.text_config), model_type=hf_config.model_type)
-
-
-SPEC = ModelSpec(
-    model_types=MODEL_TYPES,
-    parse_config=parse_config,
-    module=Gemma4Model,
-    compute_logits=compute_logits,
-    checkpoint_shapes=weights.checkpoint_shapes,
-    checkpoint_source=weights.checkpoint_source,
-    fuse_layer=llama_weights.fuse_layer,
-    sharding_rules=weights.SHARDING_RULES,
-    quantizable_linears=llama_weights.LINEARS,
-    dummy_fan_in=llama_weights.dummy_fan_in,
-)
+# the Llama family's logits, fusing, quantizable linears and dummy fan-ins; no LoRA adapters yet
+SPEC = dataclasses.replace(llama.SPEC, model_types=MODEL_TYPES, parse_config=parse_config, module=Gemma4Model,
+                           checkpoint_shapes=weights.checkpoint_shapes, checkpoint_source=weights.checkpoint_source,
+                           sharding_rules=weights.SHARDING_RULES, lora_targets=())
 # the image + text checkpoints (Gemma4ForConditionalGeneration): the text decoder only; the vision and audio
 # towers are not read, and prompts are text
-MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=("gemma4",), parse_config=parse_multimodal_config,
+MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=("gemma4",),
+                                      parse_config=text_decoder_parser(parse_config),
                                       checkpoint_source=weights.multimodal_checkpoint_source)

@@ -26,7 +26,7 @@ from jaxserve.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.models import llama, qwen_moe
 from jaxserve.models import llama_weights as weights
-from jaxserve.models.spec import TensorSource
+from jaxserve.models.spec import TensorSource, text_decoder_parser
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -71,10 +71,6 @@ def parse_config(hf_config: Any) -> ModelConfig:
                                linear_attention=linear if any(layer.mixer != "attention" for layer in layers)
                                else None)
 
-
-def parse_multimodal_config(hf_config: Any) -> ModelConfig:
-    """An image + text checkpoint's text decoder (its `text_config`), served text-only."""
-    return dataclasses.replace(parse_config(hf_config.text_config), model_type=hf_config.model_type)
 
 
 def linear_attention_shapes(config: ModelConfig, dtype: DTypeLike) -> dict:
@@ -186,5 +182,6 @@ SPEC = dataclasses.replace(
     llama.SPEC, model_types=MODEL_TYPES, parse_config=parse_config, checkpoint_shapes=checkpoint_shapes,
     checkpoint_source=checkpoint_source, fuse_layer=fuse_layer, sharding_rules=SHARDING_RULES,
     quantizable_linears=(), dummy_fan_in=dummy_fan_in, lora_targets=())
-MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=MULTIMODAL_TYPES, parse_config=parse_multimodal_config,
+MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=MULTIMODAL_TYPES,
+                                      parse_config=text_decoder_parser(parse_config),
                                       checkpoint_source=multimodal_checkpoint_source)

@@ -54,3 +54,11 @@ class ModelSpec:
     # the projections a LoRA adapter may target, as PEFT names them in this family's checkpoints, each with the
     # decoder projections (q/k/v/o_proj, gate/up/down_proj) its output rows hold in order; empty: no adapters
     lora_targets: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+def text_decoder_parser(parse_config: Callable[[Any], ModelConfig]) -> Callable[[Any], ModelConfig]:
+    """The config parser of a family's image + text checkpoints, served text-only: its `text_config` by the
+    family's `parse_config`, under the checkpoint's own `model_type`."""
+    def parse(hf_config: Any) -> ModelConfig:
+        return dataclasses.replace(parse_config(hf_config.text_config), model_type=hf_config.model_type)
+    return parse
