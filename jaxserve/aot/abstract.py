@@ -11,7 +11,7 @@ a TPU's whole memory).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -58,6 +58,11 @@ class AbstractAllocator:
 
     def weights(self, model: str, config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
         return abstract_weights(config, dtype, mesh)
+
+    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shardings: Callable[[Any], Any]) -> Any:
+        shapes = jax.eval_shape(convert, read())
+        return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            shapes, shardings(shapes))
 
     @property
     def bytes_limit(self) -> int:

@@ -34,7 +34,7 @@ from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_registry import StepRegistry, compile_threads, shape_key
 from jaxserve.loading import model_config, resolve_model
 from jaxserve.loading.placement import serving_params
-from jaxserve.spec_decode.draft import draft_model_config
+from jaxserve.spec_decode import proposer_config
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         if config.tensor_parallel_size > len(devices):
             raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs {config.tensor_parallel_size} "
                              f"devices, but target {t.name} has {len(devices)}")
-        spec = config.speculative_config
-        draft = (draft_model_config(spec, model, config.max_model_len)
-                 if spec is not None and spec.method == "draft_model" else None)
+        proposer = proposer_config(config.speculative_config, model, config.max_model_len)
         mesh = make_mesh(config.tensor_parallel_size, list(devices))
         allocator = AbstractAllocator(t, config.gpu_memory_utilization)
         params = abstract_weights(model, config.jax_dtype, mesh, config.enable_expert_parallel)
@@ -140,7 +138,7 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
             return EnginePlan(**base, resident_bytes=weights, kv_cache_bytes=0, kv_cache_tokens=0, problem=(
                 f"the weights need {gib(weights)} per device, more than {config.gpu_memory_utilization:g} of "
                 f"{t.name}'s {gib(t.chip.hbm_bytes)}: use more devices (-tp), a smaller dtype or --quantization")), None
-        runner = ModelRunner(model, params, config, set(model.eos_token_ids), mesh, draft, allocator)
+        runner = ModelRunner(model, params, config, set(model.eos_token_ids), mesh, proposer, allocator)
         if config.kv_tiers:  # their copies between the pool and host memory are steps too (no disk is touched)
             runner.attach_tiers(KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None,
                                         config.page_size, page_key))

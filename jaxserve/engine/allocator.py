@@ -9,7 +9,7 @@ runner, its steps and their examples are built by the same code either way and o
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import functools
 
@@ -32,6 +32,10 @@ class Allocator(Protocol):
     def weights(self, model: str, config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
         """Checkpoint-layout params of `model` (a draft model) placed on `mesh`."""
 
+    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shardings: Callable[[Any], Any]) -> Any:
+        """`convert(read())` computed on the devices and placed by `shardings(its shapes)` (an EAGLE-3 head's
+        serving-layout params from its checkpoint)."""
+
     def memory_stats(self, device: Any, resident: Any) -> dict | None:
         """`device.memory_stats()` (None on a CPU) once `resident` (the runner's state so far) is allocated."""
 
@@ -52,6 +56,10 @@ class DeviceAllocator:
         from jaxserve.loading import load_model
 
         return load_model(model, dtype, mesh=mesh).params
+
+    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shardings: Callable[[Any], Any]) -> Any:
+        tree = read()
+        return jax.jit(convert, out_shardings=shardings(jax.eval_shape(convert, tree)))(tree)
 
     def memory_stats(self, device: Any, resident: Any) -> dict | None:
         return device.memory_stats()

@@ -206,9 +206,10 @@ class EngineConfig:
                            "slowly (measured about 7x slower offline, 30x single-stream); float32 is the CPU dtype")
         speculative = SpeculativeConfig.parse(self.speculative_config,
                                               CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None)
-        if self.kv_tiers and speculative is not None and speculative.method == "draft_model":
-            raise ValueError("kv_offloading_size / kv_offloading_dir do not work with a draft model yet (its own KV "
-                             "pool is not copied to the tiers); n-gram speculation works with them")
+        if self.kv_tiers and speculative is not None and speculative.has_pool:
+            raise ValueError(f"kv_offloading_size / kv_offloading_dir do not work with speculative method "
+                             f"{speculative.method!r} yet (its own KV pool is not copied to the tiers); n-gram "
+                             "speculation works with them")
         async_scheduling = self.async_scheduling
         if speculative is not None and async_scheduling:
             # as vLLM for n-gram proposals: a step's drafts need the previous step's tokens on the host

@@ -8,8 +8,8 @@ Group 0 holds the full-attention layers (perhaps none: its page indices then onl
 cache's chain; its page indices name every group's pages. Each other group is one sliding window's layers
 (vLLM's hybrid KV cache): a pool of its own holding every slot's window and step, so a long sequence keeps only
 window-sized K/V in those layers. Window layers fall into group 0 (full pages, read through the window mask) when
-the hybrid cache is off (`disable_hybrid_kv_cache_manager`, the KV tiers or a draft model, which copy or share
-the whole pool by page) or their window holds as many pages per sequence as a full layer.
+the hybrid cache is off (`disable_hybrid_kv_cache_manager`, the KV tiers, a draft model or an EAGLE-3 head, which
+copy or share the whole pool by page) or their window holds as many pages per sequence as a full layer.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class KVPlan:
     page_size: int
     groups: tuple[KVCacheGroup, ...]
     layer_groups: tuple[int, ...]  # each layer's group, whose pages it reads (-1: a layer with a state, no pages)
-    draft_page_bytes: int = 0  # a draft model's pool: as many pages as group 0, this many bytes each
+    proposer_page_bytes: int = 0  # a draft model's or EAGLE-3 head's pool: group 0's pages, this many bytes each
     state: StateSpec | None = None  # the state layers' (`ModelConfig.state_layers`)
     state_slots: int = 0  # states each such layer keeps: one per decode slot
     state_slot_bytes: int = 0  # one slot's states over all state layers and devices
@@ -123,9 +123,9 @@ class KVPlan:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of every pool over all devices (a draft model's included)."""
+        """Bytes of every pool over all devices (a draft model's or EAGLE-3 head's included)."""
         return (sum(group.num_pages * group.page_bytes for group in self.groups)
-                + self.num_pages * self.draft_page_bytes + self.state_bytes)
+                + self.num_pages * self.proposer_page_bytes + self.state_bytes)
 
     @property
     def state_bytes(self) -> int:
@@ -199,7 +199,8 @@ def group_layers(specs: tuple[KVCacheSpec | StateSpec | KVSharingSpec, ...], ec:
     if ec.kv_tiers and (len(shapes) > 1 or any(isinstance(spec, KVSharingSpec) for spec in specs)):
         raise ValueError("the KV tiers: not supported yet for models whose layers keep KV of different shapes or "
                          "read other layers' KV (they copy every layer's page as one stack)")
-    hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers or draft)
+    own_pool = ec.speculative_config is not None and ec.speculative_config.has_pool
+    hybrid = not (ec.disable_hybrid_kv_cache_manager or ec.kv_tiers or own_pool)
     full: FullAttentionSpec | MLASpec | None = None
     groups: list[tuple[KVCacheSpec | None, list[int]]] = [(None, [])]
     for layer, spec in enumerate(specs):
@@ -223,7 +224,7 @@ def group_layers(specs: tuple[KVCacheSpec | StateSpec | KVSharingSpec, ...], ec:
 
 
 def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, backend: PagedAttention, dtype,
-                  budget_bytes: int | None, draft_page_bytes: int = 0) -> KVPlan:
+                  budget_bytes: int | None, proposer_page_bytes: int = 0) -> KVPlan:
     """The plan for `budget_bytes` per device (None: a CPU, or `num_kv_pages` set). One group: the budget's worth of
     pages, or enough for every slot up to a fixed size. With window groups: each holds every slot's window and
     step, or with a budget its share of it, so that every group runs out together for sequences of max_model_len;
@@ -242,7 +243,7 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
                              "or num_state_checkpoints, or raise gpu_memory_utilization / kv_cache_memory_bytes")
         budget_bytes -= state_device_bytes
     group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, layers) for _, layers in grouped]
-    total = [group_bytes[0] + draft_page_bytes, *group_bytes[1:]]  # a draft model's page rides on group 0's
+    total = [group_bytes[0] + proposer_page_bytes, *group_bytes[1:]]  # the proposer's page rides on group 0's
     device = [size // tp.size for size in total]
     windows = [ec.max_num_seqs * pages_per_seq(spec, ec) + 1 for spec, _ in grouped[1:]]
     if len(grouped) == 1:
@@ -269,7 +270,7 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     for layer, spec in enumerate(specs):  # a layer reading another's KV reads it through that layer's group
         if isinstance(spec, KVSharingSpec):
             layer_groups[layer] = layer_groups[spec.source]
-    return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), draft_page_bytes, state,
+    return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), proposer_page_bytes, state,
                   ec.max_num_seqs if state is not None else 0, slot_bytes, checkpoints)
 
 

@@ -43,7 +43,7 @@ from jaxserve.lora.cache import AdapterCache
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.spec_decode.draft import draft_model_config
+from jaxserve.spec_decode import proposer_config
 from jaxserve.structured_output import GrammarCompiler
 from jaxserve.structured_output.grammar import token_bitmask
 
@@ -58,9 +58,8 @@ class LLMEngine:
         started = time.perf_counter()
         target = loaded.config if loaded is not None else model_config(resolve_model(config.model))
         self.engine_config = config = config.resolve(target.max_position_embeddings)
-        spec = config.speculative_config  # a draft model is checked against the target before either is loaded
-        draft_config = (draft_model_config(spec, target, config.max_model_len)
-                        if spec is not None and spec.method == "draft_model" else None)
+        # a draft model or EAGLE-3 head is checked against the target before either is loaded
+        proposer = proposer_config(config.speculative_config, target, config.max_model_len)
         self.mesh = make_mesh(config.tensor_parallel_size,
                               replica_devices(config.data_parallel_rank, config.tensor_parallel_size))
         self.model = loaded or load_model(config.model, dtype=config.jax_dtype, tokenizer=config.tokenizer,
@@ -77,7 +76,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, loaded_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(loaded_config, self.model.params, self.engine_config, self.eos_token_ids, self.mesh,
-                                  draft_config)
+                                  proposer)
         self.model.params = None  # the runner holds the device copy
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         runner, plan = self.runner, self.runner.kv_plan

@@ -64,6 +64,7 @@ from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.loading.placement import serving_params
 from jaxserve.lora.weights import SlotWeights, empty_adapter, empty_stack, load_slot_step, stack_shapes
+from jaxserve.spec_decode.eagle3 import Eagle3Config
 from jaxserve.structured_output.grammar import bitmask_words
 
 
@@ -72,7 +73,7 @@ class ModelRunner:
     by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
 
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
-                 mesh: Mesh | None = None, draft_config: ModelConfig | None = None,
+                 mesh: Mesh | None = None, proposer_config: ModelConfig | Eagle3Config | None = None,
                  allocator: Allocator | None = None):
         self.model_config = config
         self.allocator = allocator or DeviceAllocator()  # `jaxserve compile`'s makes abstract arrays
@@ -96,7 +97,8 @@ class ModelRunner:
         num_groups = len(group_layers(layer_specs(config), engine_config))  # the KV cache groups (`kv_plan`)
         self.batch = InputBatch(engine_config, vocab, replicated, self.allocator, num_groups)
         spec = engine_config.speculative_config
-        self.speculator = Speculator(self, spec, draft_config) if spec is not None else None
+        self.speculator = Speculator(self, spec, proposer_config) if spec is not None else None
+        self.aux_layers = self.speculator.aux_layers if self.speculator is not None else ()
         self.spec_counters = self.speculator.counters if self.speculator is not None else SpecDecodeCounters(0)
         self.batch.sampling_table = self.allocator.put(self.batch.sampling.table(), replicated)
         # the constrained-decoding mask of a sampler call without constrained rows: all ones, kept on the device
@@ -108,11 +110,11 @@ class ModelRunner:
             device = self.mesh.local_devices[0]
             budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
                                      config, engine_config)
-        draft = self.speculator.draft if self.speculator is not None else None  # its pool has group 0's pages
+        speculator = self.speculator  # a proposer's own pool has group 0's pages
         self.kv_plan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
-                                     draft.page_bytes if draft is not None else 0)
-        if draft is not None:
-            draft.allocate_pool(self.kv_plan.num_pages)
+                                     speculator.pool_page_bytes if speculator is not None else 0)
+        if speculator is not None:
+            speculator.allocate_pool(self.kv_plan.num_pages)
         self.kv_cache = empty_kv_cache(self.kv_plan.layer_pages, config, self.tp, self.backend, self.page_size,
                                        self.dtype, self.allocator, self.kv_plan.state_slots,
                                        self.kv_plan.state_checkpoints)
@@ -129,10 +131,9 @@ class ModelRunner:
 
     def resident_state(self) -> tuple:
         """Every array the runner keeps on its devices between steps (the KV pools once they exist)."""
-        draft = self.speculator.draft if self.speculator is not None else None
         return (self.params, self.lora_stack, self.kv_cache, self.batch.slot_state,
                 self.batch.penalties, self.batch.sampling_table, self.all_allowed,
-                None if draft is None else (draft.params, draft.kv_cache, draft.slot_state))
+                self.speculator.resident_state() if self.speculator is not None else None)
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
@@ -255,9 +256,9 @@ class ModelRunner:
         """One prefill call (K/V written to the pool, and to a draft model's); the sampled token of each row, and
         the prompt scores of a call with scored rows (else None), still on the device."""
         batch = inputs.batch
-        if self.speculator is not None:
-            self.speculator.mirror_prefill(batch)
         forward = self.steps.run("prefill", batch, keep=("logits",) if inputs.guided else ())  # for sample_pending
+        if self.speculator is not None:
+            self.speculator.mirror_prefill(batch, forward)
         scores = None
         if inputs.scored:
             scores = self.steps.run("score", ScoreInputs(forward.hidden, batch.token_ids, batch.num_tokens,
@@ -269,6 +270,8 @@ class ModelRunner:
         """One decode step (K/V written to the pool); the sampled token of each row, still on the device."""
         batch = inputs.batch
         forward = self.steps.run("decode", batch, keep=("logits",) if inputs.guided else ())
+        if self.speculator is not None:
+            self.speculator.after_decode(batch, forward)
         return self._choose_tokens(forward, batch.slots, inputs.output_index, batch.active, len(inputs.rows),
                                    inputs.guided)
 

@@ -38,20 +38,21 @@ def runner_steps(runner: RunnerState) -> list[Step]:
     penalties = (lambda: (runner.batch.penalties,)), assign(runner.batch, "penalties")
     on_every_device = dict(mesh=mesh, state_shardings=(replicated,), new_state_shardings=(replicated,),
                            donate=(0,))
+    aux = dict(aux_layers=runner.aux_layers) if runner.aux_layers else {}  # an EAGLE-3 head reads them
     return [
-        Step("prefill", runner.jit_forward(prefill_step, with_hidden=True), runner.forward_state,
+        Step("prefill", runner.jit_forward(prefill_step, with_hidden=True, **aux), runner.forward_state,
              runner.keep_forward_state,
              functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora,
                                runner.batch.state_checkpoints),
-             forwards=("logits", "hidden")),
+             forwards=("logits", "hidden", *(("aux",) if aux else ()))),
         Step("score", jit_step(functools.partial(prompt_scores_step, runner.model_config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),
              lambda: (runner.params,), assign(runner), functools.partial(
                  score_examples, ec, runner.model_config.hidden_size, runner.dtype, replicated, runner.allocator),
              forwarded=("hidden",)),
-        Step("decode", runner.jit_forward(decode_step), runner.forward_state, runner.keep_forward_state,
+        Step("decode", runner.jit_forward(decode_step, **aux), runner.forward_state, runner.keep_forward_state,
              functools.partial(decode_examples, ec, len(runner.kv_plan.groups), ec.enable_lora,
-                               runner.batch.state_checkpoints), forwards=("logits",)),
+                               runner.batch.state_checkpoints), forwards=("logits", *(("aux",) if aux else ()))),
         Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
              assign(runner.batch, "sampling_table"), functools.partial(table_examples, ec)),
         Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),

@@ -1,7 +1,8 @@
-"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s
-proposals on the device (n-gram drafts come proposed in the scheduler's output), the verify forward and its
-sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up examples, the draft model's params and
-pool, and the acceptance counters. The pure parts live in `spec_decode/` (n-gram index, proposal and acceptance)."""
+"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s or
+an `Eagle3Head`'s proposals on the device (n-gram drafts come proposed in the scheduler's output), the verify
+forward and its sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up
+examples, the proposer's params and pool, and the acceptance counters. The pure parts live in `spec_decode/`
+(n-gram index, proposals and acceptance)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
+from jaxserve.engine.eagle_head import Eagle3Head
 from jaxserve.engine.kv_budget import page_bytes
 from jaxserve.engine.kv_plan import empty_kv_cache, kv_cache_shardings
 from jaxserve.engine.scheduler_output import ScheduledDecode
@@ -25,13 +27,14 @@ from jaxserve.engine.stats import SpecDecodeCounters
 from jaxserve.engine.step_inputs import VerifyInputs, empty_prefill, empty_verify, verify_inputs
 from jaxserve.engine.step_output import RowSequence, SampledToken, sampled_token
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
-from jaxserve.engine.steps import (PrefillBatch, SlotState, VerifyBatch, VerifySamplerInputs, prefill_step,
-                                   verify_sample_step, verify_step)
+from jaxserve.engine.steps import (DecodeBatch, Forward, PrefillBatch, SlotState, VerifyBatch, VerifySamplerInputs,
+                                   prefill_step, verify_sample_step, verify_step)
 from jaxserve.layers.attention import PagedAttention
 from jaxserve.layers.sampler import SampleResult
 from jaxserve.loading.placement import serving_params
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import ProposeInputs, propose_step
+from jaxserve.spec_decode.eagle3 import Eagle3Config
 
 
 class DraftModel:
@@ -79,21 +82,47 @@ class Speculator:
     `keep_forward_state` and `sampler_state` / `keep_sampler_state`, and runs its steps through the runner's
     `steps` registry (which it adds them to)."""
 
-    def __init__(self, runner: RunnerState, spec: SpeculativeConfig, draft_config: ModelConfig | None):
+    def __init__(self, runner: RunnerState, spec: SpeculativeConfig,
+                 proposer_config: ModelConfig | Eagle3Config | None):
         ec = runner.engine_config
         self.runner = runner
         self.k = ec.num_speculative_tokens
-        self.draft = (DraftModel(spec, draft_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
+        self.draft = (DraftModel(spec, proposer_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
                                  ec.max_num_seqs, ec.pages_per_seq, runner.allocator)
                       if spec.method == "draft_model" else None)
+        self.head = Eagle3Head(spec.model, proposer_config, runner) if spec.method == "eagle3" else None
         self.counters = SpecDecodeCounters(self.k)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the target's forwards return (`Forward.aux`): an EAGLE-3 head's."""
+        return self.head.config.aux_layers if self.head is not None else ()
+
+    @property
+    def pool_page_bytes(self) -> int:
+        """Bytes of one page of the proposer's own pool (0: none), which has as many pages as group 0."""
+        proposer = self.draft or self.head
+        return proposer.page_bytes if proposer is not None else 0
+
+    def allocate_pool(self, num_pages: int) -> None:
+        proposer = self.draft or self.head
+        if proposer is not None:
+            proposer.allocate_pool(num_pages)
+
+    def resident_state(self) -> tuple:
+        """The proposer's arrays kept on the devices between steps."""
+        if self.draft is not None:
+            return self.draft.params, self.draft.kv_cache, self.draft.slot_state
+        return self.head.resident_state() if self.head is not None else ()
 
     def steps(self) -> list[Step]:
         """Its steps' records (call once the target's and the draft's pools exist)."""
         runner, mesh = self.runner, self.runner.mesh
         replicated = NamedSharding(mesh, REPLICATED)
-        steps = [Step("verify", runner.jit_forward(verify_step), runner.forward_state, runner.keep_forward_state,
-                      self._verify_examples, forwards=("logits",), forwarded=("draft_tokens",)),
+        aux = dict(aux_layers=self.aux_layers) if self.head is not None else {}
+        steps = [Step("verify", runner.jit_forward(verify_step, **aux), runner.forward_state,
+                      runner.keep_forward_state, self._verify_examples, forwards=("logits", *(("aux",) if aux else ())),
+                      forwarded=("draft_tokens",)),
                  Step("verify_sample", jit_step(verify_sample_step, mesh, (replicated,) * 3, (replicated,) * 2,
                                                donate=(0, 1)),
                       runner.sampler_state, runner.keep_sampler_state, self._verify_sample_examples,
@@ -109,6 +138,8 @@ class Speculator:
                                            runner.batch.sampling_table),
                                   assign(draft, "kv_cache"), self._propose_examples,
                                   forwards=("draft_tokens", "draft_probs")))
+        if self.head is not None:
+            steps += self.head.steps()
         return steps
 
     # -- a step's decode batch -----------------------------------------------------------------------------
@@ -117,11 +148,18 @@ class Speculator:
         """The verify call for this step's decodes (some with drafts)."""
         return verify_inputs(self.runner.batch, decodes, self.runner.engine_config, self.k)
 
-    def mirror_prefill(self, batch: PrefillBatch) -> None:
-        """Writes a target prefill call's chunks into the draft model's pool too (no-op without a draft model). The
-        draft model runs without adapters: it only proposes, and the adapted target verifies."""
+    def mirror_prefill(self, batch: PrefillBatch, forward: Forward) -> None:
+        """Writes a target prefill call's chunks (`forward`: its outputs) into the proposer's pool too (no-op
+        without one). The proposer runs without adapters: it only proposes, and the adapted target verifies."""
         if self.draft is not None:
             self.runner.steps.run("draft_prefill", batch.replace(lora_slots=None))
+        if self.head is not None:
+            self.head.after_prefill(batch, forward)
+
+    def after_decode(self, batch: DecodeBatch, forward: Forward) -> None:
+        """A plain decode call (a step without drafts): an EAGLE-3 head keeps its layer inputs."""
+        if self.head is not None:
+            self.head.keep(batch, forward)
 
     def verify(self, inputs: VerifyInputs) -> SampleResult:
         """Proposes (a draft model, on the device) and verifies K drafts per row in one forward of the target; each
@@ -136,7 +174,12 @@ class Speculator:
                 batch.slots, batch.positions, inputs.last_tokens, batch.pages[0], batch.num_draft, batch.active,
                 inputs.output_index))
             batch = batch.replace(draft_tokens=proposal.draft_tokens)
+        if self.head is not None:
+            proposal = self.head.propose(batch)
+            batch = batch.replace(draft_tokens=proposal.draft_tokens)
         forward = runner.steps.run("verify", batch)
+        if self.head is not None:
+            self.head.keep(batch, forward)
         if plain:
             return forward.greedy
         runner.send_sampling_table()
@@ -165,9 +208,10 @@ class Speculator:
         return self.runner.allocator.full(shape, dtype, NamedSharding(self.runner.mesh, REPLICATED))
 
     def _drafts(self, rows: int):
-        """Example drafts: a draft model's come from its proposal, on the device."""
+        """Example drafts: a draft model's and an EAGLE-3 head's come from its proposal, on the device."""
         shape = (rows, self.k)
-        return self._zeros_on_device(shape, jnp.int32) if self.draft is not None else np.zeros(shape, np.int32)
+        on_device = self.draft is not None or self.head is not None
+        return self._zeros_on_device(shape, jnp.int32) if on_device else np.zeros(shape, np.int32)
 
     def _verify_examples(self) -> Iterator[VerifyBatch]:
         runner = self.runner

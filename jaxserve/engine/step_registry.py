@@ -86,6 +86,7 @@ class RunnerState(Protocol):
     all_allowed: dict[int, jax.Array]  # a sampler call's bitmask without constrained rows, per row count
     allocator: Allocator  # where its device state and its steps' device-side examples come from
     steps: StepRegistry
+    aux_layers: tuple[int, ...]  # the layers whose inputs its forwards return (an EAGLE-3 head's; empty: none)
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable: ...
     def forward_state(self) -> tuple: ...

@@ -50,12 +50,14 @@ class SlotState:
 
 @flax.struct.dataclass
 class Forward:
-    """A forward's outputs: its logits, their argmax (a verify step's: a `SampleResult` with `num_accepted`) and a
-    prefill's last-layer output `[rows, T, hidden]` (`prompt_scores_step`'s input; None otherwise)."""
+    """A forward's outputs: its logits, their argmax (a verify step's: a `SampleResult` with `num_accepted`), a
+    prefill's last-layer output `[rows, T, hidden]` (`prompt_scores_step`'s input; None otherwise) and, with
+    `aux_layers`, those layers' inputs `[rows, T, n * hidden]` (an EAGLE-3 head's: `spec_decode/eagle3_steps.py`)."""
 
     logits: jax.Array
     greedy: jax.Array | SampleResult
     hidden: jax.Array | None = None
+    aux: jax.Array | None = None
 
 
 # The steps' inputs: numpy arrays on the host, sent (replicated) with the call.
@@ -173,7 +175,8 @@ def _metadata(page_tables, slot_mapping, layer_groups, **fields) -> AttentionMet
 
 
 def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: PrefillBatch,
-                 with_hidden: bool = False, layer_groups: tuple[int, ...] | None = None):
+                 with_hidden: bool = False, layer_groups: tuple[int, ...] | None = None,
+                 aux_layers: tuple[int, ...] = ()):
     """Chunks of `rows` sequences at once: `token_ids [rows, T]`, chunk i starting at position `starts[i]`. Each
     row's page tables become its slot's, and so does the token its sequence feeds next: a final chunk's argmax,
     else the token after the chunk (`next_tokens`; a recompute may leave its last known token to a decode).
@@ -191,14 +194,15 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
                      context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0), query_lens=num_tokens,
                      rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1), state_slots=live,
                      state_sources=batch.state_sources, state_saves=batch.state_saves)
-    (logits, hidden), kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
-                                         logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp,
-                                         with_hidden=True, lora_slots=batch.lora_slots)
+    outputs, kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
+                                logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp, with_hidden=True,
+                                lora_slots=batch.lora_slots, aux_layers=aux_layers)
+    (logits, hidden), aux = outputs if aux_layers else (outputs, None)
     greedy = argmax(logits)
     slot_state = SlotState(
         tokens=slot_state.tokens.at[live].set(jnp.where(batch.is_final, greedy, batch.next_tokens), mode="drop"),
         page_tables=slot_state.page_tables.at[:, live].set(page_tables, mode="drop"))
-    return Forward(logits, greedy, hidden.astype(dtype) if with_hidden else None), (kv_cache, slot_state)
+    return Forward(logits, greedy, hidden.astype(dtype) if with_hidden else None, aux), (kv_cache, slot_state)
 
 
 def prompt_scores_step(config, tp, dtype, params, inputs: ScoreInputs):
@@ -222,7 +226,7 @@ def prompt_scores_step(config, tp, dtype, params, inputs: ScoreInputs):
 
 
 def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: DecodeBatch,
-                layer_groups: tuple[int, ...] | None = None):
+                layer_groups: tuple[int, ...] | None = None, aux_layers: tuple[int, ...] = ()):
     """One token per row: row i feeds its slot's latest token at `positions[i]`; `pages[:, i]` is the page holding
     that position in each KV cache group, written into the slot's page tables first. The argmax becomes each active
     slot's token."""
@@ -236,16 +240,17 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions[:, None],
                      context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32),
                      state_slots=live, state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
-    logits, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
-                               logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
-                               lora_slots=batch.lora_slots)
+    outputs, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
+                                logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
+                                lora_slots=batch.lora_slots, aux_layers=aux_layers)
+    logits, aux = outputs if aux_layers else (outputs, None)
     greedy = argmax(logits)
     slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables)
-    return Forward(logits, greedy), (kv_cache, slot_state)
+    return Forward(logits, greedy, aux=aux), (kv_cache, slot_state)
 
 
 def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_state: SlotState, batch: VerifyBatch,
-                layer_groups: tuple[int, ...] | None = None):
+                layer_groups: tuple[int, ...] | None = None, aux_layers: tuple[int, ...] = ()):
     """Row i feeds its slot's latest token at `positions[i]` and its `num_draft[i]` drafts after it (`draft_tokens
     [rows, K]`, `pages [groups, rows, K+1]` the pages of those K+1 positions); the logits of all K+1 positions come
     back with the greedy acceptance (`SampleResult` with `num_accepted`), and each active slot's latest token
@@ -263,14 +268,15 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions2d,
                      context_lens=jnp.where(active, positions + 1 + num_draft, 0),
                      query_lens=jnp.where(active, 1 + num_draft, 0))
-    logits, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
-                               lora_slots=batch.lora_slots)
+    outputs, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
+                                lora_slots=batch.lora_slots, aux_layers=aux_layers)
+    logits, aux = outputs if aux_layers else (outputs, None)
     greedy = argmax(logits)
     num_accepted = verify_greedy(greedy, draft_tokens, num_draft)
     last = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]
     live = _rows_to_slots(slot_state, slots, active)
     slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables)
-    return Forward(logits, SampleResult(greedy, None, None, None, num_accepted)), (kv_cache, slot_state)
+    return Forward(logits, SampleResult(greedy, None, None, None, num_accepted), aux=aux), (kv_cache, slot_state)
 
 
 def verify_sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingBatch,

@@ -195,7 +195,8 @@ def vocab_shards(config: ModelConfig, tp: TensorParallel) -> int:
 
 class LlamaModel(nn.Module):
     """`(token_ids [B, T], kv_cache, meta) -> (last layer's output [B, T, hidden], new kv_cache)`; the final norm
-    and LM head are `compute_logits`."""
+    and LM head are `compute_logits`. Each layer's input is sown as `intermediates/layer_inputs` (what an EAGLE-3
+    head reads: `models.forward`'s `aux_layers`)."""
 
     config: ModelConfig
     attention: PagedAttention
@@ -211,6 +212,7 @@ class LlamaModel(nn.Module):
             x = x * jnp.asarray(cfg.embedding_scale, self.dtype)
         new_cache = []
         for index, kv in enumerate(kv_cache):
+            self.sow("intermediates", "layer_inputs", x)
             x, kv = DecoderLayer(cfg, self.tp, self.attention, cfg.layers[index], self.dtype,
                                  name=f"layers_{index}")(x, kv, meta.for_layer(index))
             new_cache.append(kv)

@@ -56,23 +56,32 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
 
 def forward(params, config: ModelConfig, backend: PagedAttention, token_ids, kv_cache: KVCache,
             meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel(),
-            with_hidden: bool = False, lora_slots=None):
+            with_hidden: bool = False, lora_slots=None, aux_layers: tuple[int, ...] = ()):
     """The pure forward function the engine jits: params (serving layout) and cache in, float32 logits and new
     cache out. With `logits_indices [B]`, one token per row gets logits ([B, vocab]); without, every token
     ([B, T, vocab]). `with_hidden`: the logits are the pair (logits, the last layer's output [B, T, hidden]).
     LoRA: `params["lora"]` is the adapters' device stack (`lora/weights.py`) and `lora_slots [B]` each row's slot
-    in it (-1: the base model)."""
+    in it (-1: the base model). `aux_layers`: the outputs are the pair (those outputs, the inputs of those decoder
+    layers concatenated on the features `[B, T, len(aux_layers) * hidden]`) (an EAGLE-3 head's inputs; the
+    Llama-shaped decoders sow them)."""
     spec = model_spec(config.model_type)
     variables = {"params": params}
     if "lora" in params:
         params = {name: group for name, group in params.items() if name != "lora"}
         variables = {"params": params, "lora": lora_variables(variables["params"]["lora"], lora_slots, dtype)}
-    hidden, new_cache = spec.module(config, backend, dtype, tp).apply(variables, token_ids, kv_cache, meta)
+    module = spec.module(config, backend, dtype, tp)
+    if aux_layers:
+        (hidden, new_cache), sown = module.apply(variables, token_ids, kv_cache, meta, mutable=["intermediates"])
+        layer_inputs = sown["intermediates"]["layer_inputs"]
+        aux = jnp.concatenate([layer_inputs[layer] for layer in aux_layers], axis=-1)
+    else:
+        hidden, new_cache = module.apply(variables, token_ids, kv_cache, meta)
     x = hidden
     if logits_indices is not None:
         x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]
     logits = spec.compute_logits(params, config, x, dtype, tp)
-    return ((logits, hidden) if with_hidden else logits), new_cache
+    outputs = (logits, hidden) if with_hidden else logits
+    return ((outputs, aux) if aux_layers else outputs), new_cache
 
 
 def head_logits(params, config: ModelConfig, hidden, dtype=jnp.float32, tp: TensorParallel = TensorParallel()):

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 CPU_DISABLE_BY_BATCH_SIZE = 2
 
 
@@ -14,7 +14,8 @@ CPU_DISABLE_BY_BATCH_SIZE = 2
 class SpeculativeConfig:
     """`method` "ngram" proposes from the request's own tokens (prompt lookup decoding); "draft_model" (the method
     when `model` is set) from a smaller model with the target's vocabulary, running in the engine with its own
-    KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose batch
+    KV pool; "eagle3" from an EAGLE-3 head (`model`: its directory) reading the target's hidden states, with its
+    own one-layer KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose batch
     reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound, where
     verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
     `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
@@ -74,10 +75,16 @@ class SpeculativeConfig:
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 fail("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
         elif not isinstance(self.model, str) or not self.model:
-            fail("model", "must name the draft model (a checkpoint directory, a .gguf file or the default model)")
+            fail("model", "must name the draft model (a checkpoint directory, a .gguf file or the default model)"
+                 if self.method == "draft_model" else "must name the EAGLE-3 head's directory")
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             fail("disable_by_batch_size", "must be an integer >= 1 or None")
+
+    @property
+    def has_pool(self) -> bool:
+        """The proposer keeps a KV pool of its own, named by the target's page tables (one KV cache group)."""
+        return self.method in ("draft_model", "eagle3")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
