@@ -273,3 +273,27 @@ def test_fp8_weights_compile_and_a_gpu_reads_them_in_place(target):
     assert_compiles_and_fits(result)
     if target == "h200x8":
         assert all(step.temp_bytes < 1 << 20 for step in result.steps), [step.temp_bytes for step in result.steps]
+
+
+@pytest.mark.parametrize("target, options", [("h200", {}), ("v6e-4", dict(tensor_parallel_size=4))])
+def test_an_eagle3_head_compiles_from_its_config_alone(config_dirs, tmp_path, target, options):
+    """The head's prefill, keep and propose steps and the target's forwards returning its layer inputs; a head
+    directory with a config.json and no weights, as a model's."""
+    import transformers
+
+    from tests.eagle3_heads import head_hf_config
+
+    llama = transformers.AutoConfig.from_pretrained(config_dirs["llama"])
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                                                  "num_hidden_layers": 1, **head_hf_config(
+                                                      llama, draft_vocab_size=128, aux_layers=(0, 1, 1),
+                                                      head_dim=64)}))
+    config = EngineConfig(model=config_dirs["llama"], page_size=16 if target == "h200" else 128,
+                          speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+                          **SMALL, **options)
+    names = {"prefill", "decode", "verify", "eagle_prefill", "eagle_keep", "eagle_propose"}
+    result = compile_engine(config, target, names)
+    assert {step.name for step in result.steps} == names
+    assert_compiles_and_fits(result)

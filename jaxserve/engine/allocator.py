@@ -32,9 +32,10 @@ class Allocator(Protocol):
     def weights(self, model: str, config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
         """Checkpoint-layout params of `model` (a draft model) placed on `mesh`."""
 
-    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shardings: Callable[[Any], Any]) -> Any:
+    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shapes: Any,
+              shardings: Callable[[Any], Any]) -> Any:
         """`convert(read())` computed on the devices and placed by `shardings(its shapes)` (an EAGLE-3 head's
-        serving-layout params from its checkpoint)."""
+        serving-layout params from its checkpoint tensors); `shapes`: what `read()` returns, as ShapeDtypeStructs."""
 
     def memory_stats(self, device: Any, resident: Any) -> dict | None:
         """`device.memory_stats()` (None on a CPU) once `resident` (the runner's state so far) is allocated."""
@@ -57,7 +58,8 @@ class DeviceAllocator:
 
         return load_model(model, dtype, mesh=mesh).params
 
-    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shardings: Callable[[Any], Any]) -> Any:
+    def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shapes: Any,
+              shardings: Callable[[Any], Any]) -> Any:
         tree = read()
         return jax.jit(convert, out_shardings=shardings(jax.eval_shape(convert, tree)))(tree)
 

@@ -21,7 +21,7 @@ from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
 from jaxserve.engine.steps import DecodeBatch, Forward, PrefillBatch, VerifyBatch
 from jaxserve.models import llama_weights, serving_shardings
 from jaxserve.spec_decode.draft import Proposal
-from jaxserve.spec_decode.eagle3 import Eagle3Config, checkpoint_params, read_checkpoint
+from jaxserve.spec_decode.eagle3 import Eagle3Config, checkpoint_params, read_checkpoint, tensor_shapes
 from jaxserve.spec_decode.eagle3_steps import (HeadPrefillInputs, HeadProposeInputs, KeepInputs, head_keep_step,
                                                head_prefill_step, head_propose_step)
 
@@ -37,19 +37,16 @@ class Eagle3Head:
         self.tp = TensorParallel(mesh.size)
         self.tp.check(config.layer)
         self.width = ec.num_speculative_tokens + 1  # the ring's positions per slot
-        self.params = runner.allocator.place(self._serving_layout, functools.partial(
-            self._checkpoint, model), self._shardings)
+        self.params = runner.allocator.place(self._serving_layout, functools.partial(read_checkpoint, model, config),
+                                             tensor_shapes(config, runner.dtype), self._shardings)
         self.kv = None
         self.ring = runner.allocator.full(
             (ec.max_num_seqs, self.width, len(config.aux_layers) * config.target_hidden_size), runner.dtype,
             NamedSharding(mesh, REPLICATED))
         self.fed = np.zeros(ec.max_num_seqs, np.int64)
 
-    def _checkpoint(self, model: str) -> dict:
-        return checkpoint_params(read_checkpoint(model, self.config), np.dtype(self.runner.dtype))
-
-    def _serving_layout(self, params: dict) -> dict:
-        layer = self.config.layer
+    def _serving_layout(self, tensors: dict) -> dict:
+        params, layer = checkpoint_params(tensors, self.runner.dtype), self.config.layer
         return {**params, "layer": llama_weights.fuse_layer(params["layer"], layer.for_layer(layer.layers[0]),
                                                             self.tp)}
 

@@ -92,12 +92,21 @@ def eagle3_config(model: str, target: ModelConfig) -> Eagle3Config:
     if not aux_layers or any(not isinstance(i, int) or not 0 <= i < target.num_layers for i in aux_layers):
         raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {list(aux_layers)} must name layers in "
                          f"[0, {target.num_layers - 1}] of the target")
-    own_embedding = "embed_tokens.weight" in tensor_files(str(path))
+    try:
+        own_embedding = "embed_tokens.weight" in tensor_files(str(path))
+    except ValueError:  # no weights (`jaxserve compile` reads the config alone; serving stops at the first tensor)
+        own_embedding = False
     if not own_embedding and layer.hidden_size != target.hidden_size:
         raise ValueError(f"{where} has hidden size {layer.hidden_size} and no embed_tokens.weight: it would read "
                          f"the target's embeddings, of size {target.hidden_size}")
     return Eagle3Config(layer, draft_vocab, aux_layers, target_hidden, bool(raw.get("norm_before_residual", False)),
                         own_embedding)
+
+
+def tensor_shapes(config: Eagle3Config, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    """What `read_checkpoint` returns, as shapes (`d2t` int32, the rest in `dtype`)."""
+    return {name: jax.ShapeDtypeStruct(shape, jnp.int32 if name == "d2t" else dtype)
+            for name, shape in checkpoint_shapes(config).items()}
 
 
 def checkpoint_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -118,8 +127,9 @@ def checkpoint_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
 
 
 def read_checkpoint(model: str, config: Eagle3Config) -> dict[str, np.ndarray]:
-    """The head's tensors by the names of `checkpoint_shapes`, as stored; ValueError for a missing tensor, a wrong
-    shape, or a `d2t` mapping a draft id outside the target's vocabulary. The head is read whole (it is small)."""
+    """The head's tensors by the names of `checkpoint_shapes`, as stored (`d2t` as int32); ValueError for a missing
+    tensor, a wrong shape, or a `d2t` mapping a draft id outside the target's vocabulary. The head is read whole (it
+    is small)."""
     from safetensors import safe_open
 
     from jaxserve.loading.hf_files import tensor_files
@@ -143,7 +153,7 @@ def read_checkpoint(model: str, config: Eagle3Config) -> dict[str, np.ndarray]:
         bad = int(np.flatnonzero((target_ids < 0) | (target_ids >= config.layer.vocab_size))[0])
         raise ValueError(f"EAGLE-3 head {model!r}: d2t maps draft id {bad} to {int(target_ids[bad])}, outside the "
                          f"target's vocabulary of {config.layer.vocab_size}")
-    return tensors
+    return {**tensors, "d2t": tensors["d2t"].astype(np.int32)}
 
 
 def write_checkpoint(directory: str | Path, tensors: dict[str, np.ndarray], hf_config: dict[str, Any]) -> None:
@@ -159,9 +169,10 @@ def write_checkpoint(directory: str | Path, tensors: dict[str, np.ndarray], hf_c
               str(path / "model.safetensors"))
 
 
-def checkpoint_params(tensors: dict[str, np.ndarray], dtype) -> dict:
+def checkpoint_params(tensors: dict[str, Any], dtype) -> dict:
     """The head's checkpoint-layout params (HF `[out, in]` kernels as `[in, out]`; `target_ids` int32), the layer
-    as the Llama family's loader gives a layer (`llama_weights.fuse_layer` fuses it)."""
+    as the Llama family's loader gives a layer (`llama_weights.fuse_layer` fuses it). Traceable: jit runs it on the
+    devices, `jax.eval_shape` on shapes."""
     def kernel(name: str) -> dict:
         return {"kernel": tensors[name].T.astype(dtype)}
 
@@ -175,7 +186,7 @@ def checkpoint_params(tensors: dict[str, np.ndarray], dtype) -> dict:
     layer["mlp"] = {name: kernel(f"midlayer.mlp.{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")}
     params = {"fc": kernel("fc.weight"), "layer": layer, "final_norm": scale("norm.weight"),
               "lm_head": kernel("lm_head.weight"),
-              "target_ids": (np.arange(len(tensors["d2t"])) + tensors["d2t"]).astype(np.int32)}
+              "target_ids": (jnp.arange(tensors["d2t"].shape[0]) + tensors["d2t"]).astype(jnp.int32)}
     if "embed_tokens.weight" in tensors:
         params["embed"] = {"embedding": tensors["embed_tokens.weight"].astype(dtype)}
     return params
