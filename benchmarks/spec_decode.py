@@ -4,7 +4,8 @@ Two prompt sets, rendered with the model's chat template: `copy` (benchmarks/dat
 edit or rename a given text, where the answer copies the prompt and prompt lookup has much to find) and `chat`
 (the shipped jaxserve/bench/data/prompts.jsonl, where it has little). For each method (`plain`: no speculation;
 `ngram`: prompt lookup; `draft`: a draft model, `--draft`, default the target itself, which checks the verify step
-rather than gaining speed) one engine with `max_num_seqs=1` answers every prompt of each set in turn (or, with
+rather than gaining speed; `eagle3`: an EAGLE-3 head, `--eagle3 DIR`, e.g. one `benchmarks/train_eagle3.py`
+trained; a method may name its own K after a colon, `eagle3:5`) one engine with `max_num_seqs=1` answers every prompt of each set in turn (or, with
 `--concurrency B`, all of a set's prompts in one batch of B slots: where speculation stops paying), greedy,
 up to `--max-tokens` tokens (EOS ends an answer). Reported per method and set: output tokens per second of
 generation (prefill included, as a user sees it), the ratio to `plain` in the same run, the acceptance rate, the
@@ -13,6 +14,8 @@ mean tokens per verify step, and whether every answer equals plain decoding's to
     python benchmarks/spec_decode.py                       # plain and ngram, K = 4, both prompt sets
     python benchmarks/spec_decode.py --methods plain ngram draft --num-prompts 4
     python benchmarks/spec_decode.py --concurrency 8      # batched: 8 sequences decode together
+    python benchmarks/spec_decode.py --methods plain ngram:3 eagle3:2 eagle3:3 eagle3:5 \
+        --eagle3 benchmarks/results/eagle3-smollm2
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jaxserve.bench import datasets
 
 NAME = "spec_decode"
 COPY_PROMPTS = Path(__file__).resolve().parent / "data" / "copy_prompts.jsonl"
-METHODS = ("plain", "ngram", "draft")
+METHODS = ("plain", "ngram", "draft", "eagle3")
 
 
 def prompt_sets(tokenizer: Any, num_prompts: int, max_input_len: int) -> dict[str, list[list[int]]]:
@@ -43,15 +46,28 @@ def prompt_sets(tokenizer: Any, num_prompts: int, max_input_len: int) -> dict[st
     return sets
 
 
-def speculative_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
+def method_and_k(label: str, args: argparse.Namespace) -> tuple[str, int]:
+    """`ngram` or `eagle3:5`: the method and its K (default `--num-speculative-tokens`)."""
+    method, _, k = label.partition(":")
+    if method not in METHODS or (k and not k.isdigit()):
+        raise SystemExit(f"--methods: {label!r} is not one of {METHODS}, optionally with ':K'")
+    if method == "eagle3" and not args.eagle3:
+        raise SystemExit("--methods eagle3 needs --eagle3 DIR (an EAGLE-3 head)")
+    return method, int(k) if k else args.num_speculative_tokens
+
+
+def speculative_config(label: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    method, k = method_and_k(label, args)
     if method == "plain":
         return None
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
+                "prompt_lookup_min": args.prompt_lookup_min}
+    if method == "eagle3":
+        return {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": k}
     from jaxserve.loading import DEFAULT_MODEL
 
-    return {"model": args.draft or args.model or DEFAULT_MODEL, "num_speculative_tokens": args.num_speculative_tokens}
+    return {"model": args.draft or args.model or DEFAULT_MODEL, "num_speculative_tokens": k}
 
 
 def run_method(method: str, sets: dict[str, list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser)
     common.add_engine_args(parser, max_num_seqs=1, max_model_len=1024)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["plain", "ngram"])
+    parser.add_argument("--methods", nargs="+", default=["plain", "ngram"], help=f"of {METHODS}, each optionally "
+                        "with its own K after a colon (eagle3:5)")
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts of each set")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=1,
@@ -119,9 +136,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--draft", default=None, help="the draft model (default: the target itself)")
+    parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head's directory (method eagle3)")
     argv, args = common.start(parser, argv)
     tokenizer = common.load_tokenizer(args.model)
     sets = prompt_sets(tokenizer, args.num_prompts, args.max_model_len - args.max_tokens)
+    for label in args.methods:
+        method_and_k(label, args)
     results = {method: run_method(method, sets, args) for method in args.methods}
     rows = summarize(results)
     print(common.format_table(["method", "prompts", "tokens", "tok/s", "vs plain", "acceptance", "tokens/verify",

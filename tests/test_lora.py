@@ -141,12 +141,22 @@ def test_prefix_cache_does_not_cross_adapters(tiny_llama_dir, adapters, referenc
     assert run(None) == (references[None][2], cached)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_with_adapters(tiny_llama_dir, adapters, references, method):
-    """Drafts (n-gram, or the base model's as a draft model, which runs without adapters) are verified by the
-    adapted model: the tokens stay the adapters'."""
-    spec = ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-            if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 2})
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculative_decoding_with_adapters(tiny_llama_dir, adapters, references, method, tmp_path):
+    """Drafts (n-gram, the base model's as a draft model, or an EAGLE-3 head's over the adapted model's hidden
+    states; draft model and head run without adapters) are verified by the adapted model: the tokens stay the
+    adapters'."""
+    import transformers
+
+    from tests.eagle3_heads import save_eagle3_head
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        spec = {"model": tiny_llama_dir, "num_speculative_tokens": 2}
+    if method == "eagle3":
+        head = save_eagle3_head(str(tmp_path / "head"), transformers.AutoConfig.from_pretrained(tiny_llama_dir),
+                                draft_vocab_size=128, aux_layers=(0, 1, 1))
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
     llm = LLM(tiny_llama_dir, **OPTIONS, max_loras=2, speculative_config={**spec, "disable_by_batch_size": None})
     prompts, loras, cases = mixed_batch(adapters)
     ours = token_ids(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))

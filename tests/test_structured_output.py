@@ -112,10 +112,20 @@ def test_async_and_synchronous_loops_give_the_same_outputs(tiny_llama_dir, pool)
                 assert matches(names[i % 4], completion.text), completion.text
 
 
-def test_with_speculative_decoding(tiny_llama_dir):
-    """Constrained rows decode without drafts; the others keep speculating."""
-    llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                             "prompt_lookup_min": 1, "disable_by_batch_size": None})
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_with_speculative_decoding(tiny_llama_dir, method, tmp_path):
+    """Steps with a constrained row decode without drafts (an EAGLE-3 head keeps their hidden states); the others
+    speculate."""
+    import transformers
+
+    from tests.eagle3_heads import save_eagle3_head
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    if method == "eagle3":
+        head = save_eagle3_head(str(tmp_path / "head"), transformers.AutoConfig.from_pretrained(tiny_llama_dir),
+                                draft_vocab_size=128, aux_layers=(0, 1, 1))
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    llm = LLM(tiny_llama_dir, **OPTIONS, speculative_config=spec)
     params = [SamplingParams(temperature=0, max_tokens=50, guided_decoding=KINDS["json"]),
               SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)]
     outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)

@@ -268,6 +268,8 @@ class LLMEngine:
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens, spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
+            spec_decode_method=(self.engine_config.speculative_config.method
+                                if self.engine_config.speculative_config is not None else ""),
             kv_cache_fragmentation=fragmentation(self.scheduler.running, manager),
             kv_cache_window_capacity_tokens=sum(group.capacity_tokens for group in plan.window_groups),
             kv_cache_window_usage=pools_usage(window.pool for window in manager.windows),

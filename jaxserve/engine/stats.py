@@ -32,7 +32,8 @@ class SchedulerStats:
     kv_cache_dtype: str = "auto"  # the kv_cache_dtype option: "auto", "int8" or "fp8"
     kv_cache_storage_dtype: str = ""  # what the pages hold: "float32", "bfloat16", "int8", "float8_e4m3fn"
     # speculative decoding (vLLM's spec_decode_* counters): verified rows that had drafts, their drafts, the
-    # accepted ones, and per draft position how often it was accepted
+    # accepted ones, and per draft position how often it was accepted; the method proposing them
+    spec_decode_method: str = ""
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

@@ -276,7 +276,7 @@ class StatLogger:
             if drafted:
                 accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
                 drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
-                logger.info("%sSpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
-                            "Accepted: %d tokens, Drafted: %d tokens", self._prefix, 100 * accepted / drafted,
-                            1 + accepted / max(drafts, 1), accepted, drafted)
+                logger.info("%sSpecDecoding metrics (%s): Draft acceptance rate: %.1f%%, Mean acceptance length: "
+                            "%.2f, Accepted: %d tokens, Drafted: %d tokens", self._prefix, stats.spec_decode_method,
+                            100 * accepted / drafted, 1 + accepted / max(drafts, 1), accepted, drafted)
         self._last_time, self._last = now, stats
