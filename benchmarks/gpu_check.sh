@@ -16,6 +16,8 @@
 #   3b. the MoE stand-in: Qwen3-30B-A3B's shapes the same way (decode step at batch 1/8/64, offline at 64)
 #   3c. LoRA on the 8B stand-in: 64 requests through the base engine, a LoRA engine's base rows, and 4 rank-16
 #      adapters mixed (`lora.py`)
+#   3d. EAGLE-3 on the 8B stand-in with a random head: decode, proposal, verify and keep steps at batch 1/8/64,
+#      and the tokens per verify step a head must reach to pay (`eagle3_speed.py`; speed, not acceptance)
 #   4. host overhead: a tiny model's offline run with the host's time per step phase and the device's busy
 #      fraction (`host_overhead.py`), then with detokenization inline and in a second process
 #   5. the default model's shapes (135M, a random-weight HF checkpoint built with torch): decode step against
@@ -26,7 +28,7 @@
 #   8. the KV host tier: multi-turn later-turn TTFT with and without it (`multi_turn.py`), the default model's shapes
 # Everything goes to $OUT (or benchmarks/results/ when OUT is unset):
 # gpu_check.log, summary.txt (with the 8B and MoE tables), gpu-8b.json, gpu-8b.txt, gpu-moe.json, gpu-moe.txt,
-# lora-gpu.json,
+# lora-gpu.json, eagle3-gpu.json,
 # host-overhead-gpu.json,
 # host-overhead-detok-*.json,
 # roofline-gpu.json, test_kernels.xml, kernels-*.json, multi-turn-gpu.json.
@@ -149,6 +151,9 @@ step "LoRA: 8B stand-in, bf16, 64 requests, base vs 4 rank-16 adapters mixed (lo
     "$PY" benchmarks/lora.py --shape llama-3.1-8b --dtype bfloat16 --num-prompts 64 --max-num-seqs 64 \
     --input-len 128 --output-len 128 --num-adapters 4 --lora-rank 16 --result-file "$OUT_DIR/lora-gpu.json" \
     --disable-tqdm
+
+step "EAGLE-3: 8B stand-in, random head, K=3, per-step costs (eagle3_speed.py)" 100 \
+    "$PY" benchmarks/eagle3_speed.py --result-file "$OUT_DIR/eagle3-gpu.json"
 
 step "host overhead: tiny model, async scheduling, batch 1 and 64 (host_overhead.py)" 60 \
     "$PY" benchmarks/host_overhead.py --batch-sizes 1 64 --result-file "$OUT_DIR/host-overhead-gpu.json"

@@ -28,6 +28,7 @@ TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batch
 SCRIPTS = ["throughput.py", "compare.py", "roofline.py", "plots.py", "run_default_suite.py",
            "baselines/hf_transformers.py", "kernel_bench.py", "random_model.py", "loading_memory.py", "host_overhead.py",
            "gpu_8b.py", "quant_speed.py", "quality.py", "spec_decode.py", "prompt_scoring.py", "multi_turn.py", "hybrid_capacity.py", "slo_scheduling.py", "routing.py", "lora.py",
+           "train_eagle3.py", "eagle3_speed.py",
            "lm_eval_tasks/make_data.py", "lm_eval_tasks/export_hf.py", "lm_eval_tasks/compare_samples.py"]
 
 
@@ -659,13 +660,19 @@ def test_gpu_8b_dry_run(tmp_path):
 
 
 def test_spec_decode_smoke(tiny_llama_dir, tmp_path):
-    """Both prompt sets, every method (the tiny model as its own draft), outputs equal to plain decoding."""
-    from benchmarks import spec_decode
+    """Both prompt sets, every method (the tiny model as its own draft, a random EAGLE-3 head at K = 2), outputs
+    equal to plain decoding."""
+    import transformers
 
+    from benchmarks import spec_decode
+    from tests.eagle3_heads import save_eagle3_head
+
+    head = save_eagle3_head(str(tmp_path / "head"), transformers.AutoConfig.from_pretrained(tiny_llama_dir),
+                            aux_layers=(0, 1, 1))
     payload = spec_decode.main(["--model", tiny_llama_dir, "--max-model-len", "512", "--max-num-batched-tokens", "64",
                                 "--num-prompts", "2", "--max-tokens", "8", "--methods", "plain", "ngram", "draft",
-                                "--result-file", str(tmp_path / "spec.json")])
-    assert {row[0] for row in payload["summary"]} == {"plain", "ngram", "draft"}
+                                "eagle3:2", "--eagle3", head, "--result-file", str(tmp_path / "spec.json")])
+    assert {row[0] for row in payload["summary"]} == {"plain", "ngram", "draft", "eagle3:2"}
     assert all(row[-1] is True for row in payload["summary"])
     assert payload["methods"]["draft"]["sets"]["copy"]["acceptance_rate"] > 0.9
 
