@@ -89,13 +89,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = []
     for batch in buckets:
         seconds = {name: step_seconds(llm, name, batch, args.repeats)
-                   for name in ("decode", "eagle_propose", "verify", "eagle_keep")}
-        speculative = seconds["eagle_propose"] + seconds["verify"] + seconds["eagle_keep"]
+                   for name in ("decode", "head_propose", "verify", "head_keep")}
+        speculative = seconds["head_propose"] + seconds["verify"] + seconds["head_keep"]
         rows.append({"batch": batch, **{f"{name}_ms": 1e3 * value for name, value in seconds.items()},
                      "break_even_tokens_per_verify": speculative / seconds["decode"]})
     print(common.format_table(["batch", "decode ms", "propose ms", "verify ms", "keep ms", "break-even tokens/verify"],
                               [[row["batch"], *(common.fmt(row[f"{name}_ms"], 2) for name in (
-                                  "decode", "eagle_propose", "verify", "eagle_keep")),
+                                  "decode", "head_propose", "verify", "head_keep")),
                                 common.fmt(row["break_even_tokens_per_verify"])] for row in rows]))
     payload = {"shape": args.shape, "overrides": overrides, "dtype": args.dtype, "k": args.num_speculative_tokens,
                "draft_vocab": min(args.draft_vocab, config["vocab_size"]), "rows": rows}

@@ -293,7 +293,7 @@ def test_an_eagle3_head_compiles_from_its_config_alone(config_dirs, tmp_path, ta
     config = EngineConfig(model=config_dirs["llama"], page_size=16 if target == "h200" else 128,
                           speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
                           **SMALL, **options)
-    names = {"prefill", "decode", "verify", "eagle_prefill", "eagle_keep", "eagle_propose"}
+    names = {"prefill", "decode", "verify", "head_prefill", "head_keep", "head_propose"}
     result = compile_engine(config, target, names)
     assert {step.name for step in result.steps} == names
     assert_compiles_and_fits(result)

@@ -64,7 +64,7 @@ from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.loading.placement import serving_params
 from jaxserve.lora.weights import SlotWeights, empty_adapter, empty_stack, load_slot_step, stack_shapes
-from jaxserve.spec_decode.eagle3 import Eagle3Config
+from jaxserve.spec_decode.head_steps import Head
 from jaxserve.structured_output.grammar import bitmask_words
 
 
@@ -73,7 +73,7 @@ class ModelRunner:
     by group into the serving layout on `mesh` (default: one device), so the device never holds both copies."""
 
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
-                 mesh: Mesh | None = None, proposer_config: ModelConfig | Eagle3Config | None = None,
+                 mesh: Mesh | None = None, proposer_config: ModelConfig | Head | None = None,
                  allocator: Allocator | None = None):
         self.model_config = config
         self.allocator = allocator or DeviceAllocator()  # `jaxserve compile`'s makes abstract arrays

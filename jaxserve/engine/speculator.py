@@ -1,5 +1,5 @@
 """`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s or
-an `Eagle3Head`'s proposals on the device (n-gram drafts come proposed in the scheduler's output), the verify
+a `SpeculativeHead`'s (EAGLE-3, MTP) proposals on the device (n-gram drafts come proposed in the scheduler's output), the verify
 forward and its sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up
 examples, the proposer's params and pool, and the acceptance counters. The pure parts live in `spec_decode/`
 (n-gram index, proposals and acceptance)."""
@@ -19,7 +19,7 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.engine.allocator import Allocator
-from jaxserve.engine.eagle_head import Eagle3Head
+from jaxserve.engine.speculative_head import SpeculativeHead
 from jaxserve.engine.kv_budget import page_bytes
 from jaxserve.engine.kv_plan import empty_kv_cache, kv_cache_shardings
 from jaxserve.engine.scheduler_output import ScheduledDecode
@@ -34,7 +34,7 @@ from jaxserve.layers.sampler import SampleResult
 from jaxserve.loading.placement import serving_params
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import ProposeInputs, propose_step
-from jaxserve.spec_decode.eagle3 import Eagle3Config
+from jaxserve.spec_decode.head_steps import Head
 
 
 class DraftModel:
@@ -83,20 +83,20 @@ class Speculator:
     `steps` registry (which it adds them to)."""
 
     def __init__(self, runner: RunnerState, spec: SpeculativeConfig,
-                 proposer_config: ModelConfig | Eagle3Config | None):
+                 proposer_config: ModelConfig | Head | None):
         ec = runner.engine_config
         self.runner = runner
         self.k = ec.num_speculative_tokens
         self.draft = (DraftModel(spec, proposer_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
                                  ec.max_num_seqs, ec.pages_per_seq, runner.allocator)
                       if spec.method == "draft_model" else None)
-        self.head = Eagle3Head(spec.model, proposer_config, runner) if spec.method == "eagle3" else None
+        self.head = SpeculativeHead(spec.model, proposer_config, runner) if spec.uses_head else None
         self.counters = SpecDecodeCounters(self.k)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
-        """The target layers whose inputs the target's forwards return (`Forward.aux`): an EAGLE-3 head's."""
-        return self.head.config.aux_layers if self.head is not None else ()
+        """The target layers whose inputs the target's forwards return (`Forward.aux`): a head's."""
+        return self.head.head.aux_layers if self.head is not None else ()
 
     @property
     def pool_page_bytes(self) -> int:
@@ -157,7 +157,7 @@ class Speculator:
             self.head.after_prefill(batch, forward)
 
     def after_decode(self, batch: DecodeBatch, forward: Forward) -> None:
-        """A plain decode call (a step without drafts): an EAGLE-3 head keeps its layer inputs."""
+        """A plain decode call (a step without drafts): a head keeps its hidden states."""
         if self.head is not None:
             self.head.keep(batch, forward)
 
@@ -208,7 +208,7 @@ class Speculator:
         return self.runner.allocator.full(shape, dtype, NamedSharding(self.runner.mesh, REPLICATED))
 
     def _drafts(self, rows: int):
-        """Example drafts: a draft model's and an EAGLE-3 head's come from its proposal, on the device."""
+        """Example drafts: a draft model's and a head's come from its proposal, on the device."""
         shape = (rows, self.k)
         on_device = self.draft is not None or self.head is not None
         return self._zeros_on_device(shape, jnp.int32) if on_device else np.zeros(shape, np.int32)

@@ -52,7 +52,7 @@ class SlotState:
 class Forward:
     """A forward's outputs: its logits, their argmax (a verify step's: a `SampleResult` with `num_accepted`), a
     prefill's last-layer output `[rows, T, hidden]` (`prompt_scores_step`'s input; None otherwise) and, with
-    `aux_layers`, those layers' inputs `[rows, T, n * hidden]` (an EAGLE-3 head's: `spec_decode/eagle3_steps.py`)."""
+    `aux_layers`, those layers' inputs `[rows, T, n * hidden]` (a speculative head's: `spec_decode/head_steps.py`)."""
 
     logits: jax.Array
     greedy: jax.Array | SampleResult

@@ -15,8 +15,8 @@ class SpeculativeConfig:
     """`method` "ngram" proposes from the request's own tokens (prompt lookup decoding); "draft_model" (the method
     when `model` is set) from a smaller model with the target's vocabulary, running in the engine with its own
     KV pool; "eagle3" from an EAGLE-3 head (`model`: its directory) reading the target's hidden states, with its
-    own one-layer KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose batch
-    reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound, where
+    own one-layer KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose
+    batch reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound, where
     verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
     `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
     unset on accelerators (not measured yet)."""
@@ -80,6 +80,11 @@ class SpeculativeConfig:
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             fail("disable_by_batch_size", "must be an integer >= 1 or None")
+
+    @property
+    def uses_head(self) -> bool:
+        """Drafts come from a head reading the target's hidden states (`engine/speculative_head.py`)."""
+        return self.method == "eagle3"
 
     @property
     def has_pool(self) -> bool:

@@ -1,7 +1,7 @@
 """An EAGLE-3 head (Li et al., 2025), as vLLM reads the published heads (`LlamaForCausalLMEagle3`): its config
-(`Eagle3Config`, checked against the target before anything is loaded), its checkpoint (`read_checkpoint`, every
-tensor's shape checked), its serving-layout params and the pure functions of its forward. The steps that run it
-are `eagle3_steps.py`; the runner side `engine/eagle_head.py`.
+(`Eagle3Config`, checked against the target before anything is loaded, and the `head_steps.Head` the steps run),
+its checkpoint (`read_checkpoint`, every tensor's shape checked), its serving-layout params and the pure functions
+of its forward. The steps that run it are `head_steps.py`; the runner side `engine/speculative_head.py`.
 
 The head is one Llama decoder layer whose attention reads `2 * hidden` features: the token's embedding (the
 target's table, or the head's own) normed by `input_norm`, beside a hidden state normed by `hidden_norm`. That
@@ -16,6 +16,7 @@ behind the target and predicts the token two positions on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
 from jaxserve.layers.mlp import MLP
 from jaxserve.layers.quant_dense import Embedding, Linear
 from jaxserve.layers.sampler import argmax
-from jaxserve.models import llama
+from jaxserve.models import llama, llama_weights
 from jaxserve.models.registry import model_spec
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# the head's own tensors replicated; its layer split as the Llama family's layers are (its attention runs on the
+# target's backend, whose pool is split over the heads)
+SHARDING_RULES = ((r"^(fc|lm_head)/", "replicated"), (r"^target_ids$", "replicated"), (r"^embed/", "replicated"),
+                  *llama_weights.SHARDING_RULES)
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # how heads name their decoder layer's tensors
 LAYER_TENSORS = {"input_norm": "input_layernorm", "hidden_norm": "hidden_norm",
                  "post_attention_norm": "post_attention_layernorm", "attn": "self_attn", "mlp": "mlp"}
@@ -48,6 +55,31 @@ class Eagle3Config:
     target_hidden_size: int
     norm_before_residual: bool = False  # the residual starts at the normed hidden state (some heads' configs)
     own_embedding: bool = False  # the checkpoint has `embed_tokens.weight` (else the target's table is read)
+
+    def hidden_state(self, params, target_params, target, aux, dtype):
+        return fused_hidden(params, aux, dtype)
+
+    def run(self, params, target_params, target, tp, backend, dtype, tokens, hidden, kv, meta):
+        embeds = embed(params, target_params, target, tp, tokens, dtype)
+        return Eagle3Layer(self, tp, backend, dtype).apply({"params": params["layer"]}, embeds, hidden, kv, meta)
+
+    def draft(self, params, target_params, target, tp, x, dtype):
+        return draft_tokens(params, self, x, dtype)
+
+    def load(self, model: str, allocator, mesh, tp: TensorParallel, dtype) -> dict:
+        """The head's serving-layout params on `mesh` (`allocator.place`: nothing is read under `jaxserve
+        compile`)."""
+        def serving_layout(tensors: dict) -> dict:
+            params = checkpoint_params(tensors, dtype)
+            return {**params, "layer": llama_weights.fuse_layer(params["layer"], self.layer.for_layer(
+                self.layer.layers[0]), tp)}
+
+        def shardings(params: dict) -> dict:
+            return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, spec_from_rules(
+                path_name(path), SHARDING_RULES, self.layer, tp)), params)
+
+        return allocator.place(serving_layout, functools.partial(read_checkpoint, model, self),
+                               tensor_shapes(self, dtype), shardings)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

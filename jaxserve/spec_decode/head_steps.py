@@ -1,10 +1,12 @@
-"""An EAGLE-3 head's device steps (pure functions, jitted by `engine/eagle_head.py`): the head keeps its own one-layer
-paged KV pool, named by the target's page tables (group 0), and a ring of the target's layer inputs per slot.
+"""A speculative head's device steps (pure functions, jitted by `engine/speculative_head.py`): an EAGLE-3 head
+(`eagle3.py`) or a model's own multi-token-prediction layer (`mtp.py`), each a `Head`, reading the target's hidden
+states. The head keeps its own one-layer paged KV pool, named by the target's page tables (group 0), and a ring of
+the target's hidden states (the inputs of the layers it reads: `Head.aux_layers`) per slot.
 
 * `head_prefill_step`: after a target prefill call, the head's KV for the chunk's positions, each position j paired
   with the token at j + 1 (the chunk's next token, or for a chunk that is not final the token after it). A final
-  chunk's last position waits for the token sampled there: its layer inputs go to the slot's ring.
-* `head_keep_step`: after a verify (or plain decode) call, the layer inputs of its positions into each slot's ring.
+  chunk's last position waits for the token sampled there: its hidden states go to the slot's ring.
+* `head_keep_step`: after a verify (or plain decode) call, the hidden states of its positions into each slot's ring.
 * `head_propose_step`: before a verify call, each row first feeds the positions whose KV the head lacks (its
   pending positions, from the ring, with the tokens after them: every token the target accepted since the last
   proposal), then chains K - 1 single positions on its own drafts and outputs. Drafts are the head's argmax (vLLM's
@@ -22,11 +24,24 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from typing import Protocol
+
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.spec_decode.draft import Proposal
-from jaxserve.spec_decode.eagle3 import Eagle3Config, Eagle3Layer, draft_tokens, embed, fused_hidden
 from jaxserve.spec_decode.verify import draft_positions
+
+
+class Head(Protocol):
+    """What the steps ask of a head (a frozen config with these pure functions; `target` is the target's config,
+    `target_params` its serving params, `tp` the head's split)."""
+
+    layer: ModelConfig  # its decoder layer as a one-layer model: the shape of its KV pool
+    aux_layers: tuple[int, ...]  # the target layers whose inputs it reads (`num_layers`: the last one's output)
+
+    def hidden_state(self, params, target_params, target, aux, dtype): ...  # the target's states -> its input
+    def run(self, params, target_params, target, tp, backend, dtype, tokens, hidden, kv, meta): ...  # (out, kv)
+    def draft(self, params, target_params, target, tp, x, dtype): ...  # its greedy draft after outputs x
 
 
 @flax.struct.dataclass
@@ -40,12 +55,12 @@ class HeadPrefillInputs:
     slots: jax.Array  # int32 [rows]
     is_final: jax.Array  # bool [rows]
     next_tokens: jax.Array  # int32 [rows]
-    aux: jax.Array | None  # the prefill's `Forward.aux`, on the device
+    aux: jax.Array | None  # the prefill's `Forward.aux` (the target's hidden states), on the device
 
 
 @flax.struct.dataclass
 class KeepInputs:
-    """A verify or decode call's layer inputs `[rows, T, n * hidden]` and where they sit."""
+    """A verify or decode call's hidden states `[rows, T, n * hidden]` and where they sit."""
 
     aux: jax.Array | None
     slots: jax.Array  # int32 [rows]
@@ -64,10 +79,6 @@ class HeadProposeInputs:
     active: jax.Array  # bool [rows]
 
 
-def _layer(config: Eagle3Config, tp, backend, dtype, params, embeds, hidden, kv, meta):
-    return Eagle3Layer(config, tp, backend, dtype).apply({"params": params["layer"]}, embeds, hidden, kv, meta)
-
-
 def _flat_slots(page_tables, page_size, positions, valid):
     """Flat KV slots of `positions [rows, T]` in rows' `page_tables [rows, P]` (0, the scratch page, where not
     `valid`)."""
@@ -76,8 +87,8 @@ def _flat_slots(page_tables, page_size, positions, valid):
     return jnp.where(valid, pages * page_size + positions % page_size, 0)
 
 
-def head_prefill_step(config: Eagle3Config, target: ModelConfig, tp, backend, dtype, page_size, params,
-                      target_params, kv, ring, inputs: HeadPrefillInputs):
+def head_prefill_step(head: Head, target: ModelConfig, tp, backend, dtype, page_size, params, target_params, kv, ring,
+                      inputs: HeadPrefillInputs):
     rows, chunk = inputs.token_ids.shape
     column = jnp.arange(chunk, dtype=jnp.int32)[None, :]
     num_fed = jnp.where(inputs.is_final, jnp.maximum(inputs.num_tokens - 1, 0), inputs.num_tokens)
@@ -89,8 +100,8 @@ def head_prefill_step(config: Eagle3Config, target: ModelConfig, tp, backend, dt
                              slot_mapping=_flat_slots(inputs.page_tables, page_size, positions, valid),
                              page_tables=inputs.page_tables,
                              context_lens=jnp.where(num_fed > 0, inputs.starts + num_fed, 0), query_lens=num_fed)
-    _, kv = _layer(config, tp, backend, dtype, params, embed(params, target_params, target, tp, following, dtype),
-                   fused_hidden(params, inputs.aux, dtype), kv, meta)
+    _, kv = head.run(params, target_params, target, tp, backend, dtype, following,
+                     head.hidden_state(params, target_params, target, inputs.aux, dtype), kv, meta)
     last = jnp.maximum(inputs.num_tokens - 1, 0)
     width = ring.shape[1]
     live = jnp.where(inputs.num_tokens > 0, inputs.slots, ring.shape[0])
@@ -109,8 +120,8 @@ def head_keep_step(ring, inputs: KeepInputs):
     return None, (ring,)
 
 
-def head_propose_step(config: Eagle3Config, target: ModelConfig, tp, backend, dtype, page_size, params,
-                      target_params, kv, ring, slot_state, inputs: HeadProposeInputs):
+def head_propose_step(head: Head, target: ModelConfig, tp, backend, dtype, page_size, params, target_params, kv, ring,
+                      slot_state, inputs: HeadProposeInputs):
     """K = `pages.shape[1] - 1` drafts per row (`Proposal` with no distributions); the new state is the head's
     pool. `slot_state` is the target's (its group-0 page tables are read, not written)."""
     slots, p, c, active, num_draft = (inputs.slots, inputs.positions, inputs.num_pending, inputs.active,
@@ -128,11 +139,10 @@ def head_propose_step(config: Eagle3Config, target: ModelConfig, tp, backend, dt
     meta = AttentionMetadata(positions=positions, slot_mapping=_flat_slots(tables, page_size, positions, pending),
                              page_tables=tables, context_lens=jnp.where(active, p, 0),
                              query_lens=jnp.where(active, c, 0))
-    out, kv = _layer(config, tp, backend, dtype, params,
-                     embed(params, target_params, target, tp, inputs.tokens, dtype),
-                     fused_hidden(params, hidden, dtype), kv, meta)
+    out, kv = head.run(params, target_params, target, tp, backend, dtype, inputs.tokens,
+                       head.hidden_state(params, target_params, target, hidden, dtype), kv, meta)
     x = jnp.take_along_axis(out, jnp.maximum(c - 1, 0)[:, None, None], axis=1)  # [rows, 1, H]
-    token = draft_tokens(params, config, x, dtype)  # [rows, 1]
+    token = head.draft(params, target_params, target, tp, x, dtype)  # [rows, 1]
     drafts = [token[:, 0]]
     for i in range(1, k):  # draft i goes in at position p + i - 1, beside the head's own output there
         feeds = active & (i < num_draft)
@@ -140,8 +150,7 @@ def head_propose_step(config: Eagle3Config, target: ModelConfig, tp, backend, dt
                                  slot_mapping=jnp.where(feeds, chained_slots[:, i - 1], 0)[:, None],
                                  page_tables=tables, context_lens=jnp.where(feeds, p + i, 0),
                                  query_lens=jnp.ones((rows,), jnp.int32))
-        x, kv = _layer(config, tp, backend, dtype, params, embed(params, target_params, target, tp, token, dtype),
-                       x, kv, meta)
-        token = draft_tokens(params, config, x, dtype)
+        x, kv = head.run(params, target_params, target, tp, backend, dtype, token, x, kv, meta)
+        token = head.draft(params, target_params, target, tp, x, dtype)
         drafts.append(token[:, 0])
     return Proposal(jnp.stack(drafts, axis=1), None), (kv,)
