@@ -125,7 +125,7 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         if config.tensor_parallel_size > len(devices):
             raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs {config.tensor_parallel_size} "
                              f"devices, but target {t.name} has {len(devices)}")
-        proposer = proposer_config(config.speculative_config, model, config.max_model_len)
+        proposer = proposer_config(config.speculative_config, model, config.max_model_len, config.model)
         mesh = make_mesh(config.tensor_parallel_size, list(devices))
         allocator = AbstractAllocator(t, config.gpu_memory_utilization)
         params = abstract_weights(model, config.jax_dtype, mesh, config.enable_expert_parallel)

@@ -32,6 +32,10 @@ class Allocator(Protocol):
     def weights(self, model: str, config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
         """Checkpoint-layout params of `model` (a draft model) placed on `mesh`."""
 
+    def checkpoint(self, read: Callable[[], dict], shapes: dict) -> dict:
+        """Checkpoint-layout params `read()` reads (placed as `shapes`, ShapeDtypeStructs with their shardings,
+        say): a model's MTP layer."""
+
     def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shapes: Any,
               shardings: Callable[[Any], Any]) -> Any:
         """`convert(read())` computed on the devices and placed by `shardings(its shapes)` (an EAGLE-3 head's
@@ -57,6 +61,9 @@ class DeviceAllocator:
         from jaxserve.loading import load_model
 
         return load_model(model, dtype, mesh=mesh).params
+
+    def checkpoint(self, read: Callable[[], dict], shapes: dict) -> dict:
+        return read()
 
     def place(self, convert: Callable[[Any], Any], read: Callable[[], Any], shapes: Any,
               shardings: Callable[[Any], Any]) -> Any:

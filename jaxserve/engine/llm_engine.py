@@ -59,7 +59,7 @@ class LLMEngine:
         target = loaded.config if loaded is not None else model_config(resolve_model(config.model))
         self.engine_config = config = config.resolve(target.max_position_embeddings)
         # a draft model or EAGLE-3 head is checked against the target before either is loaded
-        proposer = proposer_config(config.speculative_config, target, config.max_model_len)
+        proposer = proposer_config(config.speculative_config, target, config.max_model_len, config.model)
         self.mesh = make_mesh(config.tensor_parallel_size,
                               replica_devices(config.data_parallel_rank, config.tensor_parallel_size))
         self.model = loaded or load_model(config.model, dtype=config.jax_dtype, tokenizer=config.tokenizer,

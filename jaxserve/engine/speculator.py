@@ -1,6 +1,6 @@
-"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s or
-a `SpeculativeHead`'s (EAGLE-3, MTP) proposals on the device (n-gram drafts come proposed in the scheduler's output), the verify
-forward and its sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up
+"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s
+or a `SpeculativeHead`'s (EAGLE-3, MTP) proposals on the device (n-gram drafts come proposed in the scheduler's
+output), the verify forward and its sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up
 examples, the proposer's params and pool, and the acceptance counters. The pure parts live in `spec_decode/`
 (n-gram index, proposals and acceptance)."""
 
@@ -90,7 +90,8 @@ class Speculator:
         self.draft = (DraftModel(spec, proposer_config, runner.dtype, runner.mesh, runner.backend, ec.page_size,
                                  ec.max_num_seqs, ec.pages_per_seq, runner.allocator)
                       if spec.method == "draft_model" else None)
-        self.head = SpeculativeHead(spec.model, proposer_config, runner) if spec.uses_head else None
+        self.head = (SpeculativeHead(spec.model or ec.model, proposer_config, runner) if spec.uses_head
+                     else None)
         self.counters = SpecDecodeCounters(self.k)
 
     @property

@@ -41,17 +41,20 @@ def is_source(leaf) -> bool:
 
 
 def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DTypeLike,
-                   fp8_block: tuple[int, int] | None = None, shapes: dict | None = None) -> dict:
+                   fp8_block: tuple[int, int] | None = None, shapes: dict | None = None,
+                   sources: dict | None = None) -> dict:
     """The checkpoint-layout params of the HF checkpoint in `path`, each a jax array in `dtype` placed with its
     sharding from `shardings` (a tree like `shapes`, default `checkpoint_shapes(config, dtype)`); each device's
     slice is read on its own. `fp8_block`: the checkpoint's fine-grained FP8 blocks; a tensor with a
-    `{name}_scale_inv` is dequantized, unless `shapes` has it as float8 with a `block_scale` (`fp8_checkpoint`)."""
+    `{name}_scale_inv` is dequantized, unless `shapes` has it as float8 with a `block_scale` (`fp8_checkpoint`).
+    `sources`: a tree like `shapes` of `TensorSource`s (default `checkpoint_sources(config)`: a model's own layers;
+    a model's MTP layer is read from other names)."""
     from safetensors import safe_open
 
     dtype = np.dtype(dtype)
     files = tensor_files(path)
     shapes = checkpoint_shapes(config, dtype) if shapes is None else shapes
-    sources = checkpoint_sources(config)
+    sources = checkpoint_sources(config) if sources is None else sources
 
     def load_leaf(key_path, expected: jax.ShapeDtypeStruct, sharding) -> jax.Array:
         *module, leaf = [str(getattr(key, "key", key)) for key in key_path]

@@ -62,8 +62,8 @@ def forward(params, config: ModelConfig, backend: PagedAttention, token_ids, kv_
     ([B, T, vocab]). `with_hidden`: the logits are the pair (logits, the last layer's output [B, T, hidden]).
     LoRA: `params["lora"]` is the adapters' device stack (`lora/weights.py`) and `lora_slots [B]` each row's slot
     in it (-1: the base model). `aux_layers`: the outputs are the pair (those outputs, the inputs of those decoder
-    layers concatenated on the features `[B, T, len(aux_layers) * hidden]`) (an EAGLE-3 head's inputs; the
-    Llama-shaped decoders sow them)."""
+    layers concatenated on the features `[B, T, len(aux_layers) * hidden]`), layer `num_layers` naming the last
+    layer's output (a speculative head's inputs; the Llama-shaped decoders sow them)."""
     spec = model_spec(config.model_type)
     variables = {"params": params}
     if "lora" in params:
@@ -72,7 +72,7 @@ def forward(params, config: ModelConfig, backend: PagedAttention, token_ids, kv_
     module = spec.module(config, backend, dtype, tp)
     if aux_layers:
         (hidden, new_cache), sown = module.apply(variables, token_ids, kv_cache, meta, mutable=["intermediates"])
-        layer_inputs = sown["intermediates"]["layer_inputs"]
+        layer_inputs = (*sown["intermediates"]["layer_inputs"], hidden)
         aux = jnp.concatenate([layer_inputs[layer] for layer in aux_layers], axis=-1)
     else:
         hidden, new_cache = module.apply(variables, token_ids, kv_cache, meta)

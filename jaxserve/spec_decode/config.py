@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp", "deepseek_mtp")  # deepseek_mtp: vLLM's spelling of mtp
 CPU_DISABLE_BY_BATCH_SIZE = 2
 
 
@@ -15,9 +15,11 @@ class SpeculativeConfig:
     """`method` "ngram" proposes from the request's own tokens (prompt lookup decoding); "draft_model" (the method
     when `model` is set) from a smaller model with the target's vocabulary, running in the engine with its own
     KV pool; "eagle3" from an EAGLE-3 head (`model`: its directory) reading the target's hidden states, with its
-    own one-layer KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose
-    batch reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound, where
-    verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
+    own one-layer KV pool; "mtp" (or "deepseek_mtp") from the target's own multi-token-prediction layer
+    (DeepSeek-V3, GLM-4.5), read from its checkpoint (`model`: unset, or the checkpoint to read it from), with its
+    own KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose
+    batch reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound,
+    where verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
     `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
     unset on accelerators (not measured yet)."""
 
@@ -74,6 +76,9 @@ class SpeculativeConfig:
                     fail(key, "must be an integer >= 1")
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 fail("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        elif self.uses_mtp:
+            if self.model is not None and (not isinstance(self.model, str) or not self.model):
+                fail("model", "must be unset (the target's checkpoint) or name the checkpoint holding the MTP layers")
         elif not isinstance(self.model, str) or not self.model:
             fail("model", "must name the draft model (a checkpoint directory, a .gguf file or the default model)"
                  if self.method == "draft_model" else "must name the EAGLE-3 head's directory")
@@ -84,12 +89,16 @@ class SpeculativeConfig:
     @property
     def uses_head(self) -> bool:
         """Drafts come from a head reading the target's hidden states (`engine/speculative_head.py`)."""
-        return self.method == "eagle3"
+        return self.method == "eagle3" or self.uses_mtp
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.method in ("mtp", "deepseek_mtp")
 
     @property
     def has_pool(self) -> bool:
         """The proposer keeps a KV pool of its own, named by the target's page tables (one KV cache group)."""
-        return self.method in ("draft_model", "eagle3")
+        return self.method == "draft_model" or self.uses_head
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,152 @@
+"""A model's own multi-token-prediction layer as the proposer (`method: mtp`, DeepSeek-V3's layout): the drafts the
+engine proposes equal a float64 reference built from transformers' DeepSeek-V3 decoder layer, greedy outputs
+equal plain decoding, and a model without MTP tensors is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from tests.conftest import random_prompts
+from tests.test_deepseek import save_deepseek, tiny_deepseek_config
+from tests.test_eagle3 import recorded_proposals
+
+OPTIONS = dict(max_num_seqs=4, max_model_len=128, page_size=8, max_num_batched_tokens=16, decode_batch_buckets=(1, 4),
+               warmup=False)
+K = 3
+
+
+def add_mtp_layer(path: str, seed: int = 5) -> str:
+    """Writes the MTP layer of the checkpoint at `path` (`model.layers.{L}.*`: a decoder layer as transformers
+    builds layer L of a model one layer deeper, `enorm`, `hnorm`, `eh_proj`, `shared_head`) into a file of its
+    own, and `num_nextn_predict_layers: 1` into its config."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    index = config.num_hidden_layers
+    deeper = transformers.AutoConfig.from_pretrained(path)
+    deeper.num_hidden_layers = index + 1
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(deeper, dtype=torch.float32)
+    prefix = f"model.layers.{index}."
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if name.startswith(prefix):
+                value.normal_(0.0, 0.08) if value.dim() >= 2 else value.normal_(1.0, 0.1)
+        for name, value in model.named_buffers():
+            if name.startswith(prefix) and name.endswith("e_score_correction_bias"):
+                value.normal_(0.0, 0.3)
+    with tempfile.TemporaryDirectory() as saved:  # as checkpoints store it (one tensor per expert)
+        model.save_pretrained(saved, safe_serialization=True)
+        tensors = {name: value for name, value in load_file(os.path.join(saved, "model.safetensors")).items()
+                   if name.startswith(prefix)}
+    with torch.no_grad():
+        h, vocab = config.hidden_size, config.vocab_size
+        tensors[prefix + "enorm.weight"] = 1 + 0.1 * torch.randn(h)
+        tensors[prefix + "hnorm.weight"] = 1 + 0.1 * torch.randn(h)
+        tensors[prefix + "eh_proj.weight"] = 0.08 * torch.randn(h, 2 * h)
+        tensors[prefix + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h)
+        tensors[prefix + "shared_head.head.weight"] = 0.08 * torch.randn(vocab, h)
+    save_file({name: value.contiguous() for name, value in tensors.items()}, os.path.join(path, "mtp.safetensors"))
+    raw = json.load(open(os.path.join(path, "config.json")))
+    raw["num_nextn_predict_layers"] = 1
+    json.dump(raw, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return add_mtp_layer(save_deepseek(str(tmp_path_factory.mktemp("deepseek_mtp") / "model")))
+
+
+def reference_drafts(path: str, tokens: list[int], k: int) -> list[int]:
+    """The MTP layer's K greedy drafts after `tokens`, in float64: transformers' layer L of the deeper model (its
+    MLA and experts) over positions 0 .. p-1, each the target's final (normed) hidden state at j with the token at
+    j + 1 (embedding zero at position 0), then chained on its own drafts and outputs."""
+    from safetensors.torch import load_file
+
+    import shutil
+    import tempfile
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                               experts_implementation="eager").eval()
+    index = target.config.num_hidden_layers
+    mtp = {name: value.double() for name, value in load_file(os.path.join(path, "mtp.safetensors")).items()}
+    prefix = f"model.layers.{index}."
+    with tempfile.TemporaryDirectory() as deeper_dir:  # the checkpoint with its MTP layer as one more layer
+        weight_map = {}
+        for part, name in enumerate(("model.safetensors", "mtp.safetensors"), 1):
+            shard = f"model-{part:05d}-of-00002.safetensors"
+            shutil.copy(os.path.join(path, name), os.path.join(deeper_dir, shard))
+            weight_map.update(dict.fromkeys(load_file(os.path.join(path, name)), shard))
+        json.dump({"metadata": {}, "weight_map": weight_map},
+                  open(os.path.join(deeper_dir, "model.safetensors.index.json"), "w"))
+        raw = json.load(open(os.path.join(path, "config.json")))
+        json.dump({**raw, "num_hidden_layers": index + 1, "num_nextn_predict_layers": 0},
+                  open(os.path.join(deeper_dir, "config.json"), "w"))
+        deeper = transformers.AutoModelForCausalLM.from_pretrained(deeper_dir, dtype=torch.float64,
+                                                                   attn_implementation="eager",
+                                                                   experts_implementation="eager").eval()
+    layer = deeper.model.layers[index]
+    eps = target.config.rms_norm_eps
+
+    def rms(x, name):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * mtp[prefix + name]
+
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
+        table = target.get_input_embeddings().weight
+        embeds = table[torch.tensor(tokens[1:])].clone()
+        drafts = []
+        for _ in range(k):
+            n = len(hidden)
+            e = embeds.clone()
+            e[0] = 0
+            x = torch.cat([rms(e, "enorm.weight"), rms(hidden, "hnorm.weight")], -1) @ mtp[prefix + "eh_proj.weight"].T
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            out = layer(x[None], attention_mask=mask, position_ids=positions,
+                        position_embeddings=deeper.model.rotary_emb(x[None], positions))
+            out = (out[0] if isinstance(out, tuple) else out)[0]
+            logits = rms(out[-1], "shared_head.norm.weight") @ mtp[prefix + "shared_head.head.weight"].T
+            draft = int(torch.argmax(logits))
+            drafts.append(draft)
+            embeds = torch.cat([embeds, table[draft][None]])
+            hidden = torch.cat([hidden, out[-1][None]])
+    return drafts
+
+
+def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target):
+    """Two prompts prefill in chunks of 16; the second stops after 3 tokens, so while both run the steps decode
+    without drafts and the layer catches up after (`disable_by_batch_size` 2)."""
+    llm = LLM(target, **OPTIONS, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K,
+                                                     "disable_by_batch_size": 2})
+    seen = recorded_proposals(llm)
+    prompts = random_prompts(2, 500, 29, 37, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    plain = LLM(target, **OPTIONS).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    tokens = prompts[0] + outputs[0].outputs[0].token_ids
+    assert len(seen) >= 4
+    for _, position, drafts in seen:
+        assert drafts == reference_drafts(target, tokens[:position + 1], K)[:len(drafts)], position
+
+
+def test_models_without_mtp_layers_are_refused_by_name(tmp_path, tiny_llama_dir):
+    with pytest.raises(ValueError, match="has no multi-token-prediction layers"):
+        LLM(tiny_llama_dir, **OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    path = save_deepseek(str(tmp_path / "model"))
+    raw = json.load(open(os.path.join(path, "config.json")))
+    json.dump({**raw, "num_nextn_predict_layers": 1}, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="no tensor 'model.layers.3.enorm.weight'"):
+        LLM(path, **OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
