@@ -64,7 +64,16 @@ def add_mtp_layer(path: str, seed: int = 5) -> str:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
-    return add_mtp_layer(save_deepseek(str(tmp_path_factory.mktemp("deepseek_mtp") / "model")))
+    """The tiny DeepSeek-V3 with an MTP layer; its final norm's weights randomized (transformers starts them at 1,
+    where normalizing the hidden state again in `hnorm` would hide whether the final norm was applied)."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_deepseek(str(tmp_path_factory.mktemp("deepseek_mtp") / "model"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    torch.manual_seed(3)
+    tensors["model.norm.weight"] = 1 + 0.5 * torch.randn_like(tensors["model.norm.weight"])
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return add_mtp_layer(path)
 
 
 def reference_drafts(path: str, tokens: list[int], k: int) -> list[int]:
