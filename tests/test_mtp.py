@@ -159,3 +159,24 @@ def test_models_without_mtp_layers_are_refused_by_name(tmp_path, tiny_llama_dir)
     json.dump({**raw, "num_nextn_predict_layers": 1}, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="no tensor 'model.layers.3.enorm.weight'"):
         LLM(path, **OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_the_mtp_steps_compile_from_the_config_alone(tmp_path):
+    """DeepSeek-V3's attention shapes (64 heads, a 512 + 64 latent row, bfloat16) with one MTP layer, for an H200:
+    the layer's latent pool, its prefill, keep and propose steps, and the target's forwards returning their last
+    layer's output."""
+    from jaxserve.aot.compile import compile_engine
+    from jaxserve.engine.config import EngineConfig
+    from tests.test_compile_targets import SMALL, assert_compiles_and_fits, compilers_present
+
+    if not compilers_present():
+        pytest.skip("the target compilers (the [aot] extra) are not installed")
+    config = tiny_deepseek_config(hidden_size=256, intermediate_size=256, num_attention_heads=64, kv_lora_rank=512,
+                                  q_lora_rank=192, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  num_mtp_layers=1)
+    config.save_pretrained(tmp_path)
+    names = {"prefill", "decode", "verify", "head_prefill", "head_keep", "head_propose"}
+    result = compile_engine(EngineConfig(model=str(tmp_path), speculative_config={
+        "method": "mtp", "num_speculative_tokens": 2}, **SMALL), "h200", names)
+    assert {step.name for step in result.steps} == names
+    assert_compiles_and_fits(result)

@@ -124,7 +124,12 @@ class MLAttention(nn.Module):
         if num_tokens >= DECOMPRESS_MIN_TOKENS[matmul_blocks.lowering_platform()]:
             out = decompressed_attention(q_nope, q_rope, kv, meta, w_uk, w_uv, mla, self.dtype)
         else:
-            q_latent = jnp.einsum("bthn,lhn->bthl", q_nope, w_uk, preferred_element_type=jnp.float32)
+            # tokens padded to a multiple of 16: XLA's GPU compiler (jax 0.10.2, H200) found no tiles for this dot
+            # at 12 tokens (a verify step of 4 rows x 3), "Couldn't find output tile sizes"
+            rows = batch * num_tokens
+            padded = jnp.pad(q_nope.reshape(rows, heads, nope), ((0, -rows % 16), (0, 0), (0, 0)))
+            q_latent = jnp.einsum("mhn,lhn->mhl", padded, w_uk, preferred_element_type=jnp.float32)
+            q_latent = q_latent[:rows].reshape(batch, num_tokens, heads, mla.kv_lora_rank)
             query = self.attention.stored(jnp.concatenate([q_latent.astype(self.dtype), q_rope], axis=-1))
             out = self.attention.attend_latent(query, kv, meta, sm_scale=mla.softmax_scale,
                                                value_dim=mla.kv_lora_rank, rope_dim=rope)
