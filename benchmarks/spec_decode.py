@@ -4,12 +4,12 @@ Two prompt sets, rendered with the model's chat template: `copy` (benchmarks/dat
 edit or rename a given text, where the answer copies the prompt and prompt lookup has much to find) and `chat`
 (the shipped jaxserve/bench/data/prompts.jsonl, where it has little). For each method (`plain`: no speculation;
 `ngram`: prompt lookup; `draft`: a draft model, `--draft`, default the target itself, which checks the verify step
-rather than gaining speed; `eagle3`: an EAGLE-3 head, `--eagle3 DIR`, e.g. one `benchmarks/train_eagle3.py`
-trained; a method may name its own K after a colon, `eagle3:5`) one engine with `max_num_seqs=1` answers every prompt of each set in turn (or, with
-`--concurrency B`, all of a set's prompts in one batch of B slots: where speculation stops paying), greedy,
-up to `--max-tokens` tokens (EOS ends an answer). Reported per method and set: output tokens per second of
-generation (prefill included, as a user sees it), the ratio to `plain` in the same run, the acceptance rate, the
-mean tokens per verify step, and whether every answer equals plain decoding's token for token.
+rather than gaining speed; `eagle3`: an EAGLE-3 head, `--eagle3 DIR`, e.g. one `benchmarks/train_eagle3.py` trained;
+a method may name its own K after a colon, `eagle3:5`) one engine with `max_num_seqs=1` answers every prompt of each
+set in turn (or, with `--concurrency B`, all of a set's prompts in one batch of B slots: where speculation stops
+paying), greedy, up to `--max-tokens` tokens (EOS ends an answer). Reported per method and set: output tokens per
+second of generation (prefill included, as a user sees it), the ratio to `plain` in the same run, the acceptance
+rate, the mean tokens per verify step, and whether every answer equals plain decoding's token for token.
 
     python benchmarks/spec_decode.py                       # plain and ngram, K = 4, both prompt sets
     python benchmarks/spec_decode.py --methods plain ngram draft --num-prompts 4

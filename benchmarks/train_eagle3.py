@@ -147,8 +147,8 @@ def ttt_loss(w: dict, embed_table, hf: dict, steps: int, batch: dict):
         attn = attn.transpose(0, 2, 1, 3).reshape(b, t, heads * dim)
         residual = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
         h = rms(residual, w["midlayer.post_attention_layernorm.weight"], eps)
-        out = residual + (jax.nn.silu(h @ w["midlayer.mlp.gate_proj.weight"].T) * (h @ w["midlayer.mlp.up_proj.weight"].T)
-                          ) @ w["midlayer.mlp.down_proj.weight"].T
+        gate, up = h @ w["midlayer.mlp.gate_proj.weight"].T, h @ w["midlayer.mlp.up_proj.weight"].T
+        out = residual + (jax.nn.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
         logits = rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T
         valid = target >= 0
         log_probs = jax.nn.log_softmax(logits, -1)

@@ -1,7 +1,7 @@
-"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s
-or a `SpeculativeHead`'s (EAGLE-3, MTP) proposals on the device (n-gram drafts come proposed in the scheduler's
-output), the verify forward and its sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their warm-up
-examples, the proposer's params and pool, and the acceptance counters. The pure parts live in `spec_decode/`
+"""`Speculator`: speculative decoding on the runner's side, an object the runner holds. It runs a `DraftModel`'s or a
+`SpeculativeHead`'s (EAGLE-3, MTP) proposals on the device (n-gram drafts come proposed in the scheduler's output),
+the verify forward and its sampler, reads a verify call's tokens, and owns those steps' records (`Step`) with their
+warm-up examples, the proposer's params and pool, and the acceptance counters. The pure parts live in `spec_decode/`
 (n-gram index, proposals and acceptance)."""
 
 from __future__ import annotations
