@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jaxserve.spec_decode.eagle3 import Eagle3Config, checkpoint_shapes, default_aux_layers, write_checkpoint
@@ -65,7 +67,7 @@ def reference_drafts(target_dir: str, head_dir: str, tokens: list[int], k: int) 
     hf = json.load(open(os.path.join(head_dir, "config.json")))
     weights = {name: torch.tensor(value, dtype=torch.float64) for name, value in
                load_file(os.path.join(head_dir, "model.safetensors")).items()}
-    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    model = _float64_model(target_dir)
     layers = hf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(
         model.config.num_hidden_layers)
     with torch.no_grad():
@@ -84,6 +86,14 @@ def reference_drafts(target_dir: str, head_dir: str, tokens: list[int], k: int) 
             embeds = torch.cat([embeds, table[draft][None]])
             hidden = torch.cat([hidden, out[-1][None]])
     return drafts
+
+
+@functools.lru_cache(maxsize=2)
+def _float64_model(path: str):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
 
 def _rms(x, weight, eps):

@@ -76,61 +76,67 @@ def target(tmp_path_factory) -> str:
     return add_mtp_layer(path)
 
 
-def reference_drafts(path: str, tokens: list[int], k: int) -> list[int]:
-    """The MTP layer's K greedy drafts after `tokens`, in float64: transformers' layer L of the deeper model (its
-    MLA and experts) over positions 0 .. p-1, each the target's final (normed) hidden state at j with the token at
-    j + 1 (embedding zero at position 0), then chained on its own drafts and outputs."""
-    from safetensors.torch import load_file
+class Reference:
+    """The MTP layer's greedy drafts in float64: transformers' layer L of the model one layer deeper (its MLA and
+    experts, loaded from the checkpoint with the MTP file as layer L) over positions 0 .. p-1, each the target's
+    final (normed) hidden state at j with the token at j + 1 (embedding zero at position 0), then chained on its
+    own drafts and outputs."""
 
-    import shutil
-    import tempfile
+    def __init__(self, path: str):
+        import shutil
+        import tempfile
 
-    target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                               experts_implementation="eager").eval()
-    index = target.config.num_hidden_layers
-    mtp = {name: value.double() for name, value in load_file(os.path.join(path, "mtp.safetensors")).items()}
-    prefix = f"model.layers.{index}."
-    with tempfile.TemporaryDirectory() as deeper_dir:  # the checkpoint with its MTP layer as one more layer
-        weight_map = {}
-        for part, name in enumerate(("model.safetensors", "mtp.safetensors"), 1):
-            shard = f"model-{part:05d}-of-00002.safetensors"
-            shutil.copy(os.path.join(path, name), os.path.join(deeper_dir, shard))
-            weight_map.update(dict.fromkeys(load_file(os.path.join(path, name)), shard))
-        json.dump({"metadata": {}, "weight_map": weight_map},
-                  open(os.path.join(deeper_dir, "model.safetensors.index.json"), "w"))
-        raw = json.load(open(os.path.join(path, "config.json")))
-        json.dump({**raw, "num_hidden_layers": index + 1, "num_nextn_predict_layers": 0},
-                  open(os.path.join(deeper_dir, "config.json"), "w"))
-        deeper = transformers.AutoModelForCausalLM.from_pretrained(deeper_dir, dtype=torch.float64,
-                                                                   attn_implementation="eager",
-                                                                   experts_implementation="eager").eval()
-    layer = deeper.model.layers[index]
-    eps = target.config.rms_norm_eps
+        from safetensors.torch import load_file
 
-    def rms(x, name):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * mtp[prefix + name]
+        self.target = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float64, experts_implementation="eager").eval()
+        index = self.target.config.num_hidden_layers
+        self.mtp = {name: value.double() for name, value in load_file(os.path.join(path, "mtp.safetensors")).items()}
+        self.prefix = f"model.layers.{index}."
+        with tempfile.TemporaryDirectory() as deeper_dir:  # the checkpoint with its MTP layer as one more layer
+            weight_map = {}
+            for part, name in enumerate(("model.safetensors", "mtp.safetensors"), 1):
+                shard = f"model-{part:05d}-of-00002.safetensors"
+                shutil.copy(os.path.join(path, name), os.path.join(deeper_dir, shard))
+                weight_map.update(dict.fromkeys(load_file(os.path.join(path, name)), shard))
+            json.dump({"metadata": {}, "weight_map": weight_map},
+                      open(os.path.join(deeper_dir, "model.safetensors.index.json"), "w"))
+            raw = json.load(open(os.path.join(path, "config.json")))
+            json.dump({**raw, "num_hidden_layers": index + 1, "num_nextn_predict_layers": 0},
+                      open(os.path.join(deeper_dir, "config.json"), "w"))
+            self.deeper = transformers.AutoModelForCausalLM.from_pretrained(
+                deeper_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager").eval()
+        self.layer = self.deeper.model.layers[index]
 
-    with torch.no_grad():
-        hidden = target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
-        table = target.get_input_embeddings().weight
-        embeds = table[torch.tensor(tokens[1:])].clone()
-        drafts = []
-        for _ in range(k):
-            n = len(hidden)
-            e = embeds.clone()
-            e[0] = 0
-            x = torch.cat([rms(e, "enorm.weight"), rms(hidden, "hnorm.weight")], -1) @ mtp[prefix + "eh_proj.weight"].T
-            positions = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-            out = layer(x[None], attention_mask=mask, position_ids=positions,
-                        position_embeddings=deeper.model.rotary_emb(x[None], positions))
-            out = (out[0] if isinstance(out, tuple) else out)[0]
-            logits = rms(out[-1], "shared_head.norm.weight") @ mtp[prefix + "shared_head.head.weight"].T
-            draft = int(torch.argmax(logits))
-            drafts.append(draft)
-            embeds = torch.cat([embeds, table[draft][None]])
-            hidden = torch.cat([hidden, out[-1][None]])
-    return drafts
+    def rms(self, x, name):
+        eps = self.target.config.rms_norm_eps
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * self.mtp[self.prefix + name]
+
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """The K drafts after `tokens` (the latest at position p = len - 1)."""
+        mtp, prefix = self.mtp, self.prefix
+        with torch.no_grad():
+            hidden = self.target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
+            table = self.target.get_input_embeddings().weight
+            embeds = table[torch.tensor(tokens[1:])].clone()
+            drafts = []
+            for _ in range(k):
+                n = len(hidden)
+                e = embeds.clone()
+                e[0] = 0
+                x = torch.cat([self.rms(e, "enorm.weight"), self.rms(hidden, "hnorm.weight")], -1)
+                x = x @ mtp[prefix + "eh_proj.weight"].T
+                positions = torch.arange(n)[None]
+                mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+                out = self.layer(x[None], attention_mask=mask, position_ids=positions,
+                                 position_embeddings=self.deeper.model.rotary_emb(x[None], positions))
+                out = (out[0] if isinstance(out, tuple) else out)[0]
+                logits = self.rms(out[-1], "shared_head.norm.weight") @ mtp[prefix + "shared_head.head.weight"].T
+                draft = int(torch.argmax(logits))
+                drafts.append(draft)
+                embeds = torch.cat([embeds, table[draft][None]])
+                hidden = torch.cat([hidden, out[-1][None]])
+        return drafts
 
 
 def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target):
@@ -147,8 +153,9 @@ def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target):
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     tokens = prompts[0] + outputs[0].outputs[0].token_ids
     assert len(seen) >= 4
+    reference = Reference(target)
     for _, position, drafts in seen:
-        assert drafts == reference_drafts(target, tokens[:position + 1], K)[:len(drafts)], position
+        assert drafts == reference.drafts(tokens[:position + 1], K)[:len(drafts)], position
 
 
 def test_models_without_mtp_layers_are_refused_by_name(tmp_path, tiny_llama_dir):
