@@ -3,8 +3,9 @@ this CPU, and writes it in the published format (`spec_decode/eagle3.py`: what `
 "eagle3", "model": DIR}` serves, and what vLLM reads).
 
 1. Data: the model answers the shipped chat prompts (`jaxserve/bench/data/prompts.jsonl`) from `--first-prompt` on
-   (the first 20 are held out: `benchmarks/spec_decode.py` measures on the first 10), greedy, up to `--max-tokens`,
-   through the engine.
+   (the first 20 are held out: `benchmarks/spec_decode.py` measures on the first 10; prompts 10-19 choose which
+   update's head is kept, by its step-0 accuracy on their answers), greedy, up to `--max-tokens`, through the
+   engine.
 2. The target, frozen, runs once over each prompt + answer (jaxserve's own forward): the inputs of its layers
    (2, 15, 27) at every position, and its argmax there (the labels: a head is trained to predict what greedy
    verification accepts).
@@ -13,7 +14,8 @@ this CPU, and writes it in the published format (`spec_decode/eagle3.py`: what `
    head's own output of step s - 1 at the same base position, one position further on, attending to the real
    positions up to the base and to its own steps there, as chained proposals do at serving time. Labels are the
    target's argmax, mapped into a draft vocabulary of the `--draft-vocab` most frequent label ids (d2t).
-   Adam (optax) with warm-up and cosine decay, for `--minutes` of wall time.
+   Adam (optax) with warm-up and cosine decay, for `--minutes` of wall time; `--freeze-lm-head` keeps the LM head
+   at the target's embedding rows (half the head's parameters: less to overfit on a small data set).
 
     python benchmarks/train_eagle3.py --out benchmarks/results/eagle3-smollm2 --minutes 25
 """
@@ -37,19 +39,26 @@ from jaxserve.bench import datasets
 LENGTH = 512  # tokens per training sequence (longer ones are cut)
 
 
-def answers(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
-    """The tokenizer and each training prompt followed by the model's greedy answer (token ids)."""
+def answers(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """The training prompts and the validation prompts (the `--validation-prompts` before `--first-prompt`), each
+    followed by the model's greedy answer (token ids)."""
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=32, max_model_len=1024, warmup=False)
     tokenizer = llm.get_tokenizer()
-    entries = datasets.load_prompt_file(datasets.DEFAULT_PROMPTS_FILE)[args.first_prompt:]
-    prompts = [datasets.render_chat(tokenizer, datasets.chat_messages(entry))[1] for entry in entries]
-    prompts = [ids for ids in prompts if len(ids) < LENGTH - 16][:args.num_prompts]
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+    entries = datasets.load_prompt_file(datasets.DEFAULT_PROMPTS_FILE)
+    split = {"train": entries[args.first_prompt:],
+             "validation": entries[args.first_prompt - args.validation_prompts:args.first_prompt]}
+    prompts = {name: [ids for ids in (datasets.render_chat(tokenizer, datasets.chat_messages(entry))[1]
+                                      for entry in part) if len(ids) < LENGTH - 16]
+               for name, part in split.items()}
+    prompts["train"] = prompts["train"][:args.num_prompts]
+    every = prompts["train"] + prompts["validation"]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in every],
                            SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
     del llm
-    return tokenizer, [(ids + out.outputs[0].token_ids)[:LENGTH] for ids, out in zip(prompts, outputs)]
+    sequences = [(ids + out.outputs[0].token_ids)[:LENGTH] for ids, out in zip(every, outputs)]
+    return sequences[:len(prompts["train"])], sequences[len(prompts["train"]):]
 
 
 def target_states(model: str | None, sequences: list[list[int]], layers: tuple[int, ...]):
@@ -204,15 +213,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     from jaxserve.spec_decode.eagle3 import default_aux_layers, write_checkpoint
 
-    started = time.perf_counter()
-    tokenizer, sequences = answers(args)
-    generated = time.perf_counter()
-    config = None
     from jaxserve.loading import model_config, resolve_model
 
-    config = model_config(resolve_model(args.model))
-    layers = default_aux_layers(config.num_layers)
-    config, embed_table, states = target_states(args.model, sequences, layers)
+    started = time.perf_counter()
+    sequences, held_out = answers(args)
+    generated = time.perf_counter()
+    layers = default_aux_layers(model_config(resolve_model(args.model)).num_layers)
+    config, embed_table, states = target_states(args.model, sequences + held_out, layers)
+    states, held_out_states = states[:len(sequences)], states[len(sequences):]
     computed = time.perf_counter()
     counts = np.bincount(np.concatenate([greedy for _, greedy in states]), minlength=config.vocab_size)
     draft_ids = np.sort(np.argsort(-counts, kind="stable")[:args.draft_vocab])
@@ -229,31 +237,51 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     table = jnp.asarray(embed_table)
     warmup = min(50, args.max_updates // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.max_updates, args.lr * 0.05)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(schedule, weight_decay=args.weight_decay))
     state = optimizer.init(weights)
+    frozen = ("lm_head.weight",) if args.freeze_lm_head else ()
 
     @jax.jit
     def update(weights, state, batch):
         (loss, accuracy), grads = jax.value_and_grad(ttt_loss, has_aux=True)(weights, table, hf, args.steps, batch)
+        grads = {name: jnp.zeros_like(grad) if name in frozen else grad for name, grad in grads.items()}
         updates, state = optimizer.update(grads, state, weights)
         return optax.apply_updates(weights, updates), state, loss, accuracy
 
+    evaluate = jax.jit(lambda weights, batch: ttt_loss(weights, table, hf, args.steps, batch))
+    validation = list(batches(held_out_states, held_out, to_draft, args.batch_size, np.random.default_rng(0)))
+
+    def validation_accuracy(weights) -> float:
+        """Step-0 accuracy over the held-out answers (each batch's mean, weighted by its labels)."""
+        hits = total = 0.0
+        for batch in validation:
+            count = float((batch["labels"][:, 1:] >= 0).sum())
+            hits += float(evaluate(weights, batch)[1]) * count
+            total += count
+        return hits / max(total, 1.0)
+
     rng, updates, history = np.random.default_rng(args.seed), 0, []
+    best = (validation_accuracy(weights), 0, weights)
     deadline = time.perf_counter() + 60 * args.minutes
     while time.perf_counter() < deadline and updates < args.max_updates:
         for batch in batches(states, sequences, to_draft, args.batch_size, rng):
             weights, state, loss, accuracy = update(weights, state, batch)
             updates += 1
-            if updates % 20 == 0:
-                history.append((updates, float(loss), float(accuracy)))
-                print(f"update {updates}: loss {float(loss):.3f}, step-0 accuracy {float(accuracy):.3f}",
-                      flush=True)
+            if updates % args.eval_every == 0:
+                held = validation_accuracy(weights)
+                history.append((updates, float(loss), float(accuracy), held))
+                print(f"update {updates}: loss {float(loss):.3f}, step-0 accuracy {float(accuracy):.3f}, "
+                      f"held out {held:.3f}", flush=True)
+                if held > best[0]:
+                    best = (held, updates, weights)
             if time.perf_counter() >= deadline or updates >= args.max_updates:
                 break
-    tensors = {name: np.asarray(value) for name, value in weights.items()}
+    tensors = {name: np.asarray(value) for name, value in best[2].items()}  # the best on the held-out answers
     tensors["d2t"] = (draft_ids - np.arange(len(draft_ids))).astype(np.int64)
     write_checkpoint(args.out, tensors, hf)
     return {"sequences": len(sequences), "tokens": int(sum(map(len, sequences))), "updates": updates,
+            "kept_update": best[1], "held_out_accuracy": best[0], "held_out_sequences": len(held_out),
             "history": history, "generate_s": generated - started, "hidden_states_s": computed - generated,
             "train_s": time.perf_counter() - computed, "draft_vocab": len(draft_ids), "layers": list(layers)}
 
@@ -263,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--out", required=True, help="the head's directory")
     parser.add_argument("--first-prompt", type=int, default=20, help="shipped prompts before it are held out")
+    parser.add_argument("--validation-prompts", type=int, default=10,
+                        help="the held-out prompts just before --first-prompt the head is chosen on (early stopping)")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft-vocab", type=int, default=8192)
@@ -271,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-updates", type=int, default=3000)
     parser.add_argument("--minutes", type=float, default=25.0, help="wall-time budget of the training loop")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--freeze-lm-head", action="store_true", help="keep the LM head at the target's rows")
+    parser.add_argument("--eval-every", type=int, default=50, help="updates between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     result = train(args)

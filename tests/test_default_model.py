@@ -23,13 +23,21 @@ def default_llm():
     return LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, warmup=False)  # compiles as used
 
 
-def test_greedy_tokens_match_transformers_on_the_same_gguf(default_llm):
+@pytest.fixture(scope="module")
+def hf_default():
+    """transformers' model from the same GGUF (float32), read once for the tests that compare with it."""
     import torch
     import transformers
 
     gguf = Path(default_gguf_path())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             dtype=torch.float32).eval()
+
+
+def test_greedy_tokens_match_transformers_on_the_same_gguf(default_llm, hf_default):
+    import torch
+
+    hf = hf_default
     tokenizer = default_llm.get_tokenizer()
     prompts = [
         default_llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
@@ -100,15 +108,12 @@ HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening, coun
             "the bedroom ceiling. When the coast guard finally replaced him, the town rang the church bell twice.")
 
 
-def test_prompt_logprobs_match_transformers_log_softmax(default_llm):
+def test_prompt_logprobs_match_transformers_log_softmax(default_llm, hf_default):
     """Prompt scoring in the prefill (chunks of 128 tokens) against transformers' float32 log_softmax over the whole
     text, on the same GGUF: every token's logprob within 2e-3, and the top-5 ranks agree."""
     import torch
-    import transformers
 
-    gguf = Path(default_gguf_path())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           dtype=torch.float32).eval()
+    hf = hf_default
     ids = default_llm.get_tokenizer().encode(HELD_OUT)
     assert len(ids) > 128  # more than one prefill chunk
     out = default_llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=5))[0]

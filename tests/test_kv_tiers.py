@@ -247,8 +247,10 @@ def test_tier_options_are_checked():
         EngineConfig(kv_offloading_dir="/tmp/x", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_disk_size must be > 0"):
         EngineConfig(kv_offloading_disk_size=0)
-    with pytest.raises(ValueError, match="draft model"):
-        EngineConfig(kv_offloading_size=1, speculative_config={"model": "x", "num_speculative_tokens": 2}).resolve(64)
+    for spec in ({"model": "x", "num_speculative_tokens": 2}, {"method": "eagle3", "model": "x",
+                                                                "num_speculative_tokens": 2}):
+        with pytest.raises(ValueError, match=f"speculative method '{spec.get('method', 'draft_model')}'"):
+            EngineConfig(kv_offloading_size=1, speculative_config=spec).resolve(64)
 
 
 def test_tier_metrics_are_exposed(caplog):

@@ -1,6 +1,7 @@
 """A model's own multi-token-prediction layer as the proposer (`method: mtp`, DeepSeek-V3's layout): the drafts the
 engine proposes equal a float64 reference built from transformers' DeepSeek-V3 decoder layer, greedy outputs
-equal plain decoding, and a model without MTP tensors is refused by name."""
+equal plain decoding (and with an EAGLE-3 head on the same latent-attention model), and a model without MTP
+tensors is refused by name."""
 
 from __future__ import annotations
 
@@ -139,23 +140,47 @@ class Reference:
         return drafts
 
 
-def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target):
+PROMPTS = random_prompts(2, 500, 29, 37, seed=7)
+PARAMS = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+
+
+def generate(llm) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> list[list[int]]:
+    return generate(LLM(target, **OPTIONS))
+
+
+def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target, plain):
     """Two prompts prefill in chunks of 16; the second stops after 3 tokens, so while both run the steps decode
     without drafts and the layer catches up after (`disable_by_batch_size` 2)."""
     llm = LLM(target, **OPTIONS, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K,
                                                      "disable_by_batch_size": 2})
     seen = recorded_proposals(llm)
-    prompts = random_prompts(2, 500, 29, 37, seed=7)
-    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    plain = LLM(target, **OPTIONS).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
-    tokens = prompts[0] + outputs[0].outputs[0].token_ids
+    outputs = generate(llm)
+    assert outputs == plain
+    tokens = PROMPTS[0] + outputs[0]
     assert len(seen) >= 4
     reference = Reference(target)
     for _, position, drafts in seen:
         assert drafts == reference.drafts(tokens[:position + 1], K)[:len(drafts)], position
+
+
+def test_an_eagle3_head_on_the_latent_attention_target(target, plain, tmp_path):
+    """EAGLE-3 over the same MLA model (its layers' inputs; the head's own K/V pool beside the latent one): greedy
+    outputs equal plain decoding's, drafts counted."""
+    from tests.eagle3_heads import save_eagle3_head
+
+    head = save_eagle3_head(str(tmp_path / "head"), tiny_deepseek_config(), draft_vocab_size=128,
+                            aux_layers=(0, 1, 2))
+    llm = LLM(target, **OPTIONS, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K,
+                                                     "disable_by_batch_size": None})
+    assert generate(llm) == plain
+    assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
 
 
 def test_models_without_mtp_layers_are_refused_by_name(tmp_path, tiny_llama_dir):
