@@ -28,7 +28,7 @@ from jaxserve.spec_decode.head_steps import (Head, HeadPrefillInputs, HeadPropos
 class SpeculativeHead:
     def __init__(self, model: str, head: Head, runner: RunnerState):
         ec, mesh = runner.engine_config, runner.mesh
-        self.head, self.runner = head, runner
+        self.config, self.runner = head, runner
         self.tp = TensorParallel(mesh.size, ec.enable_expert_parallel)
         self.tp.check(head.layer)
         self.width = ec.num_speculative_tokens + 1  # the ring's positions per slot
@@ -43,11 +43,11 @@ class SpeculativeHead:
     def page_bytes(self) -> int:
         """Bytes of one page of the head's pool over all devices."""
         runner = self.runner
-        return page_bytes(self.head.layer, self.tp, runner.backend, runner.engine_config.page_size, runner.dtype)
+        return page_bytes(self.config.layer, self.tp, runner.backend, runner.engine_config.page_size, runner.dtype)
 
     def allocate_pool(self, num_pages: int) -> None:
         runner = self.runner
-        self.kv = empty_kv_cache([num_pages], self.head.layer, self.tp, runner.backend,
+        self.kv = empty_kv_cache([num_pages], self.config.layer, self.tp, runner.backend,
                                  runner.engine_config.page_size, runner.dtype, runner.allocator)[0]
 
     def resident_state(self) -> tuple:
@@ -60,8 +60,8 @@ class SpeculativeHead:
         replicated = NamedSharding(mesh, REPLICATED)
         params_in = jax.tree.map(lambda leaf: leaf.sharding, self.params)
         target_in = serving_shardings(runner.params, runner.model_config, runner.tp, mesh)
-        kv_in = kv_cache_shardings(runner.backend, self.head.layer)[0]
-        static = (self.head, runner.model_config, self.tp, runner.backend, runner.dtype,
+        kv_in = kv_cache_shardings(runner.backend, self.config.layer)[0]
+        static = (self.config, runner.model_config, self.tp, runner.backend, runner.dtype,
                   runner.engine_config.page_size)
         prefill = jit_step(functools.partial(head_prefill_step, *static), mesh,
                            (params_in, target_in, kv_in, replicated), (kv_in, replicated), donate=(2, 3))

@@ -97,7 +97,7 @@ class Speculator:
     @property
     def aux_layers(self) -> tuple[int, ...]:
         """The target layers whose inputs the target's forwards return (`Forward.aux`): a head's."""
-        return self.head.head.aux_layers if self.head is not None else ()
+        return self.head.config.aux_layers if self.head is not None else ()
 
     @property
     def pool_page_bytes(self) -> int:
