@@ -102,20 +102,17 @@ def target_states(model: str | None, sequences: list[list[int]], layers: tuple[i
 
 
 def rms(x, weight, eps):
-    import jax
+    from jaxserve.layers.norms import rms_normalize
 
-    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+    return rms_normalize(x, eps) * weight
 
 
 def rope(x, positions, theta: float):
-    """Llama's rotation (halves) of `x [B, heads, T, dim]` at `positions [T]`."""
-    import jax.numpy as jnp
+    """The engine's rope (`layers/rotary.py`) on `x [B, heads, T, dim]` at `positions [T]`: what serving computes."""
+    from jaxserve.layers.rotary import apply_rope, rope_inverse_frequencies
 
-    dim = x.shape[-1]
-    angles = positions[:, None] * (1.0 / theta ** (jnp.arange(0, dim, 2) / dim))[None]
-    cos, sin = jnp.concatenate([jnp.cos(angles)] * 2, -1), jnp.concatenate([jnp.sin(angles)] * 2, -1)
-    half = dim // 2
-    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+    inv_freq = rope_inverse_frequencies(x.shape[-1], theta, None)
+    return apply_rope(x.swapaxes(1, 2), positions, inv_freq).swapaxes(1, 2)
 
 
 def ttt_loss(w: dict, embed_table, hf: dict, steps: int, batch: dict):

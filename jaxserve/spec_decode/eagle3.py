@@ -32,10 +32,11 @@ from jaxserve.distributed.shardings import path_name, spec_from_rules
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
 from jaxserve.layers.mlp import MLP
-from jaxserve.layers.quant_dense import Embedding, Linear
+from jaxserve.layers.quant_dense import Linear
 from jaxserve.layers.sampler import argmax
 from jaxserve.models import llama, llama_weights
 from jaxserve.models.registry import model_spec
+from jaxserve.spec_decode.head_steps import target_embeddings
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # the head's own tensors replicated; its layer split as the Llama family's layers are (its attention runs on the
@@ -43,8 +44,8 @@ ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SHARDING_RULES = ((r"^(fc|lm_head)/", "replicated"), (r"^target_ids$", "replicated"), (r"^embed/", "replicated"),
                   *llama_weights.SHARDING_RULES)
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # how heads name their decoder layer's tensors
-LAYER_TENSORS = {"input_norm": "input_layernorm", "hidden_norm": "hidden_norm",
-                 "post_attention_norm": "post_attention_layernorm", "attn": "self_attn", "mlp": "mlp"}
+LAYER_NORMS = {"input_norm": "input_layernorm", "hidden_norm": "hidden_norm",
+               "post_attention_norm": "post_attention_layernorm"}  # ours -> the checkpoint's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +212,7 @@ def checkpoint_params(tensors: dict[str, Any], dtype) -> dict:
     def scale(name: str) -> dict:
         return {"scale": tensors[name].astype(dtype)}
 
-    layer = {ours: scale(f"midlayer.{theirs}.weight") for ours, theirs in LAYER_TENSORS.items()
-             if ours.endswith("norm")}
+    layer = {ours: scale(f"midlayer.{theirs}.weight") for ours, theirs in LAYER_NORMS.items()}
     layer["attn"] = {name: kernel(f"midlayer.self_attn.{name}.weight") for name in ("q_proj", "k_proj", "v_proj",
                                                                                     "o_proj")}
     layer["mlp"] = {name: kernel(f"midlayer.mlp.{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")}
@@ -259,9 +259,7 @@ def embed(params: dict, target_params: dict, target: ModelConfig, tp: TensorPara
     """The tokens' embeddings from the head's own table (replicated), or the target's as the target holds it."""
     if "embed" in params:
         return jnp.take(params["embed"]["embedding"], token_ids, axis=0).astype(dtype)
-    table = Embedding(target.vocab_size, target.hidden_size, dtype=dtype,
-                      vocab_shards=llama.vocab_shards(target, tp))
-    return table.apply({"params": target_params["embed"]}, token_ids)
+    return target_embeddings(target_params, target, tp, token_ids, dtype)
 
 
 def draft_tokens(params: dict, config: Eagle3Config, x: jax.Array, dtype) -> jax.Array:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.quant_dense import Embedding
 from jaxserve.spec_decode.draft import Proposal
 from jaxserve.spec_decode.verify import draft_positions
 
@@ -77,6 +78,15 @@ class HeadProposeInputs:
     pages: jax.Array  # int32 [rows, K + 1]: the pages of positions p .. p + K (the verify call's, group 0)
     num_draft: jax.Array  # int32 [rows]
     active: jax.Array  # bool [rows]
+
+
+def target_embeddings(target_params, target: ModelConfig, tp, token_ids, dtype):
+    """The tokens' rows of the target's embedding table, looked up as the target holds it (split over the
+    vocabulary under TP): what a head reads its tokens through unless it has a table of its own."""
+    from jaxserve.models.llama import vocab_shards
+
+    table = Embedding(target.vocab_size, target.hidden_size, dtype=dtype, vocab_shards=vocab_shards(target, tp))
+    return table.apply({"params": target_params["embed"]}, token_ids)
 
 
 def _flat_slots(page_tables, page_size, positions, valid):

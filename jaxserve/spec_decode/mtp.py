@@ -27,10 +27,11 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, KVPages, PagedAttention
-from jaxserve.layers.quant_dense import Embedding, Linear
+from jaxserve.layers.quant_dense import Linear
 from jaxserve.layers.sampler import argmax
 from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources, config_from_hf, model_spec
 from jaxserve.models import llama
+from jaxserve.spec_decode.head_steps import target_embeddings
 
 FAMILIES = ("deepseek_v3", "glm4_moe")  # checkpoints naming their MTP layers `model.layers.{L}.*`
 EXTRA_TENSORS = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight"}
@@ -47,9 +48,7 @@ class MTPConfig:
         return llama.model_norm(target, dtype).apply({"params": target_params["final_norm"]}, aux)
 
     def run(self, params, target_params, target, tp, backend, dtype, tokens, hidden, kv, meta):
-        table = Embedding(target.vocab_size, target.hidden_size, dtype=dtype,
-                          vocab_shards=llama.vocab_shards(target, tp))
-        embeds = table.apply({"params": target_params["embed"]}, tokens)
+        embeds = target_embeddings(target_params, target, tp, tokens, dtype)
         embeds = jnp.where((meta.positions == 0)[..., None], 0, embeds)
         variables = {"params": {name: params[name] for name in ("enorm", "hnorm", "eh_proj", "layers_0")}}
         return MTPLayer(self, tp, backend, dtype).apply(variables, embeds, hidden, kv, meta)
@@ -62,9 +61,8 @@ class MTPConfig:
     def load(self, model: str, allocator, mesh, tp: TensorParallel, dtype) -> dict:
         """The layer's serving-layout params read from the target's checkpoint `model` (dequantized, unquantized:
         an FP8 checkpoint's MTP layer is served in `dtype`)."""
-        from jaxserve.loading.hf import load_hf_params
+        from jaxserve.loading.hf import fp8_blocks, load_hf_params
         from jaxserve.loading.hf_files import checkpoint_quantization_config
-        from jaxserve.loading.hf import fp8_blocks
         from jaxserve.loading.placement import serving_params
         from jaxserve.models import param_shardings
 
