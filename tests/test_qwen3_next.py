@@ -100,13 +100,36 @@ def test_an_image_and_text_checkpoint_serves_its_text_decoder(tmp_path):
     assert greedy(llm, prompts) == expected
 
 
-@pytest.mark.parametrize("options, named", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
-    ({"kv_offloading_size": 0.01}, "the KV tiers"),
-])
-def test_what_the_state_cannot_take_yet_is_refused_by_name(model_dirs, options, named):
-    with pytest.raises(ValueError, match=f"{named}: not supported yet for models with linear-attention layers"):
-        LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False, **options)
+def test_what_the_state_cannot_take_yet_is_refused_by_name(model_dirs):
+    with pytest.raises(ValueError, match="the KV tiers: not supported yet for models with linear-attention layers"):
+        LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False, kv_offloading_size=0.01)
+    with pytest.raises(ValueError, match="has linear-attention layers: a draft model with a per-sequence state"):
+        LLM(model_dirs["qwen3_5_text"], max_model_len=64, warmup=False,
+            speculative_config={"model": model_dirs["qwen3_5_moe_text"], "num_speculative_tokens": 2})
+
+
+def test_speculation_rolls_the_state_back_to_the_last_accepted_token(model_dirs):
+    """n-gram drafts over prompts that repeat a phrase, some accepted and most rejected: the Gated DeltaNet layers
+    keep the state after each verified token and go on from the last accepted one, so greedy tokens equal
+    transformers' (under chunked prefill, batching and preemption); the pools hold K + 1 states per sequence. A
+    later turn hits the state a step saved at position 64."""
+    path = model_dirs["qwen3_next"]
+    prompts = [(phrase * 40)[:70] for phrase in random_prompts(4, 500, 2, 5, seed=60)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": None}
+    llm = LLM(path, max_num_seqs=4, max_model_len=160, page_size=8, num_kv_pages=36, max_num_batched_tokens=32,
+              mamba_block_size=64, warmup=False, speculative_config=spec)
+    assert engine_greedy(llm, prompts, 24) == hf_greedy(path, prompts, 24)
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions > 0 and 0 < stats.spec_decode_accepted_per_pos[0]
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert llm.llm_engine.runner.kv_plan.state_slots == 4 * 4
+    turn = random_prompts(1, 500, 60, 60, seed=3)[0]
+    first = engine_greedy(llm, [turn], 24)[0]
+    second = turn + first + [5, 6, 7]  # its first 64 tokens' state: saved by the step whose first token is 63
+    out = llm.generate([{"prompt_token_ids": second}],
+                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == transformers_greedy(path, [second])[0]
 
 
 def test_prefix_hits_start_from_the_state_kept_where_they_end(model_dirs):

@@ -107,7 +107,7 @@ class KVPlan:
     layer_groups: tuple[int, ...]  # each layer's group, whose pages it reads (-1: a layer with a state, no pages)
     proposer_page_bytes: int = 0  # a draft model's or EAGLE-3 head's pool: group 0's pages, this many bytes each
     state: StateSpec | None = None  # the state layers' (`ModelConfig.state_layers`)
-    state_slots: int = 0  # states each such layer keeps: one per decode slot
+    state_slots: int = 0  # states each such layer keeps: one per decode slot (K + 1 under speculative decoding)
     state_slot_bytes: int = 0  # one slot's states over all state layers and devices
     state_checkpoints: int = 0  # states kept for prefix hits, as many bytes each (`engine/state_checkpoints.py`)
 
@@ -189,11 +189,9 @@ def group_layers(specs: tuple[KVCacheSpec | StateSpec | KVSharingSpec, ...], ec:
         if any(refused.values()):
             raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
                              "Multi-head Latent Attention's latent KV cache")
-    if any(isinstance(spec, StateSpec) for spec in specs):  # a state cannot be rolled back, copied or shared yet
-        refused = {"speculative decoding": ec.speculative_config is not None, "the KV tiers": bool(ec.kv_tiers)}
-        if any(refused.values()):
-            raise ValueError(f"{', '.join(name for name, on in refused.items() if on)}: not supported yet for "
-                             "models with linear-attention layers (their per-sequence state)")
+    if any(isinstance(spec, StateSpec) for spec in specs) and ec.kv_tiers:  # a state cannot be copied out yet
+        raise ValueError("the KV tiers: not supported yet for models with linear-attention layers (their "
+                         "per-sequence state)")
     specs_of_pages = [spec for spec in specs if not isinstance(spec, (StateSpec, KVSharingSpec))]
     shapes = {(spec.num_kv_heads, spec.head_size) for spec in specs_of_pages if not isinstance(spec, MLASpec)}
     if ec.kv_tiers and (len(shapes) > 1 or any(isinstance(spec, KVSharingSpec) for spec in specs)):
@@ -234,13 +232,16 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
     state = state_spec(config)
     slot_bytes = state.slot_bytes(dtype) * len(config.state_layers) if state is not None else 0
     checkpoints = ec.state_checkpoints if state is not None and ec.enable_prefix_caching else 0
+    # under speculative decoding each sequence keeps the state after each of a verify step's K + 1 tokens
+    state_rows = ec.max_num_seqs * (ec.num_speculative_tokens + 1) if state is not None else 0
     if budget_bytes is not None and slot_bytes:
-        state_device_bytes = (ec.max_num_seqs + checkpoints) * slot_bytes // tp.size
+        state_device_bytes = (state_rows + checkpoints) * slot_bytes // tp.size
         if state_device_bytes >= budget_bytes:
-            raise ValueError(f"the linear-attention state of max_num_seqs={ec.max_num_seqs} sequences and "
-                             f"{checkpoints} state checkpoints ({state_device_bytes / 2**30:.2f} GiB per device) does "
-                             f"not fit the KV budget ({budget_bytes / 2**30:.2f} GiB per device): lower max_num_seqs "
-                             "or num_state_checkpoints, or raise gpu_memory_utilization / kv_cache_memory_bytes")
+            raise ValueError(f"the linear-attention state of max_num_seqs={ec.max_num_seqs} sequences "
+                             f"({ec.num_speculative_tokens + 1} each: num_speculative_tokens + 1) and {checkpoints} "
+                             f"state checkpoints ({state_device_bytes / 2**30:.2f} GiB per device) does not fit the "
+                             f"KV budget ({budget_bytes / 2**30:.2f} GiB per device): lower max_num_seqs or "
+                             "num_state_checkpoints, or raise gpu_memory_utilization / kv_cache_memory_bytes")
         budget_bytes -= state_device_bytes
     group_bytes = [page_bytes(config, tp, backend, ec.page_size, dtype, layers) for _, layers in grouped]
     total = [group_bytes[0] + proposer_page_bytes, *group_bytes[1:]]  # the proposer's page rides on group 0's
@@ -271,7 +272,7 @@ def plan_kv_cache(config: ModelConfig, ec: EngineConfig, tp: TensorParallel, bac
         if isinstance(spec, KVSharingSpec):
             layer_groups[layer] = layer_groups[spec.source]
     return KVPlan(ec.page_size, tuple(groups), tuple(layer_groups), proposer_page_bytes, state,
-                  ec.max_num_seqs if state is not None else 0, slot_bytes, checkpoints)
+                  state_rows, slot_bytes, checkpoints)
 
 
 def check_plan(plan: KVPlan, ec: EngineConfig) -> None:

@@ -165,12 +165,13 @@ class VerifyInputs:
     output_index: np.ndarray  # int32 [rows]
 
 
-def empty_verify(rows: int, k: int, groups: int = 1, lora: bool = False) -> VerifyBatch:
+def empty_verify(rows: int, k: int, groups: int = 1, lora: bool = False, checkpoints: bool = False) -> VerifyBatch:
     """A verify call of `rows` inactive rows with room for `k` drafts each (see `empty_decode`)."""
     return VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                        draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
                        pages=np.zeros((groups, rows, k + 1), np.int32), active=np.zeros(rows, bool),
-                       lora_slots=np.full(rows, -1, np.int32) if lora else None)
+                       lora_slots=np.full(rows, -1, np.int32) if lora else None,
+                       state_saves=np.full(rows, -1, np.int32) if checkpoints else None)
 
 
 def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig,
@@ -179,7 +180,8 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     is to propose on the device). Speculative steps are synchronous: the rows hold every token."""
     rows = bucket_for(len(decodes), config.decode_batch_buckets)
     page_size = config.page_size
-    batch = empty_verify(rows, k, rows_of.page_tables.shape[0], rows_of.lora_slots is not None)
+    batch = empty_verify(rows, k, rows_of.page_tables.shape[0], rows_of.lora_slots is not None,
+                         rows_of.state_checkpoints)
     inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, decode in enumerate(decodes):
         slot = rows_of.slot_of[decode.seq_id]
@@ -190,6 +192,8 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
         if batch.lora_slots is not None:
             batch.lora_slots[row] = rows_of.lora_slots[slot]
         batch.draft_tokens[row, :len(decode.draft_token_ids)] = decode.draft_token_ids
+        if batch.state_saves is not None:
+            batch.state_saves[row] = decode.state_save
         for i in range(k + 1):
             index = (position + i) // page_size
             if index < num_pages:

@@ -40,12 +40,16 @@ SCORE_POSITIONS = 256  # prompt positions whose logits `prompt_scores_step` hold
 class SlotState:
     tokens: jax.Array  # int32 [slots]: the latest token sampled for the slot's sequence
     page_tables: jax.Array  # int32 [groups, slots, pages_per_seq]: each KV cache group's
+    # int32 [slots]: which of its state rows holds the slot's state (a hybrid model under speculative decoding,
+    # `layers/state_slots.py`: slot s's row j is `s + j * slots`; a verify step sets it to the accepted drafts)
+    state_buffers: jax.Array
 
     @classmethod
     def empty(cls, slots: int, pages_per_seq: int, sharding, allocator: Allocator, groups: int = 1
               ) -> "SlotState":
         return cls(tokens=allocator.full((slots,), jnp.int32, sharding),
-                   page_tables=allocator.full((groups, slots, pages_per_seq), jnp.int32, sharding))
+                   page_tables=allocator.full((groups, slots, pages_per_seq), jnp.int32, sharding),
+                   state_buffers=allocator.full((slots,), jnp.int32, sharding))
 
 
 @flax.struct.dataclass
@@ -106,6 +110,8 @@ class VerifyBatch:
     # the sequence's pages)
     active: jax.Array  # bool [rows]
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
+    state_saves: jax.Array | None = None  # state checkpoints: int32 [rows], where the state after each row's first
+    # token goes (-1: none)
 
 
 @flax.struct.dataclass
@@ -164,6 +170,15 @@ def _rows_to_slots(slot_state: SlotState, slots, keep):
     return jnp.where(keep, slots, slot_state.tokens.shape[0])
 
 
+NO_STATE_ROW = 2**30  # past every state pool: a row that is not live reads a clipped row and writes nothing
+
+
+def _state_rows(slot_state: SlotState, slots, keep, buffer=None):
+    """Each row's state row: its slot's current one (or its `buffer [B]`-th), where `keep`, else past every pool."""
+    buffer = slot_state.state_buffers[slots] if buffer is None else buffer
+    return jnp.where(keep, slots + buffer * slot_state.tokens.shape[0], NO_STATE_ROW)
+
+
 def _metadata(page_tables, slot_mapping, layer_groups, **fields) -> AttentionMetadata:
     """A step's attention metadata from each KV cache group's page tables `[groups, B, P]` and KV slots
     `[groups, B, T]`: group 0's for every layer, or with several groups each layer's own (`for_layer`)."""
@@ -192,14 +207,15 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
     live = _rows_to_slots(slot_state, batch.slots, num_tokens > 0)
     meta = _metadata(page_tables, slot_mapping, layer_groups, positions=positions,
                      context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0), query_lens=num_tokens,
-                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1), state_slots=live,
+                     rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1),
+                     state_slots=_state_rows(slot_state, batch.slots, num_tokens > 0),
                      state_sources=batch.state_sources, state_saves=batch.state_saves)
     outputs, kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                 logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp, with_hidden=True,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers)
     (logits, hidden), aux = outputs if aux_layers else (outputs, None)
     greedy = argmax(logits)
-    slot_state = SlotState(
+    slot_state = slot_state.replace(
         tokens=slot_state.tokens.at[live].set(jnp.where(batch.is_final, greedy, batch.next_tokens), mode="drop"),
         page_tables=slot_state.page_tables.at[:, live].set(page_tables, mode="drop"))
     return Forward(logits, greedy, hidden.astype(dtype) if with_hidden else None, aux), (kv_cache, slot_state)
@@ -239,13 +255,15 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     token_ids = slot_state.tokens[slots]
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions[:, None],
                      context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32),
-                     state_slots=live, state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
+                     state_slots=_state_rows(slot_state, slots, active),
+                     state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
     outputs, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                 logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers)
     logits, aux = outputs if aux_layers else (outputs, None)
     greedy = argmax(logits)
-    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"), page_tables=page_tables)
+    slot_state = slot_state.replace(tokens=slot_state.tokens.at[live].set(greedy, mode="drop"),
+                                    page_tables=page_tables)
     return Forward(logits, greedy, aux=aux), (kv_cache, slot_state)
 
 
@@ -265,9 +283,12 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     slot_mapping = jnp.stack([mapping for _, mapping, _ in placed])
     page_tables = jnp.stack([tables for _, _, tables in placed])
     token_ids = jnp.concatenate([slot_state.tokens[slots][:, None], draft_tokens], axis=1)
+    buffers = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32)[None, :], (rows, k + 1))
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions2d,
                      context_lens=jnp.where(active, positions + 1 + num_draft, 0),
-                     query_lens=jnp.where(active, 1 + num_draft, 0))
+                     query_lens=jnp.where(active, 1 + num_draft, 0), state_slots=_state_rows(slot_state, slots, active),
+                     state_writes=_state_rows(slot_state, slots[:, None], active[:, None], buffers),
+                     state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
     outputs, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers)
     logits, aux = outputs if aux_layers else (outputs, None)
@@ -275,7 +296,8 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     num_accepted = verify_greedy(greedy, draft_tokens, num_draft)
     last = jnp.take_along_axis(greedy, num_accepted[:, None], axis=1)[:, 0]
     live = _rows_to_slots(slot_state, slots, active)
-    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables)
+    slot_state = SlotState(tokens=slot_state.tokens.at[live].set(last, mode="drop"), page_tables=page_tables,
+                           state_buffers=slot_state.state_buffers.at[live].set(num_accepted, mode="drop"))
     return Forward(logits, SampleResult(greedy, None, None, None, num_accepted), aux=aux), (kv_cache, slot_state)
 
 
@@ -294,8 +316,11 @@ def verify_sample_step(penalties: PenaltyState, slot_state: SlotState, table: Sa
     counts = penalties.output_counts.at[jnp.broadcast_to(slots[:, None], result.tokens.shape), result.tokens].add(
         is_output.astype(jnp.int32))
     last = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
-    tokens = slot_state.tokens.at[_rows_to_slots(slot_state, slots, inputs.counted)].set(last, mode="drop")
-    return result, (penalties.replace(output_counts=counts), slot_state.replace(tokens=tokens))
+    live = _rows_to_slots(slot_state, slots, inputs.counted)
+    slot_state = slot_state.replace(tokens=slot_state.tokens.at[live].set(last, mode="drop"),
+                                    state_buffers=slot_state.state_buffers.at[live].set(result.num_accepted,
+                                                                                        mode="drop"))
+    return result, (penalties.replace(output_counts=counts), slot_state)
 
 
 def sample_step(penalties: PenaltyState, slot_state: SlotState, table: SamplingBatch, inputs: SamplerInputs):

@@ -10,7 +10,9 @@ q and k, an RMS norm of each value head gated by `silu(z)`, and `out_proj`. Tens
 (and so their value heads, channels and states) over the devices; `out_proj` splits on its input features.
 A row's state is the convolution's last `K - 1` inputs `[channels, K - 1]` and the rule's `[value_heads, key_dim,
 value_dim]` matrix (float32); a step reads the states its rows had and writes the ones their real tokens
-(`query_lens`) leave; padding tokens change neither.
+(`query_lens`) leave; padding tokens change neither. A verify step (speculative decoding) keeps the state after each
+of its tokens, in the rows `meta.state_writes` names, since which of them its sequence goes on from is known only
+once its drafts are accepted.
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent_state = state.read(meta.state_slots, meta.positions[:, 0] == 0, meta.state_sources)
         weight = self.param("conv1d", nn.initializers.lecun_normal(), (la.conv_channels, la.conv_kernel),
                             self.dtype)
-        offsets = None if saves is None else meta.positions[:, 0] % CHUNK_TOKENS
-        ends = None  # a saving prefill's chunk ends, relative to the row's first token: [B, blocks]
-        if saves is not None and tokens > 1:
+        per_token = meta.state_writes is not None  # a verify step: the state after each token is kept
+        offsets = None if saves is None or per_token else meta.positions[:, 0] % CHUNK_TOKENS
+        ends = None  # a saving prefill's chunk ends (or each token's end), relative to the row's first token: [B, N]
+        if per_token:
+            ends = jnp.broadcast_to(jnp.arange(1, tokens + 1)[None, :], (batch, tokens))
+        elif saves is not None and tokens > 1:
             ends = CHUNK_TOKENS * jnp.arange(1, saves.shape[1] + 1)[None, :] - offsets[:, None]
         mixed, conv_state, conv_kept = causal_conv(mixed, conv_state, weight, query_lens, ends)
         q, k, v = jnp.split(nn.silu(mixed).reshape(batch, tokens, n, -1), splits[:2], axis=-1)
@@ -85,7 +90,13 @@ class GatedDeltaNet(nn.Module):
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
             a.reshape(batch, tokens, -1).astype(jnp.float32) + dt_bias.astype(jnp.float32))
         g = jnp.where(real, g, 0.0)  # padding tokens leave the state as it is
-        if tokens == 1:
+        if per_token:  # each token's state into the rows it names; a checkpoint takes the first's (always accepted)
+            out, kept = recurrent_gated_delta(q, k, v, g, beta, recurrent_state, keep=True)
+            if saves is not None:
+                state = state.save(saves[:, 0], conv_kept[:, 0], kept[:, 0])
+            state = state.write(meta.state_writes.reshape(-1), conv_kept.reshape(-1, *conv_state.shape[1:]),
+                                kept.reshape(-1, *kept.shape[2:]))
+        elif tokens == 1:
             out, recurrent_state = recurrent_gated_delta(q, k, v, g, beta, recurrent_state)
             if saves is not None:  # a decode: the state after its token, where its position ends a checkpoint's span
                 state = state.save(saves[:, 0], conv_state, recurrent_state)
@@ -105,7 +116,9 @@ class GatedDeltaNet(nn.Module):
         # the pools' writes done before the next layer runs: left to the scheduler, XLA kept every layer's new
         # states (rows x state) alive to the step's end (`jaxserve compile`: 2.28 GiB of temporaries per device at
         # 256 rows for Qwen3-Next on h200x8)
-        return jax.lax.optimization_barrier((out, state.write(meta.state_slots, conv_state, recurrent_state)))
+        if not per_token:
+            state = state.write(meta.state_slots, conv_state, recurrent_state)
+        return jax.lax.optimization_barrier((out, state))
 
 
 def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, query_lens: jax.Array,

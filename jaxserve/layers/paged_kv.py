@@ -80,9 +80,11 @@ class AttentionMetadata:
     group_page_tables: jax.Array | None = None
     group_slot_mapping: jax.Array | None = None
     layer_groups: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
-    # int32 [B]: each row's decode slot, whose state the state-keeping layers read and write (`layers/
-    # state_slots.py`); rows that are not live name one past the last slot. None: a model without such layers
+    # int32 [B]: the state row each row's state-keeping layers read and write (`layers/state_slots.py`: its decode
+    # slot's); rows that are not live name one past every row. None: a model without such layers. A verify step
+    # writes the state after each token instead, into int32 [B, T] `state_writes`
     state_slots: jax.Array | None = None
+    state_writes: jax.Array | None = None
     # state checkpoints (prefix caching, `engine/state_checkpoints.py`): int32 [B], the checkpoint each row starts
     # from (-1: none), and int32 [B, N], the checkpoints to save each row's state into (-1: none): after each of a
     # prefill row's chunks of the chunked form (`gated_deltanet.save_blocks`), after a decode row's token (N = 1)

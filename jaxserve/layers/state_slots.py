@@ -1,11 +1,13 @@
 """Per-sequence state of the layers that keep one instead of KV pages (Gated DeltaNet's, `layers/gated_deltanet.py`;
-a Mamba layer's would be the same two arrays): one row per decode slot of the engine, preallocated, donated and
-updated inside the jitted steps as the page pools are.
+a Mamba layer's would be the same two arrays): rows preallocated, donated and updated inside the jitted steps as the
+page pools are. Each decode slot has one row, or under speculative decoding K + 1 (vLLM's approach): a verify step
+writes the state after each of a row's tokens into its slot's rows, and the slot's state is the one after its last
+accepted token (`SlotState.state_buffers`, `engine/steps.py`).
 
-A step's rows name their slots (`AttentionMetadata.state_slots`; a row that is not live names one past the last
-slot, so its write is dropped). A row whose first token is at position 0 starts from zeros: admission and
-preemption by recompute need no clearing step, and a chunk after the first continues from what the previous chunk
-left.
+A step's rows name the state rows they read and write (`AttentionMetadata.state_slots`; a row that is not live
+names one past every row, so its write is dropped). A row whose first token is at position 0 starts from zeros:
+admission and preemption by recompute need no clearing step, and a chunk after the first continues from what the
+previous chunk left.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from jaxserve.distributed.tensor_parallel import MODEL_AXIS
 
 @flax.struct.dataclass
 class StateSlots:
-    """One layer's states: the convolution's last inputs `[slots, channels, kernel - 1]` (the model's dtype) and the
-    recurrent state `[slots, heads, ...]` (float32); channels and heads split over the model axis. Under prefix
+    """One layer's states: the convolution's last inputs `[rows, channels, kernel - 1]` (the model's dtype) and the
+    recurrent state `[rows, heads, ...]` (float32); channels and heads split over the model axis. Under prefix
     caching, `saved_conv` / `saved_recurrent` hold the state checkpoints (`engine/state_checkpoints.py`): states
     saved at positions a later sequence with the same prefix may start from (else None)."""
 
@@ -32,7 +34,7 @@ class StateSlots:
 
     def read(self, slots: jax.Array, fresh: jax.Array, sources: jax.Array | None = None
              ) -> tuple[jax.Array, jax.Array]:
-        """The states of rows in `slots [B]`: zeros where `fresh [B]` (the row starts its sequence), else the
+        """The states in rows `slots [B]`: zeros where `fresh [B]` (the row starts its sequence), else the
         checkpoint `sources [B]` names (>= 0: a prefix hit's first chunk), else the slot's own."""
         def rows(pool: jax.Array, saved: jax.Array | None) -> jax.Array:
             shape = (-1, *(1,) * (pool.ndim - 1))

@@ -61,6 +61,9 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig, max_model_l
     if config.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config 'model' {spec.model!r} has a context of "
                          f"{config.max_position_embeddings} tokens, shorter than max_model_len ({max_model_len})")
+    if config.linear_attention is not None:  # its proposals would have to roll its own state back
+        raise ValueError(f"speculative_config 'model' {spec.model!r} has linear-attention layers: a draft model "
+                         "with a per-sequence state is not supported yet (the target may have them)")
     return config
 
 
