@@ -287,14 +287,19 @@ def test_fp8_scales_that_do_not_fit_their_weight_are_refused_by_name(tmp_path, d
         load_model(fp8_dir)
 
 
-def test_glm4_moe_matches_transformers(tmp_path):
-    """GLM-4.5's decoder: half of each head rotated, q/k/v biases, q/k norms, DeepSeek's routing with one group of
-    two chosen, the first layer dense."""
+def save_glm4_moe(path: str) -> str:
+    """A tiny GLM-4.5: half of each head rotated, q/k/v biases, q/k norms, DeepSeek's routing with one group of two
+    chosen, the first layer dense."""
     config = transformers.Glm4MoeConfig(**{**TINY_DIMS, "num_hidden_layers": 3}, head_dim=32, moe_intermediate_size=32,
                                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                         n_shared_experts=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
                                         use_qk_norm=True, attention_bias=True, tie_word_embeddings=False)
-    path = save_tiny_model("glm4_moe", str(tmp_path / "glm"), config=config)
+    return save_tiny_model("glm4_moe", path, config=config)
+
+
+def test_glm4_moe_matches_transformers(tmp_path):
+    """GLM-4.5's decoder (`save_glm4_moe`), its biases randomized."""
+    path = save_glm4_moe(str(tmp_path / "glm"))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():  # transformers starts the biases and the correction bias at zero
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

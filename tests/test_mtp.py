@@ -77,6 +77,16 @@ def target(tmp_path_factory) -> str:
     return add_mtp_layer(path)
 
 
+def causal_layer(model, layer, x):
+    """transformers' decoder `layer` (of `model`) over one sequence `x [n, hidden]` at positions 0 .. n-1, causal."""
+    n = len(x)
+    positions = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    out = layer(x[None], attention_mask=mask, position_ids=positions,
+                position_embeddings=model.model.rotary_emb(x[None], positions))
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
 class Reference:
     """The MTP layer's greedy drafts in float64: transformers' layer L of the model one layer deeper (its MLA and
     experts, loaded from the checkpoint with the MTP file as layer L) over positions 0 .. p-1, each the target's
@@ -122,16 +132,11 @@ class Reference:
             embeds = table[torch.tensor(tokens[1:])].clone()
             drafts = []
             for _ in range(k):
-                n = len(hidden)
                 e = embeds.clone()
                 e[0] = 0
                 x = torch.cat([self.rms(e, "enorm.weight"), self.rms(hidden, "hnorm.weight")], -1)
                 x = x @ mtp[prefix + "eh_proj.weight"].T
-                positions = torch.arange(n)[None]
-                mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-                out = self.layer(x[None], attention_mask=mask, position_ids=positions,
-                                 position_embeddings=self.deeper.model.rotary_emb(x[None], positions))
-                out = (out[0] if isinstance(out, tuple) else out)[0]
+                out = causal_layer(self.deeper, self.layer, x)
                 logits = self.rms(out[-1], "shared_head.norm.weight") @ mtp[prefix + "shared_head.head.weight"].T
                 draft = int(torch.argmax(logits))
                 drafts.append(draft)
@@ -168,6 +173,25 @@ def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target, plai
     reference = Reference(target)
     for _, position, drafts in seen:
         assert drafts == reference.drafts(tokens[:position + 1], K)[:len(drafts)], position
+
+
+def test_glm4_5_reads_its_mtp_layer_as_deepseek_v3_lays_it_out(tmp_path):
+    """GLM-4.5 stores its MTP layer as DeepSeek-V3 does (`model.layers.{L}.*`; its own decoder layer: GQA with
+    biases and q/k norms, its experts): the drafts equal the float64 reference, greedy outputs plain decoding's."""
+    from tests.test_deepseek import save_glm4_moe
+
+    path = add_mtp_layer(save_glm4_moe(str(tmp_path / "glm")))
+    llm = LLM(path, **OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": K,
+                                                   "disable_by_batch_size": None})
+    seen = recorded_proposals(llm)
+    prompt = PROMPTS[0]
+    outputs = llm.generate([{"prompt_token_ids": prompt}], PARAMS[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert outputs == LLM(path, **OPTIONS).generate([{"prompt_token_ids": prompt}], PARAMS[0],
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    reference = Reference(path)
+    assert len(seen) >= 4
+    for _, position, drafts in seen:
+        assert drafts == reference.drafts((prompt + outputs)[:position + 1], K)[:len(drafts)], position
 
 
 def test_an_eagle3_head_on_the_latent_attention_target(target, plain, tmp_path):

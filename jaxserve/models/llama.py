@@ -220,10 +220,12 @@ class LlamaModel(nn.Module):
 
 
 def compute_logits(params: dict, config: ModelConfig, x: jax.Array, dtype=jnp.float32,
-                   tp: TensorParallel = TensorParallel()) -> jax.Array:
-    """Float32 logits `[..., vocab]` of last-layer outputs `x [..., hidden]`: the final norm, then the LM head (the
-    embedding table when tied), capped when the model caps them."""
-    x = model_norm(config, dtype).apply({"params": params["final_norm"]}, x)
+                   tp: TensorParallel = TensorParallel(), norm: bool = True) -> jax.Array:
+    """Float32 logits `[..., vocab]` of last-layer outputs `x [..., hidden]`: the final norm (unless `norm` is
+    False: x is normed already), then the LM head (the embedding table when tied), capped when the model caps
+    them."""
+    if norm:
+        x = model_norm(config, dtype).apply({"params": params["final_norm"]}, x)
     if config.tie_word_embeddings:
         embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, vocab_shards=vocab_shards(config, tp))
         logits = embed.apply({"params": params["embed"]}, x, method=Embedding.attend)

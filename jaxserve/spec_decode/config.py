@@ -6,7 +6,8 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle3", "mtp", "deepseek_mtp")  # deepseek_mtp: vLLM's spelling of mtp
+MTP_METHODS = ("mtp", "deepseek_mtp", "qwen3_next_mtp")  # the last two: vLLM's older spellings of mtp
+METHODS = ("ngram", "draft_model", "eagle3", *MTP_METHODS)
 CPU_DISABLE_BY_BATCH_SIZE = 2
 
 
@@ -15,9 +16,9 @@ class SpeculativeConfig:
     """`method` "ngram" proposes from the request's own tokens (prompt lookup decoding); "draft_model" (the method
     when `model` is set) from a smaller model with the target's vocabulary, running in the engine with its own
     KV pool; "eagle3" from an EAGLE-3 head (`model`: its directory) reading the target's hidden states, with its
-    own one-layer KV pool; "mtp" (or "deepseek_mtp") from the target's own multi-token-prediction layer
-    (DeepSeek-V3, GLM-4.5), read from its checkpoint (`model`: unset, or the checkpoint to read it from), with its
-    own KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose
+    own one-layer KV pool; "mtp" (or "deepseek_mtp", "qwen3_next_mtp") from the target's own
+    multi-token-prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5), read from its checkpoint (`model`:
+    unset, or the checkpoint to read it from), with its own KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose
     batch reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound,
     where verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
     `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
@@ -93,7 +94,7 @@ class SpeculativeConfig:
 
     @property
     def uses_mtp(self) -> bool:
-        return self.method in ("mtp", "deepseek_mtp")
+        return self.method in MTP_METHODS
 
     @property
     def has_pool(self) -> bool:
