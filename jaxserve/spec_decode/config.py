@@ -18,9 +18,9 @@ class SpeculativeConfig:
     KV pool; "eagle3" from an EAGLE-3 head (`model`: its directory) reading the target's hidden states, with its
     own one-layer KV pool; "mtp" (or "deepseek_mtp", "qwen3_next_mtp") from the target's own
     multi-token-prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5), read from its checkpoint (`model`:
-    unset, or the checkpoint to read it from), with its own KV pool. `num_speculative_tokens` (K) tokens are proposed per sequence and step; every step whose
-    batch reaches `disable_by_batch_size` sequences decodes without speculation (a large batch is compute-bound,
-    where verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
+    unset, or the checkpoint to read it from), with its own KV pool. `num_speculative_tokens` (K) tokens are
+    proposed per sequence and step; every step whose batch reaches `disable_by_batch_size` sequences decodes without
+    speculation (a large batch is compute-bound, where verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
     `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
     unset on accelerators (not measured yet)."""
 
