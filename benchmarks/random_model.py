@@ -71,7 +71,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, partial_rotary_factor=0.25, max_position_embeddings=262144, rms_norm_eps=1e-6,
         rope_theta=10000000.0, tie_word_embeddings=False, attention_bias=False, bos_token_id=151643,
-        eos_token_id=151645),
+        eos_token_id=151645, num_nextn_predict_layers=1),  # its one MTP layer (`mtp.*`)
     "gemma-4-31b": dict(  # 50 sliding layers (16 KV heads of 256, window 1024), 10 global ones (4 KV heads of 512,
         # values from keys); the published config's numbers as third-party model cards give them (no hub here)
         model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=262144, hidden_size=5376,

@@ -9,7 +9,9 @@ a method may name its own K after a colon, `eagle3:5`) one engine with `max_num_
 set in turn (or, with `--concurrency B`, all of a set's prompts in one batch of B slots: where speculation stops
 paying), greedy, up to `--max-tokens` tokens (EOS ends an answer). Reported per method and set: output tokens per
 second of generation (prefill included, as a user sees it), the ratio to `plain` in the same run, the acceptance
-rate, the mean tokens per verify step, and whether every answer equals plain decoding's token for token.
+rate, the mean tokens per verify step, and whether every answer equals plain decoding's token for token. With
+`--lora DIR` every request runs with that PEFT adapter (a speculative head proposes without it: what that costs in
+acceptance).
 
     python benchmarks/spec_decode.py                       # plain and ngram, K = 4, both prompt sets
     python benchmarks/spec_decode.py --methods plain ngram draft --num-prompts 4
@@ -78,6 +80,12 @@ def run_method(method: str, sets: dict[str, list[list[int]]], args: argparse.Nam
 
     options = {**common.engine_options(args), "max_num_seqs": args.concurrency,
                "speculative_config": speculative_config(method, args)}
+    adapter = None
+    if args.lora:
+        from jaxserve import LoRARequest
+
+        options.update(enable_lora=True, max_lora_rank=args.max_lora_rank)
+        adapter = LoRARequest("adapter", 1, args.lora)
     started = time.perf_counter()
     llm = LLM(**options)
     startup = time.perf_counter() - started
@@ -91,7 +99,7 @@ def run_method(method: str, sets: dict[str, list[list[int]]], args: argparse.Nam
         groups = [[prompt] for prompt in prompts] if args.concurrency == 1 else [prompts]
         for group in groups:
             started = time.perf_counter()
-            outputs += llm.generate(group, params, use_tqdm=False)
+            outputs += llm.generate(group, params, use_tqdm=False, lora_request=adapter)
             seconds += time.perf_counter() - started
         after = engine.stats()
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -137,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--draft", default=None, help="the draft model (default: the target itself)")
     parser.add_argument("--eagle3", default=None, help="the EAGLE-3 head's directory (method eagle3)")
+    parser.add_argument("--lora", default=None, help="a PEFT LoRA adapter every request runs with")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     argv, args = common.start(parser, argv)
     tokenizer = common.load_tokenizer(args.model)
     sets = prompt_sets(tokenizer, args.num_prompts, args.max_model_len - args.max_tokens)
@@ -149,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload = {"model": common.model_label(args.model), "methods": results, "summary": rows,
                "options": {key: getattr(args, key) for key in (
                    "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_tokens", "num_prompts",
-                   "concurrency")}}
+                   "concurrency", "lora")}}
     path = common.write_result(NAME, payload, args.result_file, argv)
     print(f"wrote {path}")
     return payload

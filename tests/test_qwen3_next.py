@@ -197,7 +197,8 @@ def test_no_compile_after_warm_up_and_the_state_pools_are_donated(model_dirs, ca
 def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
     """The prefill (chunked form, saving state checkpoints) and decode steps of a Qwen3-Next-shaped model (128-wide
     linear heads, 256-wide attention heads) compile for a TPU and an H200 with their default kernels, and the plan
-    counts the state slots and checkpoints."""
+    counts the state slots and checkpoints. For the H200 with its MTP layer proposing 2 tokens too: the verify step
+    keeping 3 states per sequence, and the layer's prefill, keep and propose steps."""
     from jaxserve.aot.compile import compile_engine
     from jaxserve.aot.report import kv_group_lines, result_json
     from jaxserve.engine.config import EngineConfig
@@ -206,11 +207,18 @@ def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
     if not compilers_present():
         pytest.skip("the target compilers (the [aot] extra) are not installed")
     config = transformers.Qwen3NextConfig(**{**DIMS, "hidden_size": 256, "intermediate_size": 256, "head_dim": 256,
-                                             "linear_key_head_dim": 128, "linear_value_head_dim": 128}, **EXPERTS)
+                                             "linear_key_head_dim": 128, "linear_value_head_dim": 128}, **EXPERTS,
+                                          num_nextn_predict_layers=1)
     config.save_pretrained(tmp_path)
-    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode"})
+    mtp = target == "h200"
+    names = {"prefill", "decode", *(("verify", "head_prefill", "head_keep", "head_propose") if mtp else ())}
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}} if mtp else {}
+    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL, **spec), target, names)
+    assert {step.name for step in result.steps} == names
     assert_compiles_and_fits(result)
     plan = result.plan.kv_plan
-    assert plan.state_slots == 4 and plan.state_checkpoints == 8 and plan.state_bytes == 12 * plan.state_slot_bytes
+    slots = 4 * (3 if mtp else 1)
+    assert plan.state_slots == slots and plan.state_checkpoints == 8
+    assert plan.state_bytes == (slots + 8) * plan.state_slot_bytes
     assert result_json(result)["state_bytes"] == plan.state_bytes
-    assert any(line.startswith("  state slots: 4 slots and 8 checkpoints") for line in kv_group_lines(plan))
+    assert any(line.startswith(f"  state slots: {slots} slots and 8 checkpoints") for line in kv_group_lines(plan))

@@ -1,8 +1,8 @@
 """Qwen3-Next's and Qwen3.5's own multi-token-prediction layer as the proposer (`method: mtp`, their `mtp.*`
 tensors) on hybrid targets: the drafts equal a float64 reference built from transformers' gated full-attention
 decoder layer, greedy outputs equal plain decoding while the Gated DeltaNet states roll back to each accepted
-token, a verify step's saved state serves a later prefix hit, a checkpoint missing a tensor is refused by name, and
-the steps compile for an H200."""
+token, a verify step's saved state serves a later prefix hit, and a checkpoint missing a tensor is refused by name
+(the steps compile for an H200 in `test_qwen3_next.py`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jaxserve import LLM, SamplingParams
 from tests.conftest import engine_greedy, random_prompts, save_randomized_model
 from tests.test_eagle3 import recorded_proposals
 from tests.test_mtp import causal_layer
-from tests.test_qwen3_next import CONFIGS, DIMS, EXPERTS, randomize_vectors
+from tests.test_qwen3_next import CONFIGS, randomize_vectors
 
 OPTIONS = dict(max_num_seqs=4, max_model_len=128, page_size=8, max_num_batched_tokens=16, decode_batch_buckets=(1, 4),
                mamba_block_size=64, warmup=False)
@@ -145,10 +145,10 @@ def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(targets):
     decode without drafts and the layer catches up after (`disable_by_batch_size` 3). Then a conversation's second
     turn hits the state a verify step saved after its first token (position 63: every decode is a verify here)."""
     path = targets["qwen3_next"]
-    llm = mtp(path)
+    llm, plain = mtp(path), LLM(path, **OPTIONS)
     seen = recorded_proposals(llm)
     outputs = generate(llm)
-    assert outputs == generate(LLM(path, **OPTIONS))
+    assert outputs == generate(plain)
     assert len(seen) >= 8
     reference = Reference(path)
     for slot, position, drafts in seen:  # prompt i runs in slot i
@@ -161,7 +161,7 @@ def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(targets):
     out = llm.generate([{"prompt_token_ids": second}],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens == 64
-    assert out.outputs[0].token_ids == engine_greedy(LLM(path, **OPTIONS), [second], 6)[0]
+    assert out.outputs[0].token_ids == engine_greedy(plain, [second], 6)[0]
 
 
 def test_qwen3_5_reads_mtp_num_hidden_layers_and_missing_tensors_are_refused(targets, tmp_path):
@@ -176,24 +176,3 @@ def test_qwen3_5_reads_mtp_num_hidden_layers_and_missing_tensors_are_refused(tar
     save_file(tensors, os.path.join(broken, "mtp.safetensors"))
     with pytest.raises(ValueError, match="mtp_num_hidden_layers 1 but no tensor 'mtp.fc.weight'"):
         mtp(str(broken))
-
-
-def test_the_mtp_steps_of_a_hybrid_model_compile_for_an_h200(tmp_path):
-    """A Qwen3-Next-shaped model (128-wide linear heads, 256-wide attention heads) with its MTP layer: the verify
-    step keeping K + 1 states per sequence, the layer's prefill, keep and propose steps."""
-    from jaxserve.aot.compile import compile_engine
-    from jaxserve.engine.config import EngineConfig
-    from tests.test_compile_targets import SMALL, assert_compiles_and_fits, compilers_present
-
-    if not compilers_present():
-        pytest.skip("the target compilers (the [aot] extra) are not installed")
-    config = transformers.Qwen3NextConfig(**{**DIMS, "hidden_size": 256, "intermediate_size": 256, "head_dim": 256,
-                                             "linear_key_head_dim": 128, "linear_value_head_dim": 128}, **EXPERTS,
-                                          num_nextn_predict_layers=1)
-    config.save_pretrained(tmp_path)
-    names = {"prefill", "decode", "verify", "head_prefill", "head_keep", "head_propose"}
-    result = compile_engine(EngineConfig(model=str(tmp_path), speculative_config={
-        "method": "mtp", "num_speculative_tokens": 2}, **SMALL), "h200", names)
-    assert {step.name for step in result.steps} == names
-    assert_compiles_and_fits(result)
-    assert result.plan.kv_plan.state_slots == 3 * SMALL["max_num_seqs"]
