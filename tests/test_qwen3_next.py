@@ -4,6 +4,8 @@ prefill, preemption, batching and tensor parallelism; greedy tokens equal transf
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -220,5 +222,10 @@ def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
     slots = 4 * (3 if mtp else 1)
     assert plan.state_slots == slots and plan.state_checkpoints == 8
     assert plan.state_bytes == (slots + 8) * plan.state_slot_bytes
+    if mtp:  # the verify writes each token's state as it is made: its temporaries hold no layer's stacked states
+        # (stacked over the tokens, they stayed alive across the layers: 12.8 MB here, where decode takes 1.1)
+        temp = {step.name: step.temp_bytes for step in result.steps}
+        stacked = SMALL["max_num_seqs"] * 3 * math.prod(plan.state.recurrent) * 4  # rows x (K + 1) states, float32
+        assert temp["verify"] < temp["decode"] + stacked, temp
     assert result_json(result)["state_bytes"] == plan.state_bytes
     assert any(line.startswith(f"  state slots: {slots} slots and 8 checkpoints") for line in kv_group_lines(plan))

@@ -40,10 +40,8 @@ def _prepared(q, k, v, g, beta, l2_norm: bool):
 
 
 def recurrent_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                          state: jax.Array, l2_norm: bool = True, keep: bool = False
-                          ) -> tuple[jax.Array, jax.Array]:
-    """`(out [B, T, value_heads, value_dim] float32, state)` token by token; with `keep`, the state after each token
-    `[B, T, value_heads, key_dim, value_dim]` instead of the last.
+                          state: jax.Array, l2_norm: bool = True) -> tuple[jax.Array, jax.Array]:
+    """`(out [B, T, value_heads, value_dim] float32, state)` token by token.
 
     q, k: `[B, T, key_heads, key_dim]`; v: `[B, T, value_heads, value_dim]`; g (log decay, <= 0) and beta:
     `[B, T, value_heads]`; state: `[B, value_heads, key_dim, value_dim]` float32, the sequence's state before the
@@ -55,14 +53,10 @@ def recurrent_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
         state = state * jnp.exp(g_t)[..., None, None]
         delta = (v_t - jnp.einsum("bhkv,bhk->bhv", state, k_t)) * beta_t[..., None]
         state = state + k_t[..., :, None] * delta[..., None, :]
-        out = jnp.einsum("bhkv,bhk->bhv", state, q_t)
-        return state, (out, state) if keep else out
+        return state, jnp.einsum("bhkv,bhk->bhv", state, q_t)
 
     tokens = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state.astype(jnp.float32), tokens)
-    if keep:
-        out, states = out
-        return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
     return jnp.moveaxis(out, 0, 1), state
 
 
