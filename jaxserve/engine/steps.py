@@ -283,11 +283,11 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     slot_mapping = jnp.stack([mapping for _, mapping, _ in placed])
     page_tables = jnp.stack([tables for _, _, tables in placed])
     token_ids = jnp.concatenate([slot_state.tokens[slots][:, None], draft_tokens], axis=1)
-    buffers = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32)[None, :], (rows, k + 1))
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions2d,
                      context_lens=jnp.where(active, positions + 1 + num_draft, 0),
                      query_lens=jnp.where(active, 1 + num_draft, 0), state_slots=_state_rows(slot_state, slots, active),
-                     state_writes=_state_rows(slot_state, slots[:, None], active[:, None], buffers),
+                     state_writes=_state_rows(slot_state, slots[:, None], active[:, None],
+                                              jnp.arange(k + 1, dtype=jnp.int32)[None, :]),
                      state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
     outputs, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers)

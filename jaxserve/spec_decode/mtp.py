@@ -62,10 +62,11 @@ QWEN_LAYOUT = MTPLayout("mtp.layers.0.", (
     ("eh_proj", "mtp.fc.weight"), ("final_norm", "mtp.norm.weight")), False, True)
 
 # model types -> (the config keys counting their MTP layers, their layout)
+DEEPSEEK_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+QWEN_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 FAMILIES = {
-    "deepseek_v3": (("num_nextn_predict_layers",), deepseek_layout), "glm4_moe": (("num_nextn_predict_layers",),
-                                                                                   deepseek_layout),
-    **{model_type: (("num_nextn_predict_layers", "mtp_num_hidden_layers"), lambda index: QWEN_LAYOUT)
+    **{model_type: (DEEPSEEK_KEYS, deepseek_layout) for model_type in ("deepseek_v3", "glm4_moe")},
+    **{model_type: (QWEN_KEYS, lambda index: QWEN_LAYOUT)
        for model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")},
 }
 
@@ -85,9 +86,8 @@ class MTPConfig:
         if self.layout.zero_first_embedding:
             embeds = jnp.where((meta.positions == 0)[..., None], 0, embeds)
         names = (*NORMS_AND_PROJECTION, "layers_0", *(("final_norm",) if self.layout.normed_output else ()))
-        out, kv = MTPLayer(self, tp, backend, dtype).apply({"params": {name: params[name] for name in names}},
-                                                           embeds, hidden, kv, meta)
-        return out, kv
+        return MTPLayer(self, tp, backend, dtype).apply({"params": {name: params[name] for name in names}},
+                                                        embeds, hidden, kv, meta)
 
     def draft(self, params, target_params, target, tp, x, dtype):
         if self.layout.normed_output:
@@ -178,7 +178,7 @@ def mtp_config(model: str | None, target: ModelConfig) -> MTPConfig:
     where = f"speculative_config method 'mtp' on {source.name!r}"
     raw = json.loads((Path(path) / "config.json").read_text()) if path and (Path(path) / "config.json").is_file() \
         else {}
-    keys, layout_of = FAMILIES.get(target.model_type, (("num_nextn_predict_layers",), None))
+    keys, layout_of = FAMILIES.get(target.model_type, (DEEPSEEK_KEYS[:1], None))
     counts = {key: raw.get(key) or (raw.get("text_config") or {}).get(key) for key in keys}
     key, count = next(((key, count) for key, count in counts.items() if count), (keys[0], 0))
     if layout_of is None or not count:
