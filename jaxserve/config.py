@@ -196,6 +196,10 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # M-RoPE (the Qwen-VL models): each rope frequency turns by one of three position axes (temporal, height, width;
+    # `layers/rotary.frequency_axes`), `mrope_section` frequencies per axis in order, or interleaved T, H, W, ...
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:

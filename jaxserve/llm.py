@@ -67,14 +67,13 @@ class LLM:
         request_ids = []
         pending = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, token_ids = self.llm_engine.tokenize(prompt)
-            self.llm_engine.validate_prompt(token_ids, params)
+            prepared = self.llm_engine.prepare(prompt)  # add_request will not tokenize or process images again
+            self.llm_engine.validate_prompt(prepared["prompt_token_ids"], params)
             self.llm_engine.validate_priority(priority[index] if priority else 0)
             self.llm_engine.validate_guided_decoding(params)
             self.llm_engine.validate_lora(loras[index])
-            tokenized = {"prompt": text, "prompt_token_ids": token_ids}  # add_request will not tokenize again
             final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            pending.append((tokenized, final_only, priority[index] if priority else 0, loras[index]))
+            pending.append((prepared, final_only, priority[index] if priority else 0, loras[index]))
         for prompt, params, prio, lora in pending:
             request_ids.append(self.llm_engine.add_request(None, prompt, params, priority=prio, lora_request=lora))
         return self._run(request_ids, use_tqdm and len(prompts) > 4)

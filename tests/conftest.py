@@ -114,15 +114,16 @@ def save_randomized_model(family: str, path: str, config, randomize) -> str:
     return path
 
 
-def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (256 bytes + merges + specials)."""
+def save_tiny_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (256 bytes + merges + specials; `extra_specials`
+    last, in order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     merges = []
     corpus_pairs = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n")]
     for left, right in corpus_pairs:

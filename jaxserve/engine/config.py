@@ -136,6 +136,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # images (vLLM's names): at most `limit_mm_per_prompt["image"]` images in one prompt (None: as many as fit
+    # max_model_len); `mm_processor_kwargs` go to the model's image processor (e.g. {"max_pixels": 802816}: the
+    # largest image after resizing, which also bounds the vision tower's compiled shapes); file: image URLs are read
+    # only under `allowed_local_media_path`
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    allowed_local_media_path: str | None = None
     warmup: bool = True  # compile every shape at start-up
     # jax's persistent compilation cache (None disables it); default: $JAXSERVE_CACHE_ROOT/xla, ~/.cache/jaxserve/xla
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
@@ -194,6 +201,13 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
         SpeculativeConfig.parse(self.speculative_config)  # its checks; resolve() parses it with the platform's defaults
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if modality != "image":
+                raise ValueError(f"limit_mm_per_prompt: modality {modality!r} is not supported (jaxserve takes images)")
+            if not _int_at_least(limit, 0):
+                raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {limit!r}")
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
 
     def resolve(self, model_max_len: int, platform: str | None = None) -> "EngineConfig":
         """The complete config for a model of context `model_max_len` on `platform` (default: jax's backend):

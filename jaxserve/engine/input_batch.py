@@ -17,8 +17,9 @@ import numpy as np
 from jaxserve.engine.allocator import Allocator
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
-from jaxserve.engine.steps import SlotState
+from jaxserve.engine.steps import BatchFields, SlotState
 from jaxserve.layers.sampler import PenaltyState, SamplingBatch
+from jaxserve.multimodal.inputs import MultiModalPrompt
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -77,7 +78,8 @@ class SlotSamplingParams:
 class InputBatch:
     """Host rows and device state of every slot; `sharding`: where the device state lives (replicated)."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, sharding, allocator: Allocator, groups: int = 1):
+    def __init__(self, config: EngineConfig, vocab_size: int, sharding, allocator: Allocator, groups: int = 1,
+                 mrope: bool = False):
         slots = config.max_num_seqs
         self.slot_of: dict[int, int] = {}  # seq id -> its slot
         self.seq_ids = np.full(slots, -1, np.int64)
@@ -93,6 +95,10 @@ class InputBatch:
         self.lora_slots = np.full(slots, -1, np.int32) if config.enable_lora else None
         # state checkpoints (a hybrid model under prefix caching): the steps read and save them (the runner's plan)
         self.state_checkpoints = False
+        # images: each slot's prompt images (None: text), and under M-RoPE the shift of its positions after its prompt
+        self.mm: list[MultiModalPrompt | None] = [None] * slots
+        self.mrope = mrope
+        self.rope_deltas = np.zeros(slots, np.int32)
         self.sampling = SlotSamplingParams(slots)
         self.slot_state = SlotState.empty(slots, config.pages_per_seq, sharding, allocator, groups)
         self.penalties = PenaltyState(prompt_mask=allocator.full((slots, vocab_size), bool, sharding),
@@ -107,6 +113,7 @@ class InputBatch:
             if slot is not None and self.seq_ids[slot] == seq_id:
                 self.seq_ids[slot] = -1
                 self.token_ids[slot] = []
+                self.mm[slot] = None
         for new in scheduler_output.new_seqs:
             self._add(new)
         for cached in scheduler_output.cached_seqs:
@@ -132,6 +139,8 @@ class InputBatch:
         self.guided[slot] = params.guided_decoding is not None
         if self.lora_slots is not None:
             self.lora_slots[slot] = new.lora_slot
+        self.mm[slot] = new.mm
+        self.rope_deltas[slot] = new.mm.mrope_delta if new.mm is not None else 0
         self.sampling.set(slot, params, new.seed)
 
     def _set_pages(self, slot: int, first: int, page_ids: tuple[int, ...]) -> None:
@@ -143,6 +152,23 @@ class InputBatch:
         self.page_tables[group, slot, first:end] = page_ids
         self.page_tables[group, slot, end:] = 0
         return end
+
+    @property
+    def fields(self) -> BatchFields:
+        """The optional inputs this runner's batches have."""
+        return BatchFields(groups=self.page_tables.shape[0], lora=self.lora_slots is not None,
+                           checkpoints=self.state_checkpoints, mrope=self.mrope)
+
+    def mrope_positions(self, slot: int, start: int, num_tokens: int) -> np.ndarray:
+        """M-RoPE positions `[3, num_tokens]` of the slot's tokens from `start`: its prompt's own (`MultiModalPrompt`),
+        then position + delta; a text prompt's are its positions."""
+        positions = np.broadcast_to(np.arange(start, start + num_tokens, dtype=np.int32) + self.rope_deltas[slot],
+                                    (3, num_tokens)).copy()
+        mm = self.mm[slot]
+        if mm is not None and mm.mrope_positions is not None and start < mm.mrope_positions.shape[1]:
+            known = mm.mrope_positions[:, start:start + num_tokens]
+            positions[:, :known.shape[1]] = known
+        return positions
 
     def logprobs_of(self, slot: int) -> int | None:
         """The top logprobs a slot's sequence asked for (None: no logprobs)."""

@@ -1,6 +1,7 @@
-"""`InputProcessor`: a request's way in, on the caller's thread — tokenize, validate (a `ValueError` naming the
-problem), compile its grammar, take its id, and build its `Request`: one `Sequence` and one text state per
-completion. It also owns the ids of unfinished requests, so an id in use is refused at once."""
+"""`InputProcessor`: a request's way in, on the caller's thread — tokenize, read and preprocess its images (an image
+model's: placeholders expanded, `MultiModalPrompt`), validate (a `ValueError` naming the problem), compile its
+grammar, take its id, and build its `Request`: one `Sequence` and one text state per completion. It also owns the
+ids of unfinished requests, so an id in use is refused at once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.sequence import Sequence
 from jaxserve.lora.cache import AdapterCache
 from jaxserve.lora.request import LoRARequest
+from jaxserve.multimodal.inputs import MultiModalPrompt
+from jaxserve.multimodal.media import MediaPolicy, load_image
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import GrammarCompiler
 
@@ -38,13 +41,15 @@ class InputProcessor:
     instead of an `IncrementalDetokenizer` each."""
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, grammars: GrammarCompiler,
-                 detokenizer_process: bool = False, adapters: AdapterCache | None = None):
+                 detokenizer_process: bool = False, adapters: AdapterCache | None = None, images=None):
         self.engine_config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = grammars
         self.detokenizer_process = detokenizer_process
         self.adapters = adapters  # LoRA: the host cache (None: enable_lora is off)
+        self.images = images  # an image model's prompt processor (`multimodal/qwen_vl.py`); None: text only
+        self.media = MediaPolicy(config.allowed_local_media_path)
         self._ids_lock = threading.Lock()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished
         self._request_counter = itertools.count()
@@ -53,7 +58,8 @@ class InputProcessor:
     def make_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams, priority: int = 0,
                      arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Validates a request and builds it (ValueError naming the problem: then nothing is taken)."""
-        prompt_text, token_ids = self.tokenize(prompt)
+        prompt = self.prepare(prompt)
+        prompt_text, token_ids, mm = prompt.get("prompt"), prompt["prompt_token_ids"], prompt.get("mm_inputs")
         self.validate_prompt(token_ids, params)
         check_priority(priority, self.engine_config.scheduling_policy)
         adapter = self.adapter(lora_request)
@@ -78,11 +84,48 @@ class InputProcessor:
             if grammar is not None:
                 seq.grammar = grammar.deep_copy()
             seq.lora = adapter
+            if mm is not None:
+                seq.set_images(mm)
             seqs.append(seq)
             texts.append(DetokenizedText(params.stop) if self.detokenizer_process else
                          IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                                                 params.include_stop_str_in_output))
         return Request(request_id, prompt_text, token_ids, params, seqs, texts, arrival_time)
+
+    def prepare(self, prompt: PromptType) -> dict[str, Any]:
+        """The prompt tokenized and its images processed: `{"prompt": text or None, "prompt_token_ids": [...]}`, with
+        `"mm_inputs"` (a `MultiModalPrompt`) when it has images. A prepared prompt is returned as it is, so a caller
+        may prepare (and validate) first and submit later. ValueError naming the problem."""
+        if isinstance(prompt, dict) and "mm_inputs" in prompt:
+            if not isinstance(prompt["mm_inputs"], MultiModalPrompt):
+                raise ValueError("mm_inputs must be a MultiModalPrompt (what prepare() returns)")
+            return prompt
+        text, token_ids = self.tokenize(prompt)
+        token_ids, mm = self.process_images(prompt, token_ids)
+        return {"prompt": text, "prompt_token_ids": token_ids, **({"mm_inputs": mm} if mm is not None else {})}
+
+    def process_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], MultiModalPrompt | None]:
+        """The prompt's images (`multi_modal_data`) read, checked and preprocessed, their placeholders expanded; an
+        image model's text prompt is checked for stray placeholders. ValueError naming the problem."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is not None and not isinstance(data, dict):
+            raise ValueError("multi_modal_data must be a dict such as {'image': image or [images]}")
+        unknown = sorted(set(data or {}) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data modality {unknown[0]!r} is not supported (jaxserve takes 'image')")
+        images = (data or {}).get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if self.images is None:
+            if images:
+                raise ValueError("this model takes no images (it is served text-only)")
+            return token_ids, None
+        limit = (self.engine_config.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and len(images) > limit:
+            raise ValueError(f"the prompt has {len(images)} images, but at most {limit} are allowed per prompt "
+                             "(limit_mm_per_prompt, --limit-mm-per-prompt)")
+        if not images and self.images.image_token_id not in token_ids:
+            return token_ids, None
+        return self.images.process(token_ids, [load_image(image, self.media) for image in images])
 
     def adapter(self, lora_request: LoRARequest | None):
         """The read adapter of a request's `lora_request` (None: the base model); ValueError naming the problem."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
@@ -41,6 +42,7 @@ from jaxserve.engine.step_output import InFlightStep
 from jaxserve.loading import LoadedModel, load_model, model_config, resolve_model
 from jaxserve.lora.cache import AdapterCache
 from jaxserve.lora.request import LoRARequest
+from jaxserve.multimodal.vision import is_image_model
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode import proposer_config
@@ -51,6 +53,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "PromptType"]
 
 
+def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
+    """ValueError for what an image model is not served with yet: a speculative method other than n-gram (a draft
+    model or head would need the images too), the KV tiers (their pages are keyed by token ids alone)."""
+    if not is_image_model(target.model_type):
+        return
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method!r} is not supported for the image model "
+                         f"{target.model_type!r} (n-gram speculation is)")
+    if config.kv_tiers:
+        raise ValueError(f"kv_offloading_size / kv_offloading_dir do not work with the image model "
+                         f"{target.model_type!r} yet")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None, **options: Any):
         config = config or EngineConfig(**options)
@@ -58,6 +74,7 @@ class LLMEngine:
         started = time.perf_counter()
         target = loaded.config if loaded is not None else model_config(resolve_model(config.model))
         self.engine_config = config = config.resolve(target.max_position_embeddings)
+        check_image_model(target, config)
         # a draft model or EAGLE-3 head is checked against the target before either is loaded
         proposer = proposer_config(config.speculative_config, target, config.max_model_len, config.model)
         self.mesh = make_mesh(config.tensor_parallel_size,
@@ -65,7 +82,8 @@ class LLMEngine:
         self.model = loaded or load_model(config.model, dtype=config.jax_dtype, tokenizer=config.tokenizer,
                                           generation_config=config.generation_config, mesh=self.mesh,
                                           load_format=config.load_format, quantization=config.quantization,
-                                          expert_parallel=config.enable_expert_parallel)
+                                          expert_parallel=config.enable_expert_parallel,
+                                          mm_processor_kwargs=config.mm_processor_kwargs)
         self.tokenizer = self.model.tokenizer
         # sampling defaults from the model's generation_config.json (vLLM's --generation-config), for fields a
         # request leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
@@ -76,7 +94,7 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, loaded_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(loaded_config, self.model.params, self.engine_config, self.eos_token_ids, self.mesh,
-                                  proposer)
+                                  proposer, vision=self.model.vision)
         self.model.params = None  # the runner holds the device copy
         self.phases = self.runner.phases  # host seconds per step phase, for benchmarks
         runner, plan = self.runner, self.runner.kv_plan
@@ -95,7 +113,8 @@ class LLMEngine:
                                       self.engine_config.max_cpu_loras or self.engine_config.max_loras)
                          if self.engine_config.enable_lora else None)
         self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
-                                     detokenizer_process, self.adapters)
+                                     detokenizer_process, self.adapters,
+                                     self.model.vision.processor if self.model.vision is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.scheduler.cut_output,
                                        self.inputs.release, detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -151,6 +170,10 @@ class LLMEngine:
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.inputs.tokenize(prompt)
+
+    def prepare(self, prompt: PromptType) -> dict[str, Any]:
+        """`InputProcessor.prepare`: tokenized, images read and processed (any thread)."""
+        return self.inputs.prepare(prompt)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         self.inputs.validate_prompt(token_ids, params)

@@ -57,6 +57,7 @@ from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
 from jaxserve.engine.step_inputs import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
     prefill_inputs
 from jaxserve.engine.step_output import InFlightStep, PendingSample, RowSequence, SampledToken, sampled_token
+from jaxserve.engine.encoder import Encoder
 from jaxserve.engine.step_registry import Step, StepRegistry, assign, jit_step
 from jaxserve.engine.steps import BanInputs, ResetInputs, SamplerInputs, ScoreInputs, SlotState
 from jaxserve.layers.attention import make_attention_backend
@@ -64,6 +65,7 @@ from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.layers.sampler import PenaltyState, SampleResult
 from jaxserve.loading.placement import serving_params
 from jaxserve.lora.weights import SlotWeights, empty_adapter, empty_stack, load_slot_step, stack_shapes
+from jaxserve.multimodal.vision import VisionModel
 from jaxserve.spec_decode.head_steps import Head
 from jaxserve.structured_output.grammar import bitmask_words
 
@@ -74,7 +76,7 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, eos_token_ids: set[int],
                  mesh: Mesh | None = None, proposer_config: ModelConfig | Head | None = None,
-                 allocator: Allocator | None = None):
+                 allocator: Allocator | None = None, vision: VisionModel | None = None):
         self.model_config = config
         self.allocator = allocator or DeviceAllocator()  # `jaxserve compile`'s makes abstract arrays
         self.engine_config = engine_config
@@ -95,7 +97,11 @@ class ModelRunner:
         replicated = NamedSharding(self.mesh, REPLICATED)
         vocab = config.vocab_size
         num_groups = len(group_layers(layer_specs(config), engine_config))  # the KV cache groups (`kv_plan`)
-        self.batch = InputBatch(engine_config, vocab, replicated, self.allocator, num_groups)
+        self.batch = InputBatch(engine_config, vocab, replicated, self.allocator, num_groups,
+                                mrope=config.mrope_section is not None)
+        # an image + text model's vision side (None: text only)
+        self.encoder = None if vision is None else Encoder(vision, self.mesh, config.hidden_size, self.dtype,
+                                                           engine_config.max_num_batched_tokens)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, proposer_config) if spec is not None else None
         self.aux_layers = self.speculator.aux_layers if self.speculator is not None else ()
@@ -121,7 +127,8 @@ class ModelRunner:
         self.batch.state_checkpoints = self.kv_plan.state_checkpoints > 0
         self.steps = StepRegistry()
         speculator_steps = self.speculator.steps() if self.speculator is not None else []
-        self.steps.add(runner_steps.runner_steps(self) + speculator_steps)
+        encoder_steps = self.encoder.steps() if self.encoder is not None else []
+        self.steps.add(runner_steps.runner_steps(self) + speculator_steps + encoder_steps)
         if self.lora_stack is not None:
             self.steps.add([self._lora_step()])
         self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
@@ -133,7 +140,8 @@ class ModelRunner:
         """Every array the runner keeps on its devices between steps (the KV pools once they exist)."""
         return (self.params, self.lora_stack, self.kv_cache, self.batch.slot_state,
                 self.batch.penalties, self.batch.sampling_table, self.all_allowed,
-                self.speculator.resident_state() if self.speculator is not None else None)
+                self.speculator.resident_state() if self.speculator is not None else None,
+                self.encoder.vision.params if self.encoder is not None else None)
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
@@ -201,6 +209,8 @@ class ModelRunner:
         by_sequence = (self.model_config.rope_length_rule or ("",))[0] == "sequence"
         calls = [prefill_inputs(batch, tokens, chunks, by_sequence)
                  for tokens, chunks in prefill_groups(scheduler_output.prefills, self.engine_config)]
+        for inputs in calls if self.encoder is not None else ():
+            self.encoder.attach(inputs, batch, self.steps)
         decodes = scheduler_output.decodes
         verify = (self.speculator.verify_inputs(decodes)
                   if self.speculator is not None and any(decode.num_draft for decode in decodes) else None)

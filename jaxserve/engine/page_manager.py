@@ -133,7 +133,7 @@ class PageManager:
         if not self.caches(seq):
             return []
         max_pages = (len(seq.token_ids) - 1) // self.page_size
-        pages = self._matching_pages(key_chain(seq.token_ids, self.page_size, self.hash_fn, max_pages,
+        pages = self._matching_pages(key_chain(seq.key_token_ids, self.page_size, self.hash_fn, max_pages,
                                                seq.prefix_root))
         for window in self.windows:  # as far as the window groups still hold the pages the next token reads
             pages = pages[:window.usable_hit([self.cached[page].serial for page in pages])]
@@ -207,7 +207,7 @@ class PageManager:
         restores = []
         for tier_page, _ in found:
             index = len(keys)
-            tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
+            tokens = seq.key_tokens(index * self.page_size, (index + 1) * self.page_size)
             page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, tier_page.key, tokens, index, serials[-1] if serials else None))
             keys.append(tier_page.key)
@@ -251,7 +251,7 @@ class PageManager:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size  # token ids known to the host
         keys, serials = self._chains.setdefault(seq.seq_id, ([], []))
         for index in range(len(keys), num_full):
-            tokens = tuple(seq.token_ids[index * self.page_size:(index + 1) * self.page_size])
+            tokens = seq.key_tokens(index * self.page_size, (index + 1) * self.page_size)
             key = self.hash_fn(keys[-1] if keys else seq.prefix_root, tokens)
             parent_serial = serials[-1] if serials else None
             keys.append(key)

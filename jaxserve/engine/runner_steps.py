@@ -21,9 +21,9 @@ from jaxserve.engine.config import EngineConfig, power_of_two_buckets
 from jaxserve.engine.input_batch import SlotSamplingParams
 from jaxserve.engine.step_inputs import empty_decode, empty_prefill
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step
-from jaxserve.engine.steps import (BanInputs, DecodeBatch, PrefillBatch, ResetInputs, SamplerInputs, ScoreInputs,
-                                   ban_step, decode_step, prefill_step, prompt_scores_step, reset_penalties_step,
-                                   sample_step, send_table_step)
+from jaxserve.engine.steps import (BanInputs, BatchFields, DecodeBatch, PrefillBatch, ResetInputs, SamplerInputs,
+                                   ScoreInputs, ban_step, decode_step, prefill_step, prompt_scores_step,
+                                   reset_penalties_step, sample_step, send_table_step)
 from jaxserve.layers.sampler import SamplingBatch
 
 BAN_IDS_CHUNK = 16  # banned ids (EOS, stop_token_ids) are written this many per call, so one shape serves any count
@@ -42,8 +42,7 @@ def runner_steps(runner: RunnerState) -> list[Step]:
     return [
         Step("prefill", runner.jit_forward(prefill_step, with_hidden=True, **aux), runner.forward_state,
              runner.keep_forward_state,
-             functools.partial(prefill_examples, ec, len(runner.kv_plan.groups), ec.enable_lora,
-                               runner.batch.state_checkpoints),
+             functools.partial(prefill_examples, ec, runner.batch.fields, runner.encoder),
              forwards=("logits", "hidden", *(("aux",) if aux else ()))),
         Step("score", jit_step(functools.partial(prompt_scores_step, runner.model_config, runner.tp, runner.dtype), mesh,
                                (params_in,), (), donate=()),
@@ -51,8 +50,8 @@ def runner_steps(runner: RunnerState) -> list[Step]:
                  score_examples, ec, runner.model_config.hidden_size, runner.dtype, replicated, runner.allocator),
              forwarded=("hidden",)),
         Step("decode", runner.jit_forward(decode_step, **aux), runner.forward_state, runner.keep_forward_state,
-             functools.partial(decode_examples, ec, len(runner.kv_plan.groups), ec.enable_lora,
-                               runner.batch.state_checkpoints), forwards=("logits", *(("aux",) if aux else ()))),
+             functools.partial(decode_examples, ec, runner.batch.fields),
+             forwards=("logits", *(("aux",) if aux else ()))),
         Step("table", jit_step(send_table_step, mesh, (), (replicated,), donate=()), lambda: (),
              assign(runner.batch, "sampling_table"), functools.partial(table_examples, ec)),
         Step("sample", jit_step(sample_step, mesh, (replicated,) * 3, (replicated,) * 2, donate=(0, 1)),
@@ -70,7 +69,7 @@ def measure_step_costs(runner: RunnerState, repeats: int = 2) -> tuple[dict[int,
     """What the forwards take on this device once warm (the fastest of `repeats` runs of each): seconds per decode
     step by decode bucket, and seconds per prefill token (the largest one-row prefill's time over its tokens). The
     slo policy's first estimates (`slo.StepCosts.seed`) until real steps are measured."""
-    ec, groups, checkpoints = runner.engine_config, len(runner.kv_plan.groups), runner.batch.state_checkpoints
+    ec, fields = runner.engine_config, runner.batch.fields
 
     def seconds(name: str, inputs) -> float:
         times = []
@@ -80,10 +79,9 @@ def measure_step_costs(runner: RunnerState, repeats: int = 2) -> tuple[dict[int,
             times.append(time.perf_counter() - started)
         return min(times)
 
-    decode = {rows: seconds("decode", empty_decode(rows, groups, ec.enable_lora, checkpoints))
-              for rows in ec.decode_batch_buckets}
+    decode = {rows: seconds("decode", empty_decode(rows, fields)) for rows in ec.decode_batch_buckets}
     tokens = ec.prefill_buckets[-1]
-    prefill = seconds("prefill", empty_prefill(1, tokens, ec.pages_per_seq, groups, ec.enable_lora, checkpoints))
+    prefill = seconds("prefill", empty_prefill(1, tokens, ec.pages_per_seq, fields))
     return decode, prefill / tokens
 
 
@@ -97,10 +95,13 @@ def reset_buckets(ec: EngineConfig) -> tuple[int, ...]:
     return power_of_two_buckets(16, max(16, ec.max_model_len))
 
 
-def prefill_examples(ec: EngineConfig, groups: int = 1, lora: bool = False, checkpoints: bool = False
-                     ) -> Iterator[PrefillBatch]:
+def prefill_examples(ec: EngineConfig, fields: BatchFields, encoder=None) -> Iterator[PrefillBatch]:
+    """Each prefill shape, and with an image model (`encoder`) each one again with room for image embeddings."""
     for rows, tokens in ec.prefill_shapes:
-        yield empty_prefill(rows, tokens, ec.pages_per_seq, groups, lora, checkpoints)
+        batch = empty_prefill(rows, tokens, ec.pages_per_seq, fields)
+        yield batch
+        if encoder is not None:
+            yield encoder.with_room(batch)
 
 
 def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocator: Allocator
@@ -112,10 +113,9 @@ def score_examples(ec: EngineConfig, hidden_size: int, dtype, sharding, allocato
                           np.zeros((rows, tokens), np.int32), zeros, zeros)
 
 
-def decode_examples(ec: EngineConfig, groups: int = 1, lora: bool = False, checkpoints: bool = False
-                    ) -> Iterator[DecodeBatch]:
+def decode_examples(ec: EngineConfig, fields: BatchFields) -> Iterator[DecodeBatch]:
     for rows in ec.decode_batch_buckets:
-        yield empty_decode(rows, groups, lora, checkpoints)
+        yield empty_decode(rows, fields)
 
 
 def table_examples(ec: EngineConfig) -> Iterator[SamplingBatch]:

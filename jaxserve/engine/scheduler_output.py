@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.sequence import Sequence
 from jaxserve.lora.cache import LoadedAdapter
+from jaxserve.multimodal.inputs import MultiModalPrompt
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramDrafter
@@ -37,6 +38,7 @@ class NewSequence(NamedTuple):
     # each sliding-window KV cache group's table, (0, page ids) (scratch: released); () without such groups
     window_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
     lora_slot: int = -1  # LoRA: its adapter's slot in the device stack (-1: the base model)
+    mm: MultiModalPrompt | None = None  # its prompt's images (None: text)
 
 
 class CachedSequence(NamedTuple):
@@ -109,7 +111,7 @@ def new_sequence(seq: Sequence, page_table: list[int], window_tables: tuple = ()
     runner has of it from now on."""
     new = NewSequence(seq.seq_id, seq.request_id, seq.slot, tuple(seq.token_ids), seq.num_prompt_tokens,
                       tuple(page_table), seq.params, seq.seed, window_tables,
-                      -1 if seq.lora_slot is None else seq.lora_slot)
+                      -1 if seq.lora_slot is None else seq.lora_slot, seq.mm)
     return new, Sent(len(seq.token_ids), len(page_table), len(page_table))
 
 

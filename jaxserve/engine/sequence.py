@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from jaxserve.multimodal.inputs import MultiModalPrompt
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -57,6 +58,8 @@ class Sequence:
         self.num_lookahead = 0  # speculative decoding: draft tokens the scheduler made room for this step
         self.rope_by_length = False  # its tokens rotate by a length past the rope's threshold (`layers/rotary.py`)
         self.grammar = None  # constrained decoding: the sequence's llguidance matcher, advanced token by token
+        self.mm: MultiModalPrompt | None = None  # its prompt's images (None: text)
+        self._prompt_keys: list[int] | None = None  # the prompt's prefix-cache keys where images make them differ
         self.admission_order = -1
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
@@ -73,6 +76,22 @@ class Sequence:
     def prefix_root(self) -> bytes:
         """The parent key of its first prefix-cache page: b"" for the base model, its adapter's own otherwise."""
         return b"" if self.lora is None else self.lora.prefix_root
+
+    def set_images(self, mm: MultiModalPrompt) -> None:
+        self.mm = mm
+        self._prompt_keys = mm.key_token_ids(self.token_ids[:self.num_prompt_tokens])
+
+    def key_tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        """Token ids `start .. stop` as the prefix cache keys and matches them: an image's placeholder tokens as
+        keys of the image (`MultiModalPrompt.key_token_ids`), so pages holding different images never match."""
+        if self._prompt_keys is None or start >= self.num_prompt_tokens:
+            return tuple(self.token_ids[start:stop])
+        return tuple(self._prompt_keys[start:stop]) + tuple(self.token_ids[max(start, self.num_prompt_tokens):stop])
+
+    @property
+    def key_token_ids(self) -> list[int]:
+        """Every token as `key_tokens` gives it (O(length): for a lookup, not per step)."""
+        return list(self.token_ids) if self._prompt_keys is None else list(self.key_tokens(0, len(self.token_ids)))
 
     @property
     def num_tokens(self) -> int:

@@ -217,8 +217,7 @@ class Speculator:
     def _verify_examples(self) -> Iterator[VerifyBatch]:
         runner = self.runner
         for rows in runner.engine_config.decode_batch_buckets:
-            batch = empty_verify(rows, self.k, len(runner.kv_plan.groups), runner.engine_config.enable_lora,
-                                 runner.batch.state_checkpoints)
+            batch = empty_verify(rows, self.k, runner.batch.fields)
             yield batch.replace(draft_tokens=self._drafts(rows))
 
     def _verify_sample_examples(self) -> Iterator[VerifySamplerInputs]:

@@ -18,7 +18,7 @@ from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.scheduler_output import ScheduledChunk, ScheduledDecode
 from jaxserve.engine.step_output import RowSequence
-from jaxserve.engine.steps import DecodeBatch, PrefillBatch, VerifyBatch
+from jaxserve.engine.steps import BatchFields, DecodeBatch, PrefillBatch, VerifyBatch
 from jaxserve.layers.gated_deltanet import CHUNK_TOKENS, save_blocks
 
 
@@ -74,9 +74,7 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     """One prefill call of `chunks`; `rope_by_sequence`: the tokens rotate by the sequence's length (LongRoPE),
     else by the prompt's (`layers/rotary.py`)."""
     rows = 1 if len(chunks) == 1 else PREFILL_ROWS
-    groups, _, pages_per_seq = rows_of.page_tables.shape
-    batch = empty_prefill(rows, tokens, pages_per_seq, groups, rows_of.lora_slots is not None,
-                          rows_of.state_checkpoints)
+    batch = empty_prefill(rows, tokens, rows_of.page_tables.shape[2], rows_of.fields)
     inputs = PrefillInputs(chunks, batch, np.zeros(rows, np.int32), [], [], [])
     for row, chunk in enumerate(chunks):
         slot = rows_of.slot_of[chunk.seq_id]
@@ -91,6 +89,9 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
         batch.rope_lens[row] = len(token_ids) if rope_by_sequence else rows_of.num_prompt_tokens[slot]
         if batch.lora_slots is not None:
             batch.lora_slots[row] = rows_of.lora_slots[slot]
+        if batch.mrope_positions is not None:
+            batch.mrope_positions[:, row, :chunk.num_tokens] = rows_of.mrope_positions(slot, chunk.start,
+                                                                                      chunk.num_tokens)
         if batch.state_saves is not None:
             batch.state_sources[row] = chunk.state_source
             for end, checkpoint in chunk.state_saves:  # the chunk of the chunked form ending there
@@ -106,35 +107,43 @@ def prefill_inputs(rows_of: InputBatch, tokens: int, chunks: list[ScheduledChunk
     return inputs
 
 
-def empty_prefill(rows: int, tokens: int, pages_per_seq: int, groups: int = 1, lora: bool = False,
-                  checkpoints: bool = False) -> PrefillBatch:
-    """A prefill call of empty rows (zero tokens: they write only to the scratch page), with page tables for
-    `groups` KV cache groups; `lora`: with each row's adapter slot (-1: none); `checkpoints`: with the state
-    checkpoints each row reads and saves (-1: none)."""
+def empty_prefill(rows: int, tokens: int, pages_per_seq: int, fields: BatchFields = BatchFields()) -> PrefillBatch:
+    """A prefill call of empty rows (zero tokens: they write only to the scratch page), with `fields`: page tables
+    for each KV cache group, each row's adapter slot (-1: none), the state checkpoints each row reads and saves
+    (-1: none), its tokens' M-RoPE positions."""
     zeros = functools.partial(np.zeros, rows, np.int32)
+    checkpoints = fields.checkpoints
     return PrefillBatch(token_ids=np.zeros((rows, tokens), np.int32), starts=zeros(), num_tokens=zeros(),
-                        page_tables=np.zeros((groups, rows, pages_per_seq), np.int32), slots=zeros(),
+                        page_tables=np.zeros((fields.groups, rows, pages_per_seq), np.int32), slots=zeros(),
                         is_final=np.zeros(rows, bool), next_tokens=zeros(), rope_lens=zeros(),
-                        lora_slots=np.full(rows, -1, np.int32) if lora else None,
+                        lora_slots=np.full(rows, -1, np.int32) if fields.lora else None,
                         state_sources=np.full(rows, -1, np.int32) if checkpoints else None,
-                        state_saves=np.full((rows, save_blocks(tokens)), -1, np.int32) if checkpoints else None)
+                        state_saves=np.full((rows, save_blocks(tokens)), -1, np.int32) if checkpoints else None,
+                        mrope_positions=np.zeros((3, rows, tokens), np.int32) if fields.mrope else None)
 
 
-def empty_decode(rows: int, groups: int = 1, lora: bool = False, checkpoints: bool = False) -> DecodeBatch:
-    """A decode call of `rows` inactive rows (they write only to the scratch page), with pages for `groups` KV
-    cache groups; `lora`: with each row's adapter slot (-1: none); `checkpoints`: with the state checkpoint each
-    row saves into (-1: none)."""
+def with_images(batch: PrefillBatch, hidden_size: int, dtype) -> PrefillBatch:
+    """`batch` with room for image embeddings (none marked yet): the prefill variant an image model compiles."""
+    rows, tokens = batch.token_ids.shape
+    return batch.replace(mm_embeds=np.zeros((rows, tokens, hidden_size), dtype),
+                         mm_mask=np.zeros((rows, tokens), bool))
+
+
+def empty_decode(rows: int, fields: BatchFields = BatchFields()) -> DecodeBatch:
+    """A decode call of `rows` inactive rows (they write only to the scratch page), with `fields` (see
+    `empty_prefill`; a decode row saves its state into one checkpoint, and shifts its M-RoPE positions by one
+    delta)."""
     return DecodeBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
-                       pages=np.zeros((groups, rows), np.int32), active=np.zeros(rows, bool),
-                       lora_slots=np.full(rows, -1, np.int32) if lora else None,
-                       state_saves=np.full(rows, -1, np.int32) if checkpoints else None)
+                       pages=np.zeros((fields.groups, rows), np.int32), active=np.zeros(rows, bool),
+                       lora_slots=np.full(rows, -1, np.int32) if fields.lora else None,
+                       state_saves=np.full(rows, -1, np.int32) if fields.checkpoints else None,
+                       rope_deltas=np.zeros(rows, np.int32) if fields.mrope else None)
 
 
 def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig) -> DecodeInputs:
     """O(rows) host work: the device holds every slot's page table and latest token."""
     count = len(decodes)
-    batch = empty_decode(bucket_for(count, config.decode_batch_buckets), rows_of.page_tables.shape[0],
-                         rows_of.lora_slots is not None, rows_of.state_checkpoints)
+    batch = empty_decode(bucket_for(count, config.decode_batch_buckets), rows_of.fields)
     slot_of = rows_of.slot_of
     seq_ids = [decode.seq_id for decode in decodes]
     slots, positions = batch.slots, batch.positions
@@ -152,6 +161,8 @@ def decode_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
         batch.lora_slots[:count] = rows_of.lora_slots[live]
     if batch.state_saves is not None:
         batch.state_saves[:count] = [decode.state_save for decode in decodes]
+    if batch.rope_deltas is not None:
+        batch.rope_deltas[:count] = rows_of.rope_deltas[live]
     return DecodeInputs(sampled, guided, batch, output_index)
 
 
@@ -165,13 +176,14 @@ class VerifyInputs:
     output_index: np.ndarray  # int32 [rows]
 
 
-def empty_verify(rows: int, k: int, groups: int = 1, lora: bool = False, checkpoints: bool = False) -> VerifyBatch:
+def empty_verify(rows: int, k: int, fields: BatchFields = BatchFields()) -> VerifyBatch:
     """A verify call of `rows` inactive rows with room for `k` drafts each (see `empty_decode`)."""
     return VerifyBatch(slots=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                        draft_tokens=np.zeros((rows, k), np.int32), num_draft=np.zeros(rows, np.int32),
-                       pages=np.zeros((groups, rows, k + 1), np.int32), active=np.zeros(rows, bool),
-                       lora_slots=np.full(rows, -1, np.int32) if lora else None,
-                       state_saves=np.full(rows, -1, np.int32) if checkpoints else None)
+                       pages=np.zeros((fields.groups, rows, k + 1), np.int32), active=np.zeros(rows, bool),
+                       lora_slots=np.full(rows, -1, np.int32) if fields.lora else None,
+                       state_saves=np.full(rows, -1, np.int32) if fields.checkpoints else None,
+                       rope_deltas=np.zeros(rows, np.int32) if fields.mrope else None)
 
 
 def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], config: EngineConfig,
@@ -180,8 +192,7 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
     is to propose on the device). Speculative steps are synchronous: the rows hold every token."""
     rows = bucket_for(len(decodes), config.decode_batch_buckets)
     page_size = config.page_size
-    batch = empty_verify(rows, k, rows_of.page_tables.shape[0], rows_of.lora_slots is not None,
-                         rows_of.state_checkpoints)
+    batch = empty_verify(rows, k, rows_of.fields)
     inputs = VerifyInputs([], batch, np.zeros((rows, 2), np.int32), np.zeros(rows, np.int32))
     for row, decode in enumerate(decodes):
         slot = rows_of.slot_of[decode.seq_id]
@@ -194,6 +205,8 @@ def verify_inputs(rows_of: InputBatch, decodes: tuple[ScheduledDecode, ...], con
         batch.draft_tokens[row, :len(decode.draft_token_ids)] = decode.draft_token_ids
         if batch.state_saves is not None:
             batch.state_saves[row] = decode.state_save
+        if batch.rope_deltas is not None:
+            batch.rope_deltas[row] = rows_of.rope_deltas[slot]
         for i in range(k + 1):
             index = (position + i) // page_size
             if index < num_pages:

@@ -21,6 +21,8 @@ its owner stores it (`engine/step_registry.py`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,18 @@ class Forward:
 
 # The steps' inputs: numpy arrays on the host, sent (replicated) with the call.
 
+@dataclasses.dataclass(frozen=True)
+class BatchFields:
+    """The optional inputs every batch of one runner has: page tables of `groups` KV cache groups, each row's LoRA
+    slot, its state checkpoints, its M-RoPE positions."""
+
+    groups: int = 1
+    lora: bool = False
+    checkpoints: bool = False
+    mrope: bool = False
+
+
+
 @flax.struct.dataclass
 class PrefillBatch:
     """`rows` chunks of up to `tokens` tokens each (empty rows: zero tokens, scratch pages)."""
@@ -83,6 +97,10 @@ class PrefillBatch:
     # and int32 [rows, save_blocks(tokens)], those its chunks' states go to (-1: none; `AttentionMetadata`)
     state_sources: jax.Array | None = None
     state_saves: jax.Array | None = None
+    mrope_positions: jax.Array | None = None  # M-RoPE: int32 [3, rows, tokens] (`AttentionMetadata`)
+    # images: the embeddings [rows, tokens, hidden] of the tokens `mm_mask` (bool [rows, tokens]) marks
+    mm_embeds: jax.Array | None = None
+    mm_mask: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -96,6 +114,7 @@ class DecodeBatch:
     active: jax.Array  # bool [rows]
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
     state_saves: jax.Array | None = None  # state checkpoints: int32 [rows], where each row's new state goes (-1: none)
+    rope_deltas: jax.Array | None = None  # M-RoPE: int32 [rows], each row's position shift (on all three axes)
 
 
 @flax.struct.dataclass
@@ -112,6 +131,7 @@ class VerifyBatch:
     lora_slots: jax.Array | None = None  # LoRA: int32 [rows], each row's adapter slot (-1: the base model)
     state_saves: jax.Array | None = None  # state checkpoints: int32 [rows], where the state after each row's first
     # token goes (-1: none)
+    rope_deltas: jax.Array | None = None  # M-RoPE: int32 [rows], each row's position shift (on all three axes)
 
 
 @flax.struct.dataclass
@@ -179,6 +199,14 @@ def _state_rows(slot_state: SlotState, slots, keep, buffer=None):
     return jnp.where(keep, slots + buffer * slot_state.tokens.shape[0], NO_STATE_ROW)
 
 
+def _shifted(positions, rope_deltas):
+    """M-RoPE positions `[3, B, T]` of tokens after their prompt: `positions [B, T]` + each row's delta, on all three
+    axes (None without M-RoPE)."""
+    if rope_deltas is None:
+        return None
+    return jnp.broadcast_to((positions + rope_deltas[:, None])[None], (3, *positions.shape))
+
+
 def _metadata(page_tables, slot_mapping, layer_groups, **fields) -> AttentionMetadata:
     """A step's attention metadata from each KV cache group's page tables `[groups, B, P]` and KV slots
     `[groups, B, T]`: group 0's for every layer, or with several groups each layer's own (`for_layer`)."""
@@ -209,10 +237,12 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
                      context_lens=jnp.where(num_tokens > 0, batch.starts + num_tokens, 0), query_lens=num_tokens,
                      rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1),
                      state_slots=_state_rows(slot_state, batch.slots, num_tokens > 0),
-                     state_sources=batch.state_sources, state_saves=batch.state_saves)
+                     state_sources=batch.state_sources, state_saves=batch.state_saves,
+                     mrope_positions=batch.mrope_positions)
     outputs, kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                 logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp, with_hidden=True,
-                                lora_slots=batch.lora_slots, aux_layers=aux_layers)
+                                lora_slots=batch.lora_slots, aux_layers=aux_layers, mm_embeds=batch.mm_embeds,
+                                mm_mask=batch.mm_mask)
     (logits, hidden), aux = outputs if aux_layers else (outputs, None)
     greedy = argmax(logits)
     slot_state = slot_state.replace(
@@ -256,7 +286,8 @@ def decode_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
     meta = _metadata(page_tables[:, slots], slot_mapping, layer_groups, positions=positions[:, None],
                      context_lens=jnp.where(active, positions + 1, 0), query_lens=jnp.ones((rows,), jnp.int32),
                      state_slots=_state_rows(slot_state, slots, active),
-                     state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
+                     state_saves=None if batch.state_saves is None else batch.state_saves[:, None],
+                     mrope_positions=_shifted(positions[:, None], batch.rope_deltas))
     outputs, kv_cache = forward(params, config, backend, token_ids[:, None], kv_cache, meta,
                                 logits_indices=jnp.zeros((rows,), jnp.int32), dtype=dtype, tp=tp,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers)
@@ -288,7 +319,8 @@ def verify_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_st
                      query_lens=jnp.where(active, 1 + num_draft, 0), state_slots=_state_rows(slot_state, slots, active),
                      state_writes=_state_rows(slot_state, slots[:, None], active[:, None],
                                               jnp.arange(k + 1, dtype=jnp.int32)[None, :]),
-                     state_saves=None if batch.state_saves is None else batch.state_saves[:, None])
+                     state_saves=None if batch.state_saves is None else batch.state_saves[:, None],
+                     mrope_positions=_shifted(positions2d, batch.rope_deltas))
     outputs, kv_cache = forward(params, config, backend, token_ids, kv_cache, meta, dtype=dtype, tp=tp,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers)
     logits, aux = outputs if aux_layers else (outputs, None)

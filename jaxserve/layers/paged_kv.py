@@ -90,6 +90,9 @@ class AttentionMetadata:
     # prefill row's chunks of the chunked form (`gated_deltanet.save_blocks`), after a decode row's token (N = 1)
     state_sources: jax.Array | None = None
     state_saves: jax.Array | None = None
+    # M-RoPE (`ModelConfig.mrope_section`): int32 [3, B, T], each token's temporal, height and width positions (an
+    # image's tokens have their grid's; text has its position shifted by the images before it, on all three)
+    mrope_positions: jax.Array | None = None
 
     def token_rope_lens(self) -> jax.Array:
         return self.positions + 1 if self.rope_lens is None else self.rope_lens

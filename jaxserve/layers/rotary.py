@@ -137,16 +137,36 @@ def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, An
     return original_freq * (ramp / factor + (1.0 - ramp))  # ramp 0: kept, 1: interpolated
 
 
+def frequency_axes(section: tuple[int, ...], interleaved: bool) -> np.ndarray:
+    """M-RoPE: the position axis (0 temporal, 1 height, 2 width) each rope frequency turns by: `section[i]`
+    frequencies of axis i in order (Qwen2-VL, Qwen2.5-VL), or interleaved T, H, W, T, ... with each axis's count
+    (Qwen3-VL)."""
+    if not interleaved:
+        return np.repeat(np.arange(len(section)), section)
+    axes = np.zeros(sum(section), np.int32)
+    for axis in (1, 2):
+        axes[axis:section[axis] * 3:3] = axis
+    return axes
+
+
+def frequency_positions(positions3: jnp.ndarray, section: tuple[int, ...], interleaved: bool) -> jnp.ndarray:
+    """M-RoPE: `positions3 [3, ..., tokens]` (each token's temporal, height and width positions) as each frequency's
+    position `[..., tokens, sum(section)]` (`apply_rope`'s per-frequency positions)."""
+    return jnp.moveaxis(positions3[frequency_axes(section, interleaved)], 0, -1)
+
+
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> jnp.ndarray:
     """Rotates `x: [..., tokens, heads, head_dim]` by `positions: [..., tokens]` (first half / second half pairs) at
     frequencies `inv_freq` (`[rotary_dim // 2]`, or per token `[..., tokens, rotary_dim // 2]`), scaled by `scale`
-    (`rope_attention_factor`). With a `rotary_dim` below head_dim (partial rotary) only the first `rotary_dim`
-    dims turn; the rest pass as they are."""
+    (`rope_attention_factor`). Positions per frequency `[..., tokens, rotary_dim // 2]` (M-RoPE's,
+    `frequency_positions`) turn each frequency by its own. With a `rotary_dim` below head_dim (partial rotary) only
+    the first `rotary_dim` dims turn; the rest pass as they are."""
     rotary_dim = 2 * np.shape(inv_freq)[-1]
     if rotary_dim < x.shape[-1]:
         return jnp.concatenate([apply_rope(x[..., :rotary_dim], positions, inv_freq, scale), x[..., rotary_dim:]],
                                axis=-1)
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
+    per_frequency = positions if positions.ndim == x.ndim - 1 else positions[..., None]
+    angles = per_frequency.astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [..., T, D/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]
     if scale != 1.0:

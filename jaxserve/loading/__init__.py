@@ -38,6 +38,7 @@ from jaxserve.loading.hf_files import hf_model_config
 from jaxserve.loading.store import (CorruptCheckpointError, is_store, read_store_config, restore_store, save_store,
                                    verify_store)
 from jaxserve.models import config_from_hf
+from jaxserve.multimodal.vision import is_image_model, load_vision
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -54,6 +55,7 @@ class LoadedModel:
     # SamplingParams defaults from generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
     # max_tokens): only those the file sets, for requests that leave them unset
     generation_config: dict = dataclasses.field(default_factory=dict)
+    vision: Any = None  # an image + text checkpoint's vision side (`multimodal.vision.VisionModel`); None: text only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +191,7 @@ def model_tokenizer(directory: Path) -> Any:
 def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
                tokenizer: str | os.PathLike | None = None, generation_config: str = "auto",
                mesh: Mesh | None = None, quantization: str | None = None, load_format: str = "auto",
-               expert_parallel: bool = False) -> LoadedModel:
+               expert_parallel: bool = False, mm_processor_kwargs: dict | None = None) -> LoadedModel:
     """Loads `model` with its params in `dtype`, the serving dtype (e.g. `jnp.bfloat16`), placed on `mesh`.
 
     `model`: None/the default name, a HF checkpoint dir, a converted store dir, or a `.gguf` file.
@@ -202,6 +204,8 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     a block-scaled FP8 checkpoint loads FP8 unless it is "int8" (then dequantized, to be quantized again).
     `load_format`: "auto" (the checkpoint's weights) or "dummy" (random weights drawn on the devices; the model
     needs only its config, e.g. a directory holding just config.json: see `loading/dummy.py`).
+    An image + text checkpoint of a family served with images (`multimodal.vision.VISION_FAMILIES`) brings its
+    vision tower and image processor (`vision`; `mm_processor_kwargs` go to the processor).
     ValueError (before any weight is read) if the model's heads cannot be split over the mesh, or for a
     quantization the checkpoint does not match.
     """
@@ -214,6 +218,9 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
     TensorParallel(mesh.size, expert_parallel).check(model_config(source))
     quantization = check_quantization(source.weights, quantization, mesh.size)
     config, params = load_weights(source, dtype, mesh, load_format, expert_parallel, quantization)
+    vision = None
+    if is_image_model(config.model_type) and source.kind == "hf":
+        vision = load_vision(str(source.directory), dtype, mesh, load_format, mm_processor_kwargs)
     generation = read_generation_config(generation_file)
     return LoadedModel(
         name=source.name,
@@ -221,4 +228,5 @@ def load_model(model: str | None = None, dtype: DTypeLike = jnp.float32, *,
         params=params,
         tokenizer=override_tokenizer if tokenizer is not None else model_tokenizer(source.directory),
         generation_config={} if generation_config == "vllm" else sampling_defaults(generation),
+        vision=vision,
     )

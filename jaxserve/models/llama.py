@@ -27,8 +27,8 @@ from jaxserve.layers.mlp import MLP
 from jaxserve.layers.moe import MoE
 from jaxserve.layers.norms import RMSNorm, rms_normalize
 from jaxserve.layers.quant_dense import Embedding, Linear
-from jaxserve.layers.rotary import (apply_rope, rope_attention_factor, rope_inverse_frequencies, rope_length_threshold,
-                                    token_inverse_frequencies)
+from jaxserve.layers.rotary import (apply_rope, frequency_positions, rope_attention_factor, rope_inverse_frequencies,
+                                    rope_length_threshold, token_inverse_frequencies)
 from jaxserve.models import hf_config as hf
 from jaxserve.models import llama_weights as weights
 from jaxserve.models.spec import ModelSpec
@@ -138,9 +138,12 @@ class Attention(nn.Module):
         else:
             inv_freq = token_inverse_frequencies(rotary_dim, layer.rope_theta, scaling, meta.token_rope_lens())
         rope_scale = rope_attention_factor(scaling)
-        q = apply_rope(q, meta.positions, inv_freq, rope_scale)
+        positions = meta.positions
+        if cfg.mrope_section is not None:
+            positions = frequency_positions(meta.mrope_positions, cfg.mrope_section, cfg.mrope_interleaved)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
         if not shared:
-            k = apply_rope(k, meta.positions, inv_freq, rope_scale)
+            k = apply_rope(k, positions, inv_freq, rope_scale)
             kv = self.attention.write_kv(kv, k, v, meta.slot_mapping)
         sm_scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         sinks = self.param("sinks", nn.initializers.zeros_init(), (cfg.num_q_heads,), self.dtype) \
@@ -196,7 +199,8 @@ def vocab_shards(config: ModelConfig, tp: TensorParallel) -> int:
 class LlamaModel(nn.Module):
     """`(token_ids [B, T], kv_cache, meta) -> (last layer's output [B, T, hidden], new kv_cache)`; the final norm
     and LM head are `compute_logits`. Each layer's input is sown as `intermediates/layer_inputs` (what an EAGLE-3
-    head reads: `models.forward`'s `aux_layers`)."""
+    head reads: `models.forward`'s `aux_layers`). `mm_embeds [B, T, hidden]` with `mm_mask [B, T]`: the tokens
+    where the mask is set take those embeddings instead of their ids' (an image's, from its encoder)."""
 
     config: ModelConfig
     attention: PagedAttention
@@ -204,12 +208,14 @@ class LlamaModel(nn.Module):
     tp: TensorParallel = TensorParallel()
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache: list, meta: AttentionMetadata):
+    def __call__(self, token_ids, kv_cache: list, meta: AttentionMetadata, mm_embeds=None, mm_mask=None):
         cfg = self.config
         x = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, vocab_shards=vocab_shards(cfg, self.tp),
                       name="embed")(token_ids)
         if cfg.embedding_scale is not None:  # rounded to the serving dtype first, as transformers rounds it
             x = x * jnp.asarray(cfg.embedding_scale, self.dtype)
+        if mm_embeds is not None:  # after the scale: transformers scales the text embeddings only
+            x = jnp.where(mm_mask[..., None], mm_embeds.astype(x.dtype), x)
         new_cache = []
         for index, kv in enumerate(kv_cache):
             self.sow("intermediates", "layer_inputs", x)

@@ -28,7 +28,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
 from jaxserve.layers.lora import lora_variables
 from jaxserve.models import (deepseek, gemma, gemma4, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3,
-                             qwen3_next, qwen_moe)
+                             qwen2_5_vl, qwen3_next, qwen_moe)
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
@@ -36,7 +36,8 @@ KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout 
 
 FAMILIES: tuple[ModelSpec, ...] = (
     llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC, gpt_oss.SPEC, deepseek.SPEC,
-    glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC, qwen3_next.MULTIMODAL_SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC)
+    glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC, qwen3_next.MULTIMODAL_SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC,
+    qwen2_5_vl.SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 
@@ -56,26 +57,28 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
 
 def forward(params, config: ModelConfig, backend: PagedAttention, token_ids, kv_cache: KVCache,
             meta: AttentionMetadata, logits_indices=None, dtype=jnp.float32, tp: TensorParallel = TensorParallel(),
-            with_hidden: bool = False, lora_slots=None, aux_layers: tuple[int, ...] = ()):
+            with_hidden: bool = False, lora_slots=None, aux_layers: tuple[int, ...] = (), mm_embeds=None, mm_mask=None):
     """The pure forward function the engine jits: params (serving layout) and cache in, float32 logits and new
     cache out. With `logits_indices [B]`, one token per row gets logits ([B, vocab]); without, every token
     ([B, T, vocab]). `with_hidden`: the logits are the pair (logits, the last layer's output [B, T, hidden]).
     LoRA: `params["lora"]` is the adapters' device stack (`lora/weights.py`) and `lora_slots [B]` each row's slot
     in it (-1: the base model). `aux_layers`: the outputs are the pair (those outputs, the inputs of those decoder
     layers concatenated on the features `[B, T, len(aux_layers) * hidden]`), layer `num_layers` naming the last
-    layer's output (a speculative head's inputs; the Llama-shaped decoders sow them)."""
+    layer's output (a speculative head's inputs; the Llama-shaped decoders sow them). `mm_embeds [B, T, hidden]`:
+    an image's embeddings for the tokens `mm_mask [B, T]` marks (the image families' prefill)."""
     spec = model_spec(config.model_type)
     variables = {"params": params}
     if "lora" in params:
         params = {name: group for name, group in params.items() if name != "lora"}
         variables = {"params": params, "lora": lora_variables(variables["params"]["lora"], lora_slots, dtype)}
     module = spec.module(config, backend, dtype, tp)
+    inputs = (token_ids, kv_cache, meta) if mm_embeds is None else (token_ids, kv_cache, meta, mm_embeds, mm_mask)
     if aux_layers:
-        (hidden, new_cache), sown = module.apply(variables, token_ids, kv_cache, meta, mutable=["intermediates"])
+        (hidden, new_cache), sown = module.apply(variables, *inputs, mutable=["intermediates"])
         layer_inputs = (*sown["intermediates"]["layer_inputs"], hidden)
         aux = jnp.concatenate([layer_inputs[layer] for layer in aux_layers], axis=-1)
     else:
-        hidden, new_cache = module.apply(variables, token_ids, kv_cache, meta)
+        hidden, new_cache = module.apply(variables, *inputs)
     x = hidden
     if logits_indices is not None:
         x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]

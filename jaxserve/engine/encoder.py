@@ -1,0 +1,126 @@
+"""`Encoder`: the runner's image side (an image + text model's) — the vision tower's `encode` step, compiled at
+start-up for each patch-count bucket; the encoder cache (vLLM's), image embeddings on the host keyed by the image's
+hash, so an image repeated in a conversation or shared by requests is encoded once; and each prefill call's
+embeddings at its image placeholders (`attach`).
+
+A chunk that reaches an image's placeholder tokens encodes the whole image (or finds it cached) and takes the rows of
+its tokens; chunked prefill may split an image's tokens over several chunks, which read the cache in turn. The cache
+keeps the most recently used embeddings up to `cache_tokens` rows; an image is encoded again only if it was evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.engine.config import power_of_two_buckets
+from jaxserve.engine.input_batch import InputBatch
+from jaxserve.engine.step_inputs import PrefillInputs, bucket_for, with_images
+from jaxserve.engine.step_registry import Step, assign, jit_step
+from jaxserve.engine.steps import PrefillBatch
+from jaxserve.multimodal.inputs import ImageInput
+from jaxserve.multimodal.vision import VisionModel
+
+SMALLEST_BUCKET = 16  # patches of the smallest encoder call
+
+
+class EncoderCache:
+    """Image embeddings by image hash, least recently used evicted first once they hold more than `budget` rows."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._entries: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.rows = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, mm_hash: str) -> np.ndarray | None:
+        entry = self._entries.get(mm_hash)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(mm_hash)
+        return entry
+
+    def put(self, mm_hash: str, embeddings: np.ndarray) -> None:
+        self._entries[mm_hash] = embeddings
+        self.rows += len(embeddings)
+        while self.rows > self.budget and len(self._entries) > 1:
+            _, evicted = self._entries.popitem(last=False)
+            self.rows -= len(evicted)
+
+
+class Encoder:
+    def __init__(self, vision: VisionModel, mesh, hidden_size: int, dtype, max_num_batched_tokens: int):
+        if vision.config.out_hidden_size != hidden_size:
+            raise ValueError(f"the vision tower's out_hidden_size ({vision.config.out_hidden_size}) is not the "
+                             f"language model's hidden_size ({hidden_size})")
+        self.vision = vision
+        self.mesh = mesh
+        self.hidden_size = hidden_size
+        self.dtype = np.dtype(dtype)
+        self.buckets = power_of_two_buckets(SMALLEST_BUCKET, max(SMALLEST_BUCKET, vision.processor.max_patches()))
+        largest_image = self.buckets[-1] // vision.config.merge_unit
+        self.cache = EncoderCache(max(4 * max_num_batched_tokens, 2 * largest_image))
+        self.images_encoded = 0
+        self.encoder_seconds = 0.0
+
+    def steps(self) -> list[Step]:
+        vision = self.vision
+        replicated = NamedSharding(self.mesh, REPLICATED)
+        params_in = jax.tree.map(lambda _: replicated, vision.params)
+        encode = functools.partial(vision.family.encode, vision.config, self.dtype)
+        return [Step("encode", jit_step(encode, self.mesh, (params_in,), (), donate=()), lambda: (vision.params,),
+                     assign(self), self._examples)]
+
+    def _examples(self) -> Iterator:
+        """Each bucket's call, holding one image of one merge unit (the rest padding)."""
+        config = self.vision.config
+        merge = config.spatial_merge_size
+        for bucket in self.buckets:
+            yield self.vision.family.encoder_inputs(config, np.zeros((merge * merge, config.patch_dim), np.float32),
+                                                    (1, merge, merge), bucket)[0]
+
+    def with_room(self, batch: PrefillBatch) -> PrefillBatch:
+        return with_images(batch, self.hidden_size, self.dtype)
+
+    def attach(self, inputs: PrefillInputs, rows_of: InputBatch, steps) -> None:
+        """Gives a prefill call the embeddings of the image placeholders its chunks hold (encoding what the cache
+        lacks through `steps`); a call with none stays the text variant."""
+        batch = inputs.batch
+        for row, chunk in enumerate(inputs.chunks):
+            mm = rows_of.mm[rows_of.slot_of[chunk.seq_id]]
+            stop = chunk.start + chunk.num_tokens
+            for image in [] if mm is None else mm.images_in(chunk.start, stop):
+                if batch.mm_embeds is None:
+                    batch = self.with_room(batch)
+                embeddings = self.embeddings(image, steps)
+                first, last = max(image.offset, chunk.start), min(image.end, stop)
+                batch.mm_embeds[row, first - chunk.start:last - chunk.start] = \
+                    embeddings[first - image.offset:last - image.offset]
+                batch.mm_mask[row, first - chunk.start:last - chunk.start] = True
+        inputs.batch = batch
+
+    def embeddings(self, image: ImageInput, steps) -> np.ndarray:
+        """The image's embeddings `[num_tokens, hidden]`, from the cache or encoded now."""
+        cached = self.cache.get(image.mm_hash)
+        if cached is not None:
+            return cached
+        started = time.perf_counter()
+        config = self.vision.config
+        bucket = bucket_for(len(image.pixel_values), self.buckets)
+        encoder_inputs, order = self.vision.family.encoder_inputs(config, image.pixel_values, image.grid_thw, bucket)
+        out = steps.run("encode", encoder_inputs)
+        embeddings = np.asarray(jax.device_get(out))[:image.num_tokens][order].astype(self.dtype)
+        self.cache.put(image.mm_hash, embeddings)
+        self.images_encoded += 1
+        self.encoder_seconds += time.perf_counter() - started
+        return embeddings

@@ -1,0 +1,68 @@
+"""Tiny random-weight image + text checkpoints for the image tests: a Qwen2.5-VL model built by transformers, its
+tokenizer with the vision tokens and a chat template that writes image placeholders, its image processor (small
+`max_pixels`, so images have tens of patches), and test images drawn with Pillow."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.conftest import TINY_DIMS, save_tiny_tokenizer
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_qwen2_5_vl_config(**overrides):
+    import transformers
+
+    vocab = TINY_DIMS["vocab_size"]
+    text = {**TINY_DIMS, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            **overrides}
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=TINY_DIMS["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1], in_channels=3)
+    first = vocab - len(VISION_TOKENS)  # the tokenizer's last tokens
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, vision_start_token_id=first, vision_end_token_id=first + 1,
+        image_token_id=first + 2, video_token_id=first + 3, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=0)
+
+
+def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 64) -> str:
+    """A Qwen2.5-VL checkpoint of random weights (larger than transformers' init, so images change the outputs),
+    its tokenizer and its image processor (images of up to `max_pixels`: 256 patches, 64 tokens by default)."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(seed)
+    config = tiny_qwen2_5_vl_config()
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 or name.endswith("bias"):
+                param.normal_(0.0, 0.08)
+            elif "norm" in name or "ln_q" in name:
+                param.normal_(1.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, config.text_config.vocab_size, VISION_TOKENS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=max_pixels).save_pretrained(path)
+    return path
+
+
+def test_image(width: int, height: int, seed: int = 0):
+    """An RGB image of smooth gradients and noise (so nearby patches differ), drawn from `seed`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x / width * 255, y / height * 255, (x + y) % 97 * 2.6], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
