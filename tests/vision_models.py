@@ -57,7 +57,7 @@ def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 6
     return path
 
 
-def test_image(width: int, height: int, seed: int = 0):
+def drawn_image(width: int, height: int, seed: int = 0):
     """An RGB image of smooth gradients and noise (so nearby patches differ), drawn from `seed`."""
     from PIL import Image
 

@@ -1,0 +1,173 @@
+"""Qwen2.5-VL with images: the vision tower against transformers', greedy tokens against transformers' `generate` on
+the same image processor's outputs (one and several images, images between text, chunked prefill across an image,
+batching, preemption), the encoder cache, prefix caching keyed by the images, and bad input."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.vision_models import save_tiny_qwen2_5_vl, drawn_image
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, Qwen2VLImageProcessorPil.from_pretrained(model_dir), transformers.AutoTokenizer.from_pretrained(
+        model_dir)
+
+
+def image_prompt(hf, parts: list) -> tuple[list[int], list]:
+    """Token ids with one vision block per image among text parts (strings), and the images in order."""
+    _, _, tokenizer = hf
+    config = hf[0].config
+    ids, images = [], []
+    for part in parts:
+        if isinstance(part, str):
+            ids += tokenizer.encode(part)
+        else:
+            ids += [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
+            images.append(part)
+    return ids, images
+
+
+def hf_greedy(hf, ids: list[int], images: list) -> tuple[list[int], list[int]]:
+    """transformers' expanded prompt (one placeholder per merged patch) and its greedy tokens."""
+    import torch
+
+    model, processor, _ = hf
+    image_token = model.config.image_token_id
+    expanded, kwargs = [], {}
+    if images:
+        features = processor(images=images, return_tensors="np")
+        counts = iter((features["image_grid_thw"].prod(-1) // 4).tolist())
+        kwargs = dict(pixel_values=torch.tensor(features["pixel_values"]),
+                      image_grid_thw=torch.tensor(features["image_grid_thw"]))
+    for token in ids:
+        expanded += [token] * (next(counts) if token == image_token else 1)
+    input_ids = torch.tensor([expanded])
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             mm_token_type_ids=(input_ids == image_token).int(), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return expanded, out[0, len(expanded):].tolist()
+
+
+def test_the_vision_tower_equals_transformers(model_dir, hf):
+    """The encoder step over images whose patch grids split into whole and partial windows (and one window), padded
+    to its patch bucket, put back in raster order."""
+    import torch
+
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False)
+    encoder = llm.llm_engine.runner.encoder
+    processor = hf[1]
+    for index, (width, height) in enumerate([(200, 120), (90, 300), (56, 56)]):
+        image = drawn_image(width, height, seed=index)
+        features = processor(images=[image], return_tensors="np")
+        grid = tuple(int(n) for n in features["image_grid_thw"][0])
+        with torch.no_grad():
+            expected = hf[0].model.get_image_features(torch.tensor(features["pixel_values"]),
+                                                      torch.tensor([grid])).pooler_output[0].numpy()
+        from jaxserve.multimodal.inputs import ImageInput
+        ours = encoder.embeddings(ImageInput(f"test{index}", 0, len(expected), features["pixel_values"], grid),
+                                  llm.llm_engine.runner.steps)
+        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_greedy_tokens_equal_transformers_with_images(model_dir, hf, caplog):
+    """A batch of prompts with one image, two images between text, the same image twice, and none, in chunks of 32
+    tokens (images split across chunks), with a pool small enough that sequences are preempted and recomputed (the
+    images encoded again or found in the encoder cache); after warm-up nothing compiles."""
+    a, b, c = drawn_image(200, 120, seed=1), drawn_image(90, 150, seed=2), drawn_image(112, 112, seed=3)
+    cases = [["Describe", a, "now."], ["First", b, "then", c, "and compare"], [a, "twice", a], ["text alone here"]]
+    prompts = [image_prompt(hf, parts) for parts in cases]
+    llm = LLM(model_dir, max_num_seqs=4, max_model_len=128, page_size=8, num_kv_pages=20,
+              max_num_batched_tokens=32)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.step_registry"):
+        outputs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                                for ids, images in prompts], GREEDY, use_tqdm=False)
+    for (ids, images), output in zip(prompts, outputs):
+        expanded, expected = hf_greedy(hf, ids, images)
+        assert output.prompt_token_ids == expanded
+        assert output.outputs[0].token_ids == expected
+    engine = llm.llm_engine
+    assert engine.stats().num_preemptions > 0
+    assert "while serving" not in caplog.text
+    assert engine.runner.encoder.cache.hits > 0  # the repeated image, and the chunks after an image's first
+
+
+def test_prefix_cache_keys_include_the_image(model_dir, hf):
+    """Two requests with the same text and different images share no page holding an image token (a hit there
+    would give the first image's K/V to the second); the same image and text hit; outputs stay transformers'."""
+    a, b = drawn_image(200, 120, seed=4), drawn_image(200, 120, seed=5)
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, page_size=8, warmup=False)
+    ids, _ = image_prompt(hf, ["a long shared preamble of text", a, "what is it"])
+    first_image = ids.index(hf[0].config.image_token_id)
+    results = {}
+    for name, image in (("a", a), ("b", b), ("a again", a)):
+        (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, GREEDY,
+                                 use_tqdm=False)
+        results[name] = output
+        assert output.outputs[0].token_ids == hf_greedy(hf, ids, [image])[1]
+    assert results["a"].outputs[0].token_ids != results["b"].outputs[0].token_ids
+    assert results["b"].num_cached_tokens == first_image // 8 * 8  # the text pages before the image only
+    image_token = hf[0].config.image_token_id
+    last_image = max(i for i, token in enumerate(results["a"].prompt_token_ids) if token == image_token)
+    assert results["a again"].num_cached_tokens > last_image  # through the image
+    assert llm.llm_engine.runner.encoder.images_encoded == 2
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_bad_image_input_is_a_clear_error_and_the_engine_keeps_serving(model_dir, hf, tmp_path):
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False, limit_mm_per_prompt={"image": 2})
+    ids, _ = image_prompt(hf, ["look", drawn_image(60, 60)])  # 56x56 once resized: 16 patches, 4 tokens
+    pad = ids.index(hf[0].config.image_token_id)
+    image = drawn_image(60, 60)
+    data = png_bytes(image)
+    cases = {
+        "2 images were given": {"prompt_token_ids": ids, "multi_modal_data": {"image": [image, image]}},
+        "0 images were given": {"prompt_token_ids": ids},
+        "at most 2 are allowed": {"prompt_token_ids": ids, "multi_modal_data": {"image": [image] * 3}},
+        "does not decode": {"prompt_token_ids": ids, "multi_modal_data": {"image": data[:len(data) // 2]}},
+        "not an image": {"prompt_token_ids": ids, "multi_modal_data": {"image": b"GIF89a but not really"}},
+        "base64 does not decode": {"prompt_token_ids": ids, "multi_modal_data": {"image": "data:image/png;base64,@@"}},
+        "no local media path": {"prompt_token_ids": ids, "multi_modal_data": {"image": f"file://{tmp_path}/x.png"}},
+        "modality 'video'": {"prompt_token_ids": ids, "multi_modal_data": {"video": image}},
+        "takes 4 placeholder tokens, the prompt has 3": {"prompt_token_ids": ids[:pad] + ids[pad:pad + 1] * 3 +
+                                                         ids[pad + 1:], "multi_modal_data": {"image": image}},
+    }
+    for message, prompt in cases.items():
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+    encoded = "data:image/png;base64," + base64.b64encode(data).decode()
+    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": encoded}}, GREEDY,
+                             use_tqdm=False)
+    assert output.outputs[0].token_ids == hf_greedy(hf, ids, [image])[1]
+
+
+def test_an_image_on_a_text_model_is_refused(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=64, warmup=False)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": drawn_image(30, 30)}}, GREEDY)
