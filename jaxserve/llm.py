@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence as SequenceType
 
-from jaxserve.chat import render_chat
+from jaxserve.chat import render_chat, split_images
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.lora.request import LoRARequest
@@ -84,15 +84,23 @@ class LLM:
              chat_template: str | None = None,
              lora_request: LoRARequest | SequenceType[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates (`lora_request`
-        as for `generate`)."""
+        as for `generate`). Contents may be lists of parts, images among them as vLLM takes them (`{"type":
+        "image_url", "image_url": {"url": ...}}` with a data:, file: or http(s) URL, `{"type": "image_pil",
+        "image_pil": image}`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
-                   for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            conv, images = split_images(conv)
+            prompt = {"prompt_token_ids": render_chat(self.llm_engine.tokenizer, conv, add_generation_prompt,
+                                                      chat_template)}
+            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        return render_chat(self.llm_engine.tokenizer, messages, add_generation_prompt, chat_template)
+        """Prompt token ids of `messages` (image parts become the template's placeholders; see `chat`)."""
+        return render_chat(self.llm_engine.tokenizer, split_images(messages)[0], add_generation_prompt,
+                           chat_template)
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

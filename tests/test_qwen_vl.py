@@ -171,3 +171,113 @@ def test_an_image_on_a_text_model_is_refused(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, max_num_seqs=2, max_model_len=64, warmup=False)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": drawn_image(30, 30)}}, GREEDY)
+
+
+def collapse(ids: list[int], image_token: int) -> list[int]:
+    """A prompt with each run of image placeholders back to one (what a template writes)."""
+    return [token for index, token in enumerate(ids) if token != image_token or ids[index - 1] != image_token]
+
+
+def test_chat_with_images_over_http(model_dir, hf, tmp_path):
+    """OpenAI chat with a data: URL, a local http URL (fetched; the same picture, so the encoder cache serves it)
+    and a file: URL under --allowed-local-media-path; the Responses API's input_image; /tokenize counting each
+    image's tokens; bad images a 400 naming the problem, and the server keeps serving."""
+    import asyncio
+    import http.server
+    import threading
+
+    import httpx
+
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.server.api_server import ServerSettings, create_app
+    from jaxserve.server.async_engine import AsyncEngine
+
+    image = drawn_image(150, 100, seed=6)
+    data = png_bytes(image)
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "picture.png").write_bytes(data)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/picture.png"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(data if found else b"")
+
+        def log_message(self, *args):
+            pass
+
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    config = EngineConfig(model=model_dir, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
+                          limit_mm_per_prompt={"image": 1}, allowed_local_media_path=str(tmp_path / "media"))
+    engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=4)
+    app = create_app(engine, ServerSettings(served_model_names=["vl"], log_stats_interval=0))
+    image_token = hf[0].config.image_token_id
+    data_url = "data:image/png;base64," + base64.b64encode(data).decode()
+
+    def chat(url: str, text: str = "what is this?") -> dict:
+        return {"model": "vl", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]}
+
+    async def check(http: httpx.AsyncClient) -> None:
+        answers = [(await http.post("/v1/chat/completions", json=chat(url))).json()
+                   for url in (data_url, f"{base}/picture.png", f"file://{tmp_path}/media/picture.png")]
+        prompt = answers[0]["prompt_token_ids"]
+        expected = hf_greedy(hf, collapse(prompt, image_token), [image])
+        for answer in answers:
+            assert answer["prompt_token_ids"] == expected[0]
+            assert answer["choices"][0]["token_ids"] == expected[1]
+            assert answer["usage"]["prompt_tokens"] == len(expected[0])
+        assert engine.llm_engine.runner.encoder.images_encoded == 1
+        response = (await http.post("/v1/responses", json={
+            "model": "vl", "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": data_url}]}]}))
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["input_tokens"] == len(expected[0])
+        counted = (await http.post("/tokenize", json=chat(data_url))).json()
+        assert counted["count"] == len(expected[0])
+        bad = {"base64 does not decode": chat("data:image/png;base64,@@@"),
+               "answered HTTP 404": chat(f"{base}/missing.png"),
+               "outside the allowed local media path": chat(f"file://{tmp_path}/elsewhere.png"),
+               "does not decode": chat("data:image/png;base64," + base64.b64encode(data[:300]).decode()),
+               "at most 1 are allowed": {**chat(data_url), "messages": [{"role": "user", "content": [
+                   {"type": "image_url", "image_url": {"url": data_url}}] * 2}]},
+               "has type 'audio_url'": {**chat(data_url), "messages": [{"role": "user", "content": [
+                   {"type": "audio_url", "audio_url": {"url": data_url}}]}]}}
+        for message, body in bad.items():
+            answer = await http.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
+        again = (await http.post("/v1/chat/completions", json=chat(data_url))).json()
+        assert again["choices"][0]["token_ids"] == expected[1]
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         timeout=120) as http:
+                while (await http.get("/health")).status_code != 200:
+                    await asyncio.sleep(0.05)
+                await check(http)
+    try:
+        asyncio.run(main())
+    finally:
+        files.shutdown()
+
+
+def test_llm_chat_takes_image_parts(model_dir, hf):
+    """`LLM.chat` with vLLM's image_pil and image_url parts renders the template's placeholders and serves the images."""
+    image = drawn_image(100, 160, seed=7)
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False)
+    encoded = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+    outputs = [llm.chat([{"role": "user", "content": [{"type": "text", "text": "look"}, part]}], GREEDY,
+                        use_tqdm=False)[0]
+               for part in ({"type": "image_pil", "image_pil": image},
+                            {"type": "image_url", "image_url": {"url": encoded}})]
+    image_token = hf[0].config.image_token_id
+    expected = hf_greedy(hf, collapse(outputs[0].prompt_token_ids, image_token), [image])
+    for output in outputs:
+        assert (output.prompt_token_ids, output.outputs[0].token_ids) == expected

@@ -142,10 +142,12 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
             tokens = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             try:
-                messages = normalize_messages(body.messages)
+                messages, images = normalize_messages(body.messages)
             except ValueError as err:
                 raise bad_request(str(err), param="messages") from None
             tokens = await ctx.apply_chat_template(messages, body.add_generation_prompt is not False)
+            if images:  # each image's placeholder expanded, as the engine counts it
+                tokens = (await ctx.prepare_images(tokens, images))["prompt_token_ids"]
         return {"count": len(tokens), "max_model_len": llm_engine.engine_config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

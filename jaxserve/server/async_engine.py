@@ -135,6 +135,11 @@ class InFlight:
             self.num_tokens[completion.index] = before + len(completion.token_ids)
 
 
+def prompt_token_ids(prompt: list[int] | dict) -> list[int]:
+    """A submitted prompt's token ids (a prepared prompt's with its images' placeholders expanded)."""
+    return prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+
+
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_waiting: int = 256, replica: int = 0):
         self._engine_factory = engine_factory
@@ -219,14 +224,15 @@ class AsyncEngine:
 
     # -- requests (event loop) --------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def submit(self, request_id: str, prompts: list[list[int] | dict], params: SamplingParams,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
-        """Validates and queues one engine request per prompt (ids `{request_id}-{prompt index}`); raises
-        ValueError (also for an id still in flight), EngineUnavailable or ServerOverloaded."""
+        """Validates and queues one engine request per prompt (token ids, or a prompt `LLMEngine.prepare` made; ids
+        `{request_id}-{prompt index}`); raises ValueError (also for an id still in flight), EngineUnavailable or
+        ServerOverloaded."""
         llm_engine = self.ready_engine()
         llm_engine.validate_priority(priority)
-        for token_ids in prompts:
-            llm_engine.validate_prompt(token_ids, params)
+        for prompt in prompts:
+            llm_engine.validate_prompt(prompt_token_ids(prompt), params)
         num_seqs = len(prompts) * params.n
         capacity = llm_engine.engine_config.max_num_seqs + self.max_waiting
         if num_seqs > capacity:
@@ -242,8 +248,8 @@ class AsyncEngine:
         submission = Submission(self, request_ids, params.output_kind)
         accepted = []
         try:
-            for engine_request_id, token_ids in zip(request_ids, prompts):
-                llm_engine.add_request(engine_request_id, token_ids, params, priority=priority,
+            for engine_request_id, prompt in zip(request_ids, prompts):
+                llm_engine.add_request(engine_request_id, prompt, params, priority=priority,
                                        lora_request=lora_request)
                 accepted.append(engine_request_id)
                 self._requests[engine_request_id] = InFlight(submission, params.n)

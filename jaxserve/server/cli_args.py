@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
+import json
 import os
 
 from jaxserve.distributed.multihost import MultiHost
@@ -155,6 +156,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                         help="default: pallas on GPU, pallas-tpu on TPU, xla on CPU")
+    images = parser.add_argument_group("images (vLLM's flags)")
+    images.add_argument("--limit-mm-per-prompt", type=json_object, default=None,
+                        help='the most images one prompt may have, as JSON: \'{"image": 4}\' (default: as many as '
+                             "fit --max-model-len)")
+    images.add_argument("--mm-processor-kwargs", type=json_object, default=None,
+                        help='options for the model\'s image processor, as JSON: \'{"max_pixels": 802816}\' (the '
+                             "largest image after resizing; it also bounds the vision tower's compiled shapes)")
+    images.add_argument("--allowed-local-media-path", default=None,
+                        help="file: image URLs are read only under this folder (default: refused)")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
     lora.add_argument("--max-loras", type=int, default=ENGINE_DEFAULTS["max_loras"],
@@ -163,6 +173,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help="the largest adapter rank served")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept read in host memory (default: --max-loras)")
+
+
+def json_object(value: str) -> dict:
+    """A flag's JSON object; ArgumentTypeError naming what is wrong."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return parsed
 
 
 def chat_template(value: str) -> str:
@@ -213,7 +234,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
                         detokenizer_process=args.detokenizer_process, enable_lora=args.enable_lora,
-                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                        limit_mm_per_prompt=args.limit_mm_per_prompt, mm_processor_kwargs=args.mm_processor_kwargs,
+                        allowed_local_media_path=args.allowed_local_media_path)
 
 
 def multihost(args: argparse.Namespace) -> MultiHost:

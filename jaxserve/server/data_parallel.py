@@ -112,7 +112,7 @@ class DataParallelEngine:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def submit(self, request_id: str, prompts: list[list[int] | dict], params: SamplingParams,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
         """Queues the request on the replica the load-balance method picks (the next one if that one is full)."""
         self.ready_engine()
@@ -124,7 +124,7 @@ class DataParallelEngine:
                 overloaded = err
         raise ServerOverloaded(f"every replica is at capacity ({overloaded}); retry later")
 
-    def ranking(self, prompt: list[int], lora_request: LoRARequest | None = None) -> list[AsyncEngine]:
+    def ranking(self, prompt: list[int] | dict, lora_request: LoRARequest | None = None) -> list[AsyncEngine]:
         """The replicas in the order a request with first prompt `prompt` (and adapter `lora_request`) tries them;
         ValueError for an adapter that cannot be read."""
         by_load = sorted(self.replicas, key=_load)
@@ -136,6 +136,7 @@ class DataParallelEngine:
         engines = [replica.llm_engine for replica in self.replicas]
         page_size = engines[0].page_manager.page_size
         adapter = engines[0].inputs.adapter(lora_request)  # read already (ServingContext.read_adapter): a lookup
+        prompt = prompt_keys(prompt)
         chain = list(key_chain(prompt, page_size, engines[0].page_manager.hash_fn, (len(prompt) - 1) // page_size,
                                b"" if adapter is None else adapter.prefix_root))
         cached = {replica.replica: engine.page_manager.num_cached_tokens(chain)
@@ -148,6 +149,14 @@ class DataParallelEngine:
             return (-useful, *_load(replica))
 
         return sorted(self.replicas, key=preference)
+
+
+def prompt_keys(prompt: list[int] | dict) -> list[int]:
+    """The token ids a prompt's prefix-cache pages are keyed by (a prepared prompt's images by the images)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    mm = prompt.get("mm_inputs")
+    return prompt["prompt_token_ids"] if mm is None else mm.key_token_ids(prompt["prompt_token_ids"])
 
 
 def _load(replica: AsyncEngine) -> tuple[int, float, int]:

@@ -245,7 +245,8 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The messages as the template reads them, and their images (`normalize_messages`)."""
         return normalize_messages(self.messages)
 
 
@@ -262,9 +263,10 @@ class DetokenizeRequest(StrictModel):
     tokens: list[int]
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages with string contents (OpenAI's list-of-text-parts contents joined); ValueError if ill-formed."""
-    from jaxserve.chat import validate_messages
+def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages as the chat template reads them (OpenAI's list-of-text-parts contents joined; contents with
+    images as text and image parts) and their images in order (`chat.split_images`); ValueError if ill-formed."""
+    from jaxserve.chat import split_images, validate_messages
 
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
@@ -272,20 +274,12 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
     for index, message in enumerate(messages):
         if isinstance(message, dict) and message.get("tool_calls"):
             message = {**message, "tool_calls": _template_tool_calls(message["tool_calls"], index)}
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            parts = message["content"]
-            texts = []
-            for part_index, part in enumerate(parts):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{index}].content[{part_index}] must be a text part "
-                                     "({\"type\": \"text\", \"text\": ...}); other content types are not supported")
-                texts.append(part["text"])
-            message = {**message, "content": "".join(texts)}
         normalized.append(message)
+    normalized, images = split_images(normalized)
     validate_messages(normalized)
     kept = ("role", "content", "tool_calls", "tool_call_id", "name")
     # an assistant turn that only called tools renders with empty content (templates concatenate it as text)
-    return [{key: m[key] for key in kept if key in m} | {"content": m["content"] or ""} for m in normalized]
+    return [{key: m[key] for key in kept if key in m} | {"content": m["content"] or ""} for m in normalized], images
 
 
 def _template_tool_calls(calls: Any, index: int) -> list[dict]:

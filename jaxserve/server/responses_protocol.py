@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.chat import IMAGE_PARTS, TEXT_PARTS
 from jaxserve.server.protocol import ChatCompletionRequest, StrictModel
-
-TEXT_PARTS = ("input_text", "output_text", "text")
 ANY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -78,7 +77,10 @@ class ResponsesRequest(StrictModel):
                 if role not in ("user", "system", "assistant"):
                     raise ValueError(f"input[{index}].role must be one of user, system, developer, assistant; "
                                      f"got {item.get('role')!r}")
-                messages.append({"role": role, "content": _text(item.get("content"), f"input[{index}].content")})
+                content = item.get("content")
+                if not _has_images(content):
+                    content = _text(content, f"input[{index}].content")
+                messages.append({"role": role, "content": content})
             elif kind == "function_call":
                 call = {"id": _string(item, "call_id", index), "type": "function",
                         "function": {"name": _string(item, "name", index),
@@ -157,6 +159,12 @@ def _string(item: dict, key: str, index: int) -> str:
     if not isinstance(value, str):
         raise ValueError(f"input[{index}].{key} must be a string")
     return value
+
+
+def _has_images(content: Any) -> bool:
+    """A content list with image parts (`input_image`): left for the chat request's messages to read."""
+    return isinstance(content, list) and any(isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+                                             for part in content)
 
 
 def _text(content: Any, where: str) -> str:

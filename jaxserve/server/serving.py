@@ -113,7 +113,7 @@ class ServingContext:
         except EngineUnavailable as err:
             raise unavailable(str(err)) from None
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def submit(self, request_id: str, prompts: list[list[int] | dict], params: SamplingParams,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
         """Queues the prompts; 400 for invalid input (a bad adapter too), 503 (+ Retry-After) when full or
         unavailable."""
@@ -152,6 +152,16 @@ class ServingContext:
             if sum(len(m.get("content") or "") for m in messages) > LARGE_TEXT_CHARS:
                 return await asyncio.to_thread(render_chat, *args)
             return render_chat(*args)
+        except ValueError as err:
+            raise bad_request(str(err), param="messages") from None
+
+    async def prepare_images(self, prompt_ids: list[int], images: list) -> dict:
+        """The prompt with its images read (URLs fetched), checked and preprocessed, off the event loop
+        (`LLMEngine.prepare`); 400 naming what is wrong."""
+        llm_engine = self.ready_engine()
+        try:
+            return await asyncio.to_thread(llm_engine.prepare, {"prompt_token_ids": prompt_ids,
+                                                                "multi_modal_data": {"image": images}})
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
 

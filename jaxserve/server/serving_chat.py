@@ -29,10 +29,15 @@ from jaxserve.server.serving import (ServingContext, engine_failures, invalid, n
 class ChatGeneration:
     """A checked chat request ready to submit: its prompt, sampling params and tool plan."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # with each image's placeholder expanded
     params: SamplingParams
     tools: ToolPlan | None
     lora_request: LoRARequest | None = None  # the adapter `model` names (None: the base model)
+    prompt: dict | None = None  # with images: the prepared prompt (`LLMEngine.prepare`) to submit
+
+    @property
+    def submitted(self) -> list[int] | dict:
+        return self.prompt_ids if self.prompt is None else self.prompt
 
 
 async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> ChatGeneration:
@@ -41,12 +46,15 @@ async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> C
     llm_engine = ctx.ready_engine()
     try:
         request.check_supported()
-        messages = request.chat_messages()
+        messages, images = request.chat_messages()
         tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, ctx.tool_call_parser)
     except ValueError as err:
         raise invalid(err) from None
     add_generation_prompt = request.add_generation_prompt is not False
     prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt, tools.tools if tools else None)
+    prompt = await ctx.prepare_images(prompt_ids, images) if images else None
+    if prompt is not None:
+        prompt_ids = prompt["prompt_token_ids"]
     try:
         defaults = ctx.sampling_defaults()
         max_tokens = request.max_tokens_for([len(prompt_ids)], llm_engine.engine_config.max_model_len, defaults, None)
@@ -62,14 +70,14 @@ async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> C
         raise invalid(err) from None
     await ctx.compile_grammar(params)
     await ctx.read_adapter(lora_request)
-    return ChatGeneration(prompt_ids, params, tools, lora_request)
+    return ChatGeneration(prompt_ids, params, tools, lora_request, prompt)
 
 
 async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> Response:
     request = await read_json(raw_request, ChatCompletionRequest)
     chat = await prepare_chat(ctx, request)
     request_id = new_id("chatcmpl", raw_request)
-    submission = ctx.submit(request_id, [chat.prompt_ids], chat.params, request.priority, chat.lora_request)
+    submission = ctx.submit(request_id, [chat.submitted], chat.params, request.priority, chat.lora_request)
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, chat.params.n, chat.tools,
                                            chat.prompt_ids))

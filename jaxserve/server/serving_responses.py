@@ -33,7 +33,7 @@ async def create_response(ctx: ServingContext, raw_request: Request) -> Response
         raise invalid(err) from None
     chat = await prepare_chat(ctx, chat_request)
     response_id = new_id("resp", raw_request)
-    submission = ctx.submit(response_id, [chat.prompt_ids], chat.params, request.priority, chat.lora_request)
+    submission = ctx.submit(response_id, [chat.submitted], chat.params, request.priority, chat.lora_request)
     shell = ResponseShell(ctx.model_name, request, response_id, len(chat.prompt_ids))
     if request.stream:
         return EventStreamResponse(_stream(shell, submission, chat.tools))
