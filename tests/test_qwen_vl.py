@@ -225,14 +225,16 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
                     {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]}
 
     async def check(http: httpx.AsyncClient) -> None:
-        answers = [(await http.post("/v1/chat/completions", json=chat(url))).json()
-                   for url in (data_url, f"{base}/picture.png", f"file://{tmp_path}/media/picture.png")]
-        prompt = answers[0]["prompt_token_ids"]
-        expected = hf_greedy(hf, collapse(prompt, image_token), [image])
+        # different text before the image each time: no prefix hit reaches the image, the encoder cache serves it
+        answers = [(await http.post("/v1/chat/completions", json=chat(url, text))).json()
+                   for url, text in ((data_url, "what is this?"), (f"{base}/picture.png", "and this one?"),
+                                     (f"file://{tmp_path}/media/picture.png", "or this"))]
         for answer in answers:
-            assert answer["prompt_token_ids"] == expected[0]
-            assert answer["choices"][0]["token_ids"] == expected[1]
-            assert answer["usage"]["prompt_tokens"] == len(expected[0])
+            prompt = answer["prompt_token_ids"]
+            assert (prompt, answer["choices"][0]["token_ids"]) == hf_greedy(hf, collapse(prompt, image_token),
+                                                                            [image])
+            assert answer["usage"]["prompt_tokens"] == len(prompt)
+        expected = (answers[0]["prompt_token_ids"], answers[0]["choices"][0]["token_ids"])
         assert engine.llm_engine.runner.encoder.images_encoded == 1
         response = (await http.post("/v1/responses", json={
             "model": "vl", "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [{"role": "user", "content": [
@@ -254,6 +256,10 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
             assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
         again = (await http.post("/v1/chat/completions", json=chat(data_url))).json()
         assert again["choices"][0]["token_ids"] == expected[1]
+        metrics = {line.split("{")[0]: float(line.split()[-1]) for line in (await http.get("/metrics")).text.splitlines()
+                   if line.startswith(("jaxserve:images_encoded", "jaxserve:encoder_cache"))}
+        assert metrics["jaxserve:images_encoded_total"] == 1
+        assert 0 < metrics["jaxserve:encoder_cache_hits_total"] < metrics["jaxserve:encoder_cache_queries_total"]
 
     async def main() -> None:
         async with app.router.lifespan_context(app):

@@ -89,6 +89,12 @@ class Encoder:
             yield self.vision.family.encoder_inputs(config, np.zeros((merge * merge, config.patch_dim), np.float32),
                                                     (1, merge, merge), bucket)[0]
 
+    def stats(self) -> dict:
+        """`SchedulerStats`' encoder fields."""
+        cache = self.cache
+        return dict(encoder_cache_queries=cache.hits + cache.misses, encoder_cache_hits=cache.hits,
+                    images_encoded=self.images_encoded, encoder_seconds=self.encoder_seconds)
+
     def with_room(self, batch: PrefillBatch) -> PrefillBatch:
         return with_images(batch, self.hidden_size, self.dtype)
 

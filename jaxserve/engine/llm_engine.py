@@ -299,7 +299,8 @@ class LLMEngine:
             request_slo=tuple((kind, checked, self.outputs.slo_met[kind])
                               for kind, checked in self.outputs.slo_checked.items()),
             **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}),
-            **(self._lora_stats() if self.adapters is not None else {}))
+            **(self._lora_stats() if self.adapters is not None else {}),
+            **(self.runner.encoder.stats() if self.runner.encoder is not None else {}))
 
     def _lora_stats(self) -> dict:
         slots = self.scheduler.adapter_slots

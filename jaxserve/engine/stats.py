@@ -55,6 +55,12 @@ class SchedulerStats:
     lora_waiting_adapters: tuple[str, ...] = ()
     lora_slot_loads: int = 0
     lora_adapter_reads: int = 0
+    # images (an image model's): image placeholders' embeddings looked up in the encoder cache and found there, the
+    # images encoded and the seconds spent encoding them
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    images_encoded: int = 0
+    encoder_seconds: float = 0.0
 
     def finished(self, reason: str) -> int:
         return dict(self.request_success).get(reason, 0)

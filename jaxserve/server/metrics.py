@@ -97,6 +97,11 @@ class EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter("encoder_cache_queries", "Image embeddings looked up in the encoder cache (by prefill chunks).",
+                      stats.encoder_cache_queries)
+        yield counter("encoder_cache_hits", "Image embeddings found in the encoder cache.", stats.encoder_cache_hits)
+        yield counter("images_encoded", "Images run through the vision encoder.", stats.images_encoded)
+        yield counter("encoder_seconds", "Seconds spent encoding images.", stats.encoder_seconds)
         yield from tier_metrics(stats, labels, name)
         checked = CounterMetricFamily(PREFIX + "request_slo_checked", "Finished requests that had a latency target, "
                                       "by kind (ttft, tpot, both).", labels=labels + ["kind"])
