@@ -205,6 +205,28 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list
                                pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
 
 
+def serve_app(engine, check, model: str) -> None:
+    """Runs the HTTP app (in-process, no sockets) over `engine` serving `model`, through its lifespan, around
+    `await check(http_client)` once it is ready."""
+    import asyncio
+
+    import httpx
+
+    from jaxserve.server.api_server import ServerSettings, create_app
+
+    app = create_app(engine, ServerSettings(served_model_names=[model], log_stats_interval=0))
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         timeout=120) as http:
+                while (await http.get("/health")).status_code != 200:
+                    await asyncio.sleep(0.05)
+                await check(http)
+
+    asyncio.run(main())
+
+
 def engine_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The engine's greedy tokens for each prompt (token ids in, EOS ignored)."""
     from jaxserve import SamplingParams

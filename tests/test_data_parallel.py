@@ -8,7 +8,7 @@ import httpx
 import jax
 import pytest
 
-from conftest import random_prompts
+from tests.conftest import random_prompts, serve_app
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
 
@@ -24,23 +24,6 @@ def replicas(model_dir: str, method: str, **options):
     configs = [EngineConfig(model=model_dir, data_parallel_rank=rank, **ENGINE, **options) for rank in range(2)]
     return DataParallelEngine([AsyncEngine(lambda c=c: LLMEngine(c), max_waiting=8, replica=rank)
                                for rank, c in enumerate(configs)], method)
-
-
-def serve(engine, check) -> None:
-    """Runs the app's lifespan around `check(http_client)`, once every replica is ready."""
-    from jaxserve.server.api_server import ServerSettings, create_app
-
-    app = create_app(engine, ServerSettings(served_model_names=[MODEL], log_stats_interval=0))
-
-    async def main() -> None:
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                                         timeout=60) as http:
-                while (await http.get("/health")).status_code != 200:
-                    await asyncio.sleep(0.05)
-                await check(http)
-
-    asyncio.run(main())
 
 
 def served_by(metrics: str) -> dict[str, float]:
@@ -77,7 +60,7 @@ def test_two_replicas_answer_as_one_engine_greedy_and_seeded(tiny_llama_dir):
         assert 'jaxserve:time_to_first_token_seconds_count{model_name="tiny",replica="0"}' in metrics
 
     engine = replicas(tiny_llama_dir, "round_robin")
-    serve(engine, check)
+    serve_app(engine, check, MODEL)
     for rank, replica in enumerate(engine.replicas):  # each replica's weights and KV pool on its own device
         runner = replica.llm_engine.runner
         assert {d.id for leaf in jax.tree.leaves((runner.params, runner.kv_cache)) for d in leaf.devices()} == {rank}
@@ -106,7 +89,7 @@ def test_cache_aware_follows_the_prefix_and_breaks_ties_and_crowds_by_load(tiny_
         for submission in held:
             submission.abort()
 
-    serve(engine, check)
+    serve_app(engine, check, MODEL)
 
 
 
@@ -131,7 +114,7 @@ def test_cache_aware_keys_an_adapters_prompts_by_the_adapter(tiny_llama_dir, tmp
         await engine.submit("turn-2", [follow_up], params, lora_request=adapter).final_outputs()
         assert second.llm_engine.stats().prefix_cache_hits - hits == 40
 
-    serve(engine, check)
+    serve_app(engine, check, MODEL)
 
 def test_a_full_replica_is_skipped_and_all_full_is_a_503(tiny_llama_dir):
     from jaxserve.server.async_engine import ServerOverloaded
@@ -152,7 +135,7 @@ def test_a_full_replica_is_skipped_and_all_full_is_a_503(tiny_llama_dir):
         for each in held:
             each.abort()
 
-    serve(engine, check)
+    serve_app(engine, check, MODEL)
 
 
 @pytest.mark.parametrize("argv, message", [

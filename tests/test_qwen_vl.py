@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.vision_models import save_tiny_qwen2_5_vl, drawn_image
+from tests.conftest import serve_app
+from tests.vision_models import drawn_image, save_tiny_qwen2_5_vl
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -182,7 +183,6 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
     """OpenAI chat with a data: URL, a local http URL (fetched; the same picture, so the encoder cache serves it)
     and a file: URL under --allowed-local-media-path; the Responses API's input_image; /tokenize counting each
     image's tokens; bad images a 400 naming the problem, and the server keeps serving."""
-    import asyncio
     import http.server
     import threading
 
@@ -190,7 +190,6 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
 
     from jaxserve.engine.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.server.api_server import ServerSettings, create_app
     from jaxserve.server.async_engine import AsyncEngine
 
     image = drawn_image(150, 100, seed=6)
@@ -215,7 +214,6 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
     config = EngineConfig(model=model_dir, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
                           limit_mm_per_prompt={"image": 1}, allowed_local_media_path=str(tmp_path / "media"))
     engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=4)
-    app = create_app(engine, ServerSettings(served_model_names=["vl"], log_stats_interval=0))
     image_token = hf[0].config.image_token_id
     data_url = "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -261,15 +259,8 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
         assert metrics["jaxserve:images_encoded_total"] == 1
         assert 0 < metrics["jaxserve:encoder_cache_hits_total"] < metrics["jaxserve:encoder_cache_queries_total"]
 
-    async def main() -> None:
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                                         timeout=120) as http:
-                while (await http.get("/health")).status_code != 200:
-                    await asyncio.sleep(0.05)
-                await check(http)
     try:
-        asyncio.run(main())
+        serve_app(engine, check, "vl")
     finally:
         files.shutdown()
 

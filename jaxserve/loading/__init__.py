@@ -38,7 +38,8 @@ from jaxserve.loading.hf_files import hf_model_config
 from jaxserve.loading.store import (CorruptCheckpointError, is_store, read_store_config, restore_store, save_store,
                                    verify_store)
 from jaxserve.models import config_from_hf
-from jaxserve.multimodal.vision import is_image_model, load_vision
+from jaxserve.loading.vision import load_vision
+from jaxserve.multimodal.vision import is_image_model
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

@@ -1,0 +1,61 @@
+"""`load_vision`: an image + text checkpoint's vision side (`multimodal.vision.VisionModel`), read beside its language
+model (`loading.load_model`): the tower's tensors from the checkpoint's safetensors (or random ones for
+`load_format="dummy"`), checked against its config, in the serving dtype and replicated on the mesh, and the
+family's prompt processor."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.distributed.shardings import REPLICATED
+from jaxserve.loading.hf_files import tensor_files
+from jaxserve.multimodal.vision import VISION_FAMILIES, VisionFamily, VisionModel
+
+
+def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
+                mm_processor_kwargs: dict | None = None) -> VisionModel:
+    """The vision side of the image + text checkpoint in `directory`; ValueError naming a missing tensor or a shape
+    that does not match its config."""
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(directory)
+    family = VISION_FAMILIES[hf_config.model_type]
+    config = family.parse_config(hf_config.vision_config)
+    shapes = family.checkpoint_shapes(config)
+    if load_format == "dummy":
+        rng = np.random.default_rng(0)
+        host = jax.tree.map(lambda shape: (rng.standard_normal(shape) * 0.02).astype(np.float32), shapes,
+                            is_leaf=lambda leaf: isinstance(leaf, tuple))
+    else:
+        host = read_tower(directory, family, config, shapes)
+    sharding = NamedSharding(mesh, REPLICATED)
+    params = jax.tree.map(lambda array: jax.device_put(array.astype(dtype), sharding), host)
+    return VisionModel(family, config, params, family.processor(directory, hf_config, mm_processor_kwargs))
+
+
+def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) -> dict:
+    from safetensors import safe_open
+
+    files = tensor_files(directory)
+    prefix = next((p for p in family.prefixes if any(name.startswith(p) for name in files)), None)
+    if prefix is None:
+        raise ValueError(f"{directory!r} has no vision tower tensors (looked under {', '.join(family.prefixes)})")
+
+    def read(source: tuple[str, bool], shape: tuple[int, ...]) -> np.ndarray:
+        name, transposed = prefix + source[0], source[1]
+        if name not in files:
+            raise ValueError(f"{os.path.basename(directory)}: vision tower tensor {name!r} is missing")
+        with safe_open(files[name], framework="np") as reader:
+            array = reader.get_tensor(name).astype(np.float32)
+        if transposed:
+            array = array.reshape(array.shape[0], -1).T
+        if array.shape != tuple(shape):
+            raise ValueError(f"vision tower tensor {name!r} has shape {array.shape}, its config says {shape}")
+        return array
+    return jax.tree.map(read, family.checkpoint_tensors(config), shapes,
+                        is_leaf=lambda leaf: isinstance(leaf, tuple) and isinstance(leaf[0], str))
