@@ -40,7 +40,7 @@ def test_a_tool_round_trip_becomes_a_chat_history():
                                                             "parameters": WEATHER["parameters"]}}]
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert chat.max_completion_tokens == 7 and chat.response_format == {"type": "json_object"}
-    assert chat.chat_messages()[3]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # for templates
+    assert chat.chat_messages()[0][3]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # for templates
 
 
 def test_calls_after_an_assistant_message_join_it():
@@ -67,8 +67,8 @@ def test_text_format_json_schema():
     ({"input": []}, "non-empty list"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "has type 'reasoning'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-     "input[0].content[0] has type 'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0] has type 'input_file'"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"tools": [{"type": "file_search"}]}, "tools[0] has type 'file_search'"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice must be"),

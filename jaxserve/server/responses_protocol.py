@@ -177,7 +177,7 @@ def _text(content: Any, where: str) -> str:
     for index, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}[{index}] has type {kind!r}; this server takes text parts only "
-                             f"({', '.join(TEXT_PARTS)})")
+            raise ValueError(f"{where}[{index}] has type {kind!r}; this server takes text parts "
+                             f"({', '.join(TEXT_PARTS)}) and input_image")
         texts.append(part["text"])
     return "".join(texts)
