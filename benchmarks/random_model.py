@@ -105,6 +105,18 @@ SHAPES: dict[str, dict[str, Any]] = {
                              full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)),
         final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True, bos_token_id=2,
         eos_token_id=[1, 106]),
+    "qwen2.5-vl-7b": dict(  # Qwen2's decoder with M-RoPE; a 32-block vision tower of 1280 (window attention but in
+        # blocks 7, 15, 23, 31) merging 2x2 patches of 14 pixels into one token
+        model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], vocab_size=152064,
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling=dict(type="mrope", mrope_section=[16, 24, 24]), sliding_window=32768, use_sliding_window=False,
+        tie_word_embeddings=False, vision_start_token_id=151652, vision_end_token_id=151653,
+        image_token_id=151655, video_token_id=151656, bos_token_id=151643, eos_token_id=151645,
+        vision_config=dict(depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16,
+                           in_channels=3, out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                           window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+                           temporal_patch_size=2)),
 }
 
 

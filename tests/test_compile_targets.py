@@ -297,3 +297,29 @@ def test_an_eagle3_head_compiles_from_its_config_alone(config_dirs, tmp_path, ta
     result = compile_engine(config, target, names)
     assert {step.name for step in result.steps} == names
     assert_compiles_and_fits(result)
+
+
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+def test_an_image_model_compiles_its_vision_tower_and_fits(tmp_path, target):
+    """Qwen2.5-VL from its config alone: the vision tower's encode step for every patch bucket up to transformers'
+    default largest image (5120 patches), beside the decoder's prefill (text and with image embeddings) and decode.
+    The KV plan leaves room for the largest encode's temporaries (it did not: an H200 plan took every byte the
+    decoder's steps left, and the encode step of 5120 patches did not fit)."""
+    from jaxserve.models import qwen2_5_vit
+    from tests.vision_models import tiny_qwen2_5_vl_config
+
+    config = tiny_qwen2_5_vl_config(hidden_size=256, intermediate_size=256, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]})
+    config.vision_config.update(dict(out_hidden_size=256, hidden_size=64, num_heads=4))
+    config.save_pretrained(tmp_path)
+    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode", "encode"})
+    assert {step.name for step in result.steps} == {"prefill", "decode", "encode"}
+    assert max(int(step.shape.split("=")[1]) for step in result.steps if step.name == "encode") == 5120
+    assert len([step for step in result.steps if step.name == "prefill"]) == \
+        2 * len(result.plan.engine_config.prefill_shapes)  # each shape, text and with image embeddings
+    assert not result.failed, result.verdict()
+    assert result.fits, result.verdict()
+    vision = qwen2_5_vit.parse_vision_config(config.vision_config)
+    for step in result.steps:  # the reserve for the encoder's temporaries holds what the compiler planned
+        if step.name == "encode":
+            assert step.temp_bytes + step.output_bytes <= qwen2_5_vit.activation_bytes(vision, 5120), step

@@ -278,3 +278,15 @@ def test_llm_chat_takes_image_parts(model_dir, hf):
     expected = hf_greedy(hf, collapse(outputs[0].prompt_token_ids, image_token), [image])
     for output in outputs:
         assert (output.prompt_token_ids, output.outputs[0].token_ids) == expected
+
+
+def test_tensor_parallel_serves_images_as_one_device(model_dir, hf):
+    """Over 2 devices (the decoder's heads split, the vision tower replicated on both) the tokens are transformers'."""
+    a, b = drawn_image(120, 90, seed=8), drawn_image(64, 200, seed=9)
+    prompts = [image_prompt(hf, ["one", a, "and", b]), image_prompt(hf, [b, "alone"])]
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2,
+              warmup=False)
+    outputs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                            for ids, images in prompts], GREEDY, use_tqdm=False)
+    for (ids, images), output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf, ids, images)[1]

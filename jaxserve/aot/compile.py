@@ -34,6 +34,8 @@ from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_registry import StepRegistry, compile_threads, shape_key
 from jaxserve.loading import model_config, resolve_model
 from jaxserve.loading.placement import serving_params
+from jaxserve.loading.vision import load_vision
+from jaxserve.multimodal.vision import is_image_model
 from jaxserve.spec_decode import proposer_config
 
 logger = logging.getLogger(__name__)
@@ -138,7 +140,10 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
             return EnginePlan(**base, resident_bytes=weights, kv_cache_bytes=0, kv_cache_tokens=0, problem=(
                 f"the weights need {gib(weights)} per device, more than {config.gpu_memory_utilization:g} of "
                 f"{t.name}'s {gib(t.chip.hbm_bytes)}: use more devices (-tp), a smaller dtype or --quantization")), None
-        runner = ModelRunner(model, params, config, set(model.eos_token_ids), mesh, proposer, allocator)
+        vision = None
+        if is_image_model(model.model_type):
+            vision = load_vision(config.model, config.jax_dtype, mesh, "abstract", config.mm_processor_kwargs)
+        runner = ModelRunner(model, params, config, set(model.eos_token_ids), mesh, proposer, allocator, vision)
         if config.kv_tiers:  # their copies between the pool and host memory are steps too (no disk is touched)
             runner.attach_tiers(KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None,
                                         config.page_size, page_key))

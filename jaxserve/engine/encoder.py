@@ -89,6 +89,10 @@ class Encoder:
             yield self.vision.family.encoder_inputs(config, np.zeros((merge * merge, config.patch_dim), np.float32),
                                                     (1, merge, merge), bucket)[0]
 
+    def activation_bytes(self) -> int:
+        """A bound on the largest encode call's temporaries: what the KV plan leaves free for it."""
+        return self.vision.family.activation_bytes(self.vision.config, self.buckets[-1])
+
     def stats(self) -> dict:
         """`SchedulerStats`' encoder fields."""
         cache = self.cache

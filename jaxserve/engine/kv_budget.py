@@ -21,16 +21,18 @@ SAMPLER_COPIES = 10
 
 
 def kv_budget_bytes(memory_stats: dict | None, platform: str, config: ModelConfig,
-                    engine_config: EngineConfig) -> int | None:
+                    engine_config: EngineConfig, encoder_bytes: int = 0) -> int | None:
     """Bytes each device gives its KV pools (every device of the mesh holds the same share, so one device's
     `memory_stats` decide, taken with the weights in place): `kv_cache_memory_bytes` when set, else vLLM's
-    `gpu_memory_utilization` on an accelerator; None on a CPU, whose pool is sized by its slots."""
+    `gpu_memory_utilization` on an accelerator; None on a CPU, whose pool is sized by its slots. An image model's
+    largest encode call may hold `encoder_bytes` of temporaries (one step runs at a time: the larger reserve
+    serves both)."""
     if engine_config.kv_cache_memory_bytes is not None:
         return engine_config.kv_cache_memory_bytes
     if "bytes_limit" not in (memory_stats or {}):
         return None
     return accelerator_kv_bytes(memory_stats, engine_config.gpu_memory_utilization, allocator_fraction(platform),
-                                activation_bytes(config, engine_config))
+                                max(activation_bytes(config, engine_config), encoder_bytes))
 
 
 def allocator_fraction(platform: str) -> float:

@@ -115,7 +115,8 @@ class ModelRunner:
         if not engine_config.num_kv_pages:
             device = self.mesh.local_devices[0]
             budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
-                                     config, engine_config)
+                                     config, engine_config,
+                                     self.encoder.activation_bytes() if self.encoder is not None else 0)
         speculator = self.speculator  # a proposer's own pool has group 0's pages
         self.kv_plan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
                                      speculator.pool_page_bytes if speculator is not None else 0)

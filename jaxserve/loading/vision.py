@@ -20,22 +20,32 @@ from jaxserve.multimodal.vision import VISION_FAMILIES, VisionFamily, VisionMode
 def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
                 mm_processor_kwargs: dict | None = None) -> VisionModel:
     """The vision side of the image + text checkpoint in `directory`; ValueError naming a missing tensor or a shape
-    that does not match its config."""
+    that does not match its config. `load_format` "dummy": random weights; "abstract": their shapes only
+    (`ShapeDtypeStruct`s, for `jaxserve compile`)."""
     import transformers
 
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     family = VISION_FAMILIES[hf_config.model_type]
     config = family.parse_config(hf_config.vision_config)
     shapes = family.checkpoint_shapes(config)
+    processor = family.processor(directory, hf_config, mm_processor_kwargs, defaults=load_format != "auto")
+    sharding = NamedSharding(mesh, REPLICATED)
+    if load_format == "abstract":  # `jaxserve compile`: shapes on the target's devices, nothing read
+        params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), shapes,
+                              is_leaf=is_shape)
+        return VisionModel(family, config, params, processor)
     if load_format == "dummy":
         rng = np.random.default_rng(0)
         host = jax.tree.map(lambda shape: (rng.standard_normal(shape) * 0.02).astype(np.float32), shapes,
-                            is_leaf=lambda leaf: isinstance(leaf, tuple))
+                            is_leaf=is_shape)
     else:
         host = read_tower(directory, family, config, shapes)
-    sharding = NamedSharding(mesh, REPLICATED)
     params = jax.tree.map(lambda array: jax.device_put(array.astype(dtype), sharding), host)
-    return VisionModel(family, config, params, family.processor(directory, hf_config, mm_processor_kwargs))
+    return VisionModel(family, config, params, processor)
+
+
+def is_shape(leaf: Any) -> bool:
+    return isinstance(leaf, tuple) and all(isinstance(n, int) for n in leaf)
 
 
 def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) -> dict:

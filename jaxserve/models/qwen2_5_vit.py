@@ -168,6 +168,14 @@ def encode(config: VisionConfig, dtype, params: dict, inputs: EncoderInputs):
     return x, ()
 
 
+def activation_bytes(config: VisionConfig, patches: int) -> int:
+    """A bound on the temporaries of one `encode` call of `patches` patches: the float32 attention scores of a query
+    block against every patch (three copies: scores, weights, their mask) and each patch's activations. `jaxserve
+    compile` checks it against the compiled step (tests/test_compile_targets.py)."""
+    return 4 * patches * (3 * config.num_heads * min(patches, QUERY_BLOCK) + 4 * config.hidden_size
+                          + 3 * config.intermediate_size)
+
+
 def checkpoint_tensors(config: VisionConfig) -> dict:
     """The tower's parameter tree with the checkpoint tensor (under the tower's prefix) each leaf is read from, and
     whether it is stored transposed (`[out, in]` linears)."""

@@ -4,11 +4,15 @@ each image's placeholder expanded to its token count, and the M-RoPE positions o
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
 from jaxserve.multimodal.inputs import ImageInput, MultiModalPrompt, image_hash
+
+
+PROCESSOR_CONFIG = "preprocessor_config.json"
 
 
 class QwenVLProcessor:
@@ -17,14 +21,21 @@ class QwenVLProcessor:
     The prompt holds one `<|image_pad|>` per image (what the chat template writes), or each image's placeholder
     already expanded to its token count."""
 
-    def __init__(self, directory: str, hf_config: Any, mm_processor_kwargs: dict | None = None):
+    def __init__(self, directory: str, hf_config: Any, mm_processor_kwargs: dict | None = None,
+                 defaults: bool = False):
+        """`defaults`: a directory without preprocessor_config.json gets transformers' default processor (random
+        weights, `jaxserve compile`); otherwise its absence is a ValueError."""
         from transformers import AutoImageProcessor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+        kwargs = mm_processor_kwargs or {}
         try:
-            self.image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil",
-                                                                      **(mm_processor_kwargs or {}))
+            if defaults and not os.path.exists(os.path.join(directory, PROCESSOR_CONFIG)):
+                self.image_processor = Qwen2VLImageProcessorPil(**kwargs)
+            else:
+                self.image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil", **kwargs)
         except (OSError, ValueError, TypeError) as err:
-            raise ValueError(f"cannot read the image processor of {directory!r} (preprocessor_config.json): "
+            raise ValueError(f"cannot read the image processor of {directory!r} ({PROCESSOR_CONFIG}): "
                              f"{err}") from None
         self.image_token_id = hf_config.image_token_id
         self.merge = hf_config.vision_config.spatial_merge_size

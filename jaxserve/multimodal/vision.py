@@ -20,13 +20,14 @@ class VisionFamily:
     encoder_inputs: Callable[..., tuple[Any, np.ndarray]]  # (config, pixels, grid, bucket) -> (inputs, raster order)
     checkpoint_tensors: Callable[[Any], dict]  # config -> tree of (tensor name under the prefix, transposed)
     checkpoint_shapes: Callable[[Any], dict]  # config -> tree of shapes
+    activation_bytes: Callable[[Any, int], int]  # (config, patches) -> a bound on one encode call's temporaries
     prefixes: tuple[str, ...]  # where checkpoints keep the tower's tensors (the first present is read)
     processor: type
 
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(qwen2_5_vit.parse_vision_config, qwen2_5_vit.encode, qwen2_5_vit.encoder_inputs,
-                               qwen2_5_vit.checkpoint_tensors, qwen2_5_vit.checkpoint_shapes,
+                               qwen2_5_vit.checkpoint_tensors, qwen2_5_vit.checkpoint_shapes, qwen2_5_vit.activation_bytes,
                                ("visual.", "model.visual."), QwenVLProcessor),
 }
 
