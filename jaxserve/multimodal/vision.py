@@ -27,8 +27,8 @@ class VisionFamily:
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(qwen2_5_vit.parse_vision_config, qwen2_5_vit.encode, qwen2_5_vit.encoder_inputs,
-                               qwen2_5_vit.checkpoint_tensors, qwen2_5_vit.checkpoint_shapes, qwen2_5_vit.activation_bytes,
-                               ("visual.", "model.visual."), QwenVLProcessor),
+                               qwen2_5_vit.checkpoint_tensors, qwen2_5_vit.checkpoint_shapes,
+                               qwen2_5_vit.activation_bytes, ("visual.", "model.visual."), QwenVLProcessor),
 }
 
 
