@@ -200,6 +200,9 @@ class ModelConfig:
     # `layers/rotary.frequency_axes`), `mrope_section` frequencies per axis in order, or interleaved T, H, W, ...
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False
+    # Qwen3-VL's deepstack: an image's features from this many vision blocks, each added to the image tokens' hidden
+    # states after the decoder layer of its index (they come beside the embeddings: `mm_embeds [..., (1 + n) * H]`)
+    deepstack_layers: int = 0
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:

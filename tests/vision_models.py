@@ -1,6 +1,6 @@
-"""Tiny random-weight image + text checkpoints for the image tests: a Qwen2.5-VL model built by transformers, its
-tokenizer with the vision tokens and a chat template that writes image placeholders, its image processor (small
-`max_pixels`, so images have tens of patches), and test images drawn with Pillow."""
+"""Tiny random-weight image + text checkpoints for the image tests: Qwen2.5-VL and Qwen3-VL models built by
+transformers, their tokenizer with the vision tokens and a chat template that writes image placeholders, their
+image processor (small `max_pixels`, so images have tens of patches), and test images drawn with Pillow."""
 
 from __future__ import annotations
 
@@ -32,16 +32,38 @@ def tiny_qwen2_5_vl_config(**overrides):
         eos_token_id=0)
 
 
-def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 64) -> str:
-    """A Qwen2.5-VL checkpoint of random weights (larger than transformers' init, so images change the outputs),
-    its tokenizer and its image processor (images of up to `max_pixels`: 256 patches, 64 tokens by default)."""
+def tiny_qwen3_vl_config(**overrides):
+    """Qwen3-VL: q/k norms, interleaved M-RoPE, 16-pixel patches, a learned position table of 8x8, deepstack
+    features from two of the tower's three blocks."""
+    import transformers
+
+    vocab = TINY_DIMS["vocab_size"]
+    text = {**TINY_DIMS, "num_hidden_layers": 3, "head_dim": 16, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        **overrides}
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=TINY_DIMS["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1], in_channels=3)
+    first = vocab - len(VISION_TOKENS)
+    return transformers.Qwen3VLConfig(
+        text_config=text, vision_config=vision, vision_start_token_id=first, vision_end_token_id=first + 1,
+        image_token_id=first + 2, video_token_id=first + 3, tie_word_embeddings=False)
+
+
+TINY_VL = {"qwen2_5_vl": (tiny_qwen2_5_vl_config, 14), "qwen3_vl": (tiny_qwen3_vl_config, 16)}
+
+
+def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 64, family: str = "qwen2_5_vl") -> str:
+    """A Qwen-VL checkpoint of random weights (larger than transformers' init, so images change the outputs), its
+    tokenizer and its image processor (images of up to `max_pixels`: 256 patches, 64 tokens by default)."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.manual_seed(seed)
-    config = tiny_qwen2_5_vl_config()
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    make_config, patch = TINY_VL[family]
+    config = make_config()
+    model = transformers.AutoModelForImageTextToText.from_config(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2 or name.endswith("bias"):
@@ -53,7 +75,9 @@ def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 6
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = QWEN_VL_TEMPLATE
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=max_pixels).save_pretrained(path)
+    factor = patch * 2
+    Qwen2VLImageProcessorPil(min_pixels=factor * factor * 4, max_pixels=max_pixels * factor ** 2 // 28 ** 2,
+                             patch_size=patch).save_pretrained(path)
     return path
 
 

@@ -59,13 +59,14 @@ class EncoderCache:
 
 
 class Encoder:
-    def __init__(self, vision: VisionModel, mesh, hidden_size: int, dtype, max_num_batched_tokens: int):
+    def __init__(self, vision: VisionModel, mesh, hidden_size: int, dtype, max_num_batched_tokens: int,
+                 deepstack_layers: int = 0):
         if vision.config.out_hidden_size != hidden_size:
             raise ValueError(f"the vision tower's out_hidden_size ({vision.config.out_hidden_size}) is not the "
                              f"language model's hidden_size ({hidden_size})")
         self.vision = vision
         self.mesh = mesh
-        self.hidden_size = hidden_size
+        self.width = hidden_size * (1 + deepstack_layers)  # an image token's embedding and its deepstack features
         self.dtype = np.dtype(dtype)
         self.buckets = power_of_two_buckets(SMALLEST_BUCKET, max(SMALLEST_BUCKET, vision.processor.max_patches()))
         largest_image = self.buckets[-1] // vision.config.merge_unit
@@ -100,7 +101,7 @@ class Encoder:
                     images_encoded=self.images_encoded, encoder_seconds=self.encoder_seconds)
 
     def with_room(self, batch: PrefillBatch) -> PrefillBatch:
-        return with_images(batch, self.hidden_size, self.dtype)
+        return with_images(batch, self.width, self.dtype)
 
     def attach(self, inputs: PrefillInputs, rows_of: InputBatch, steps) -> None:
         """Gives a prefill call the embeddings of the image placeholders its chunks hold (encoding what the cache

@@ -84,7 +84,7 @@ def decoder_config(hf_config: Any, *, qkv_bias: bool, qk_norm: bool, o_bias: boo
         activation=activation,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
-        eos_token_ids=token_ids(hf_config.eos_token_id),
+        eos_token_ids=token_ids(getattr(hf_config, "eos_token_id", None)),
     )
 
 
@@ -200,7 +200,8 @@ class LlamaModel(nn.Module):
     """`(token_ids [B, T], kv_cache, meta) -> (last layer's output [B, T, hidden], new kv_cache)`; the final norm
     and LM head are `compute_logits`. Each layer's input is sown as `intermediates/layer_inputs` (what an EAGLE-3
     head reads: `models.forward`'s `aux_layers`). `mm_embeds [B, T, hidden]` with `mm_mask [B, T]`: the tokens
-    where the mask is set take those embeddings instead of their ids' (an image's, from its encoder)."""
+    where the mask is set take those embeddings instead of their ids' (an image's, from its encoder); with
+    `deepstack_layers` n the embeddings are `[B, T, (1 + n) * hidden]` and feature i is added after layer i."""
 
     config: ModelConfig
     attention: PagedAttention
@@ -214,13 +215,17 @@ class LlamaModel(nn.Module):
                       name="embed")(token_ids)
         if cfg.embedding_scale is not None:  # rounded to the serving dtype first, as transformers rounds it
             x = x * jnp.asarray(cfg.embedding_scale, self.dtype)
+        hidden = cfg.hidden_size
         if mm_embeds is not None:  # after the scale: transformers scales the text embeddings only
-            x = jnp.where(mm_mask[..., None], mm_embeds.astype(x.dtype), x)
+            x = jnp.where(mm_mask[..., None], mm_embeds[..., :hidden].astype(x.dtype), x)
         new_cache = []
         for index, kv in enumerate(kv_cache):
             self.sow("intermediates", "layer_inputs", x)
             x, kv = DecoderLayer(cfg, self.tp, self.attention, cfg.layers[index], self.dtype,
                                  name=f"layers_{index}")(x, kv, meta.for_layer(index))
+            if mm_embeds is not None and index < cfg.deepstack_layers:  # Qwen3-VL's deepstack features
+                features = mm_embeds[..., (index + 1) * hidden:(index + 2) * hidden].astype(x.dtype)
+                x = x + jnp.where(mm_mask[..., None], features, jnp.zeros_like(features))
             new_cache.append(kv)
         return x, new_cache
 

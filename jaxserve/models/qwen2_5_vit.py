@@ -94,6 +94,15 @@ def window_order(config: VisionConfig, grid_h: int, grid_w: int) -> tuple[np.nda
     return index[index >= 0], counts[counts > 0]
 
 
+def merge_unit_positions(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
+    """Each patch's (row, column) `[2, grid_h * grid_w]` in the processor's order: merge units (merge x merge
+    patches) in raster order, each unit's patches in raster order."""
+    rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    blocks = (grid_h // merge, merge, grid_w // merge, merge)
+    return np.stack([rows.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1),
+                     cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)])
+
+
 def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
                    bucket: int) -> tuple[EncoderInputs, np.ndarray]:
     """One image's call padded to `bucket` patches, and the order that puts the call's output tokens (window order)
@@ -102,12 +111,7 @@ def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tup
     if grid_t != 1:
         raise ValueError(f"an image has one temporal patch, got grid {grid_thw}")
     count, unit = grid_h * grid_w, config.merge_unit
-    merge = config.spatial_merge_size
-    rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
-    # patches arrive grouped by merge unit (the processor's order); positions follow it
-    blocks = (grid_h // merge, merge, grid_w // merge, merge)
-    positions = np.stack([rows.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1),
-                          cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)])
+    positions = merge_unit_positions(grid_h, grid_w, config.spatial_merge_size)
     units, counts = window_order(config, grid_h, grid_w)
     order = (units[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
     inputs = EncoderInputs(patches=np.zeros((bucket, config.patch_dim), np.float32),
@@ -120,7 +124,7 @@ def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tup
     return inputs, np.argsort(units)
 
 
-def _linear(x, layer: dict):
+def linear(x, layer: dict):
     y = x @ layer["kernel"].astype(x.dtype)
     return y + layer["bias"].astype(x.dtype) if "bias" in layer else y
 
@@ -129,11 +133,12 @@ def _norm(x, scale, eps: float):
     return scale.astype(x.dtype) * rms_normalize(x, eps).astype(x.dtype)
 
 
-def _attention(config: VisionConfig, block: dict, x, positions, groups):
-    """Bidirectional attention among the patches of each group (`groups [N]`, -1: none), with the 2-D rope."""
+def attention(config, block: dict, x, positions, groups):
+    """Bidirectional attention among the patches of each group (`groups [N]`, -1: none), with the 2-D rope of
+    `positions [2, N]` (rows' frequencies, then columns'); `config` has `num_heads`, `head_dim`, `rope_theta`."""
     count = x.shape[0]
     heads, head_dim = config.num_heads, config.head_dim
-    q, k, v = jnp.split(_linear(x, block["qkv"]).reshape(count, 3, heads, head_dim), 3, axis=1)
+    q, k, v = jnp.split(linear(x, block["qkv"]).reshape(count, 3, heads, head_dim), 3, axis=1)
     q, k, v = q[:, 0], k[:, 0], v[:, 0]
     quarter = head_dim // 4
     inv_freq = 1.0 / config.rope_theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float64) / (head_dim // 2))
@@ -149,22 +154,22 @@ def _attention(config: VisionConfig, block: dict, x, positions, groups):
         weights = jnp.where(allowed[None], weights, 0.0).astype(v.dtype)  # padding rows: all masked, no NaN
         return jnp.einsum("hqk,khd->qhd", weights, v)
     out = jax.lax.map(attend, (q.reshape(-1, block_size, heads, head_dim), groups.reshape(-1, block_size)))
-    return _linear(out.reshape(count, heads * head_dim), block["proj"])
+    return linear(out.reshape(count, heads * head_dim), block["proj"])
 
 
 def encode(config: VisionConfig, dtype, params: dict, inputs: EncoderInputs):
     """The tower over one call's patches: `[N / merge_unit, out_hidden_size]` image embeddings in window order
     (rows past the image's are padding). A step: `(outputs, new_state)` with no state."""
     eps = config.rms_norm_eps
-    x = _linear(inputs.patches.astype(dtype), params["patch_embed"])
+    x = linear(inputs.patches.astype(dtype), params["patch_embed"])
     for index, block in enumerate(params["blocks"]):
         groups = inputs.images if index in config.fullatt_block_indexes else inputs.windows
-        x = x + _attention(config, block, _norm(x, block["norm1"], eps), inputs.positions, groups)
+        x = x + attention(config, block, _norm(x, block["norm1"], eps), inputs.positions, groups)
         h = _norm(x, block["norm2"], eps)
-        x = x + _linear(jax.nn.silu(_linear(h, block["gate_proj"])) * _linear(h, block["up_proj"]), block["down_proj"])
+        x = x + linear(jax.nn.silu(linear(h, block["gate_proj"])) * linear(h, block["up_proj"]), block["down_proj"])
     merger = params["merger"]
     x = _norm(x, merger["ln_q"], eps).reshape(-1, config.hidden_size * config.merge_unit)
-    x = _linear(jax.nn.gelu(_linear(x, merger["mlp_0"]), approximate=False), merger["mlp_2"])
+    x = linear(jax.nn.gelu(linear(x, merger["mlp_0"]), approximate=False), merger["mlp_2"])
     return x, ()
 
 
@@ -179,27 +184,27 @@ def activation_bytes(config: VisionConfig, patches: int) -> int:
 def checkpoint_tensors(config: VisionConfig) -> dict:
     """The tower's parameter tree with the checkpoint tensor (under the tower's prefix) each leaf is read from, and
     whether it is stored transposed (`[out, in]` linears)."""
-    def linear(name: str, bias: bool = True) -> dict:
+    def dense(name: str, bias: bool = True) -> dict:
         layer = {"kernel": (f"{name}.weight", True)}
         return {**layer, "bias": (f"{name}.bias", False)} if bias else layer
 
     blocks = [{"norm1": (f"blocks.{i}.norm1.weight", False), "norm2": (f"blocks.{i}.norm2.weight", False),
-               "qkv": linear(f"blocks.{i}.attn.qkv"), "proj": linear(f"blocks.{i}.attn.proj"),
-               **{name: linear(f"blocks.{i}.mlp.{name}") for name in ("gate_proj", "up_proj", "down_proj")}}
+               "qkv": dense(f"blocks.{i}.attn.qkv"), "proj": dense(f"blocks.{i}.attn.proj"),
+               **{name: dense(f"blocks.{i}.mlp.{name}") for name in ("gate_proj", "up_proj", "down_proj")}}
               for i in range(config.depth)]
     return {"patch_embed": {"kernel": ("patch_embed.proj.weight", True)}, "blocks": blocks,
-            "merger": {"ln_q": ("merger.ln_q.weight", False), "mlp_0": linear("merger.mlp.0"),
-                       "mlp_2": linear("merger.mlp.2")}}
+            "merger": {"ln_q": ("merger.ln_q.weight", False), "mlp_0": dense("merger.mlp.0"),
+                       "mlp_2": dense("merger.mlp.2")}}
 
 
 def checkpoint_shapes(config: VisionConfig) -> dict:
     """The shape each leaf of `checkpoint_tensors` has once read (kernels `[in, out]`)."""
     d, inner, merged = config.hidden_size, config.intermediate_size, config.hidden_size * config.merge_unit
 
-    def linear(fan_in: int, fan_out: int, bias: bool = True) -> dict:
+    def dense(fan_in: int, fan_out: int, bias: bool = True) -> dict:
         return {"kernel": (fan_in, fan_out), **({"bias": (fan_out,)} if bias else {})}
 
-    block = {"norm1": (d,), "norm2": (d,), "qkv": linear(d, 3 * d), "proj": linear(d, d),
-             "gate_proj": linear(d, inner), "up_proj": linear(d, inner), "down_proj": linear(inner, d)}
-    return {"patch_embed": linear(config.patch_dim, d, bias=False), "blocks": [block] * config.depth,
-            "merger": {"ln_q": (d,), "mlp_0": linear(merged, merged), "mlp_2": linear(merged, config.out_hidden_size)}}
+    block = {"norm1": (d,), "norm2": (d,), "qkv": dense(d, 3 * d), "proj": dense(d, d),
+             "gate_proj": dense(d, inner), "up_proj": dense(d, inner), "down_proj": dense(inner, d)}
+    return {"patch_embed": dense(config.patch_dim, d, bias=False), "blocks": [block] * config.depth,
+            "merger": {"ln_q": (d,), "mlp_0": dense(merged, merged), "mlp_2": dense(merged, config.out_hidden_size)}}

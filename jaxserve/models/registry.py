@@ -28,7 +28,7 @@ from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.attention import AttentionMetadata, PagedAttention
 from jaxserve.layers.lora import lora_variables
 from jaxserve.models import (deepseek, gemma, gemma4, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, phi3,
-                             qwen2_5_vl, qwen3_next, qwen_moe)
+                             qwen3_next, qwen_moe, qwen_vl)
 from jaxserve.models.spec import ModelSpec
 
 KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout chosen by the attention backend
@@ -37,7 +37,7 @@ KVCache = list  # one cache per layer (an attention layer's: `KVPages`), layout 
 FAMILIES: tuple[ModelSpec, ...] = (
     llama.SPEC, qwen_moe.SPEC, mixtral.SPEC, gemma.SPEC, gemma.MULTIMODAL_SPEC, phi3.SPEC, gpt_oss.SPEC, deepseek.SPEC,
     glm4_moe.SPEC, minimax_m2.SPEC, qwen3_next.SPEC, qwen3_next.MULTIMODAL_SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC,
-    qwen2_5_vl.SPEC)
+    qwen_vl.SPEC, qwen_vl.QWEN3_SPEC)
 MODELS: dict[str, ModelSpec] = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(MODELS)
 

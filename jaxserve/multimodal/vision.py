@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxserve.models import qwen2_5_vit
+from jaxserve.models import qwen2_5_vit, qwen3_vit
 from jaxserve.multimodal.qwen_vl import QwenVLProcessor
 
 
@@ -29,6 +29,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(qwen2_5_vit.parse_vision_config, qwen2_5_vit.encode, qwen2_5_vit.encoder_inputs,
                                qwen2_5_vit.checkpoint_tensors, qwen2_5_vit.checkpoint_shapes,
                                qwen2_5_vit.activation_bytes, ("visual.", "model.visual."), QwenVLProcessor),
+    "qwen3_vl": VisionFamily(qwen3_vit.parse_vision_config, qwen3_vit.encode, qwen3_vit.encoder_inputs,
+                             qwen3_vit.checkpoint_tensors, qwen3_vit.checkpoint_shapes, qwen3_vit.activation_bytes,
+                             ("model.visual.", "visual."), QwenVLProcessor),
 }
 
 

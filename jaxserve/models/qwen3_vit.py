@@ -1,0 +1,188 @@
+"""Qwen3-VL's vision tower: 16x16 patches with a learned position table resampled (bilinear) to each image's grid,
+`depth` pre-norm blocks (LayerNorm, attention over the whole image with the 2-D rope of `qwen2_5_vit`, a GELU
+MLP), and the merger of 2x2 patches into the language model's width; the outputs of the `deepstack_visual_indexes`
+blocks are merged too (each by its own merger, normed after the merge) and go into the decoder's first layers
+(`ModelConfig.deepstack_layers`). `encode` returns them beside the embeddings on the feature axis: `[tokens,
+(1 + deepstack) * out_hidden_size]`. Patches stay in the processor's order (merge units in raster order)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.qwen2_5_vit import QUERY_BLOCK, attention, linear, merge_unit_positions
+
+FEATURES_BLOCK = 4  # bilinear taps per patch of the position table
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+
+def parse_vision_config(hf_vision: Any) -> VisionConfig:
+    """The tower's config from a transformers `vision_config`; ValueError naming what this code cannot compute."""
+    if getattr(hf_vision, "hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's Qwen3-VL tower "
+                         "computes gelu_pytorch_tanh)")
+    rope = dict(getattr(hf_vision, "rope_parameters", None) or {})
+    return VisionConfig(
+        depth=hf_vision.depth, hidden_size=hf_vision.hidden_size, intermediate_size=hf_vision.intermediate_size,
+        num_heads=hf_vision.num_heads, out_hidden_size=hf_vision.out_hidden_size, patch_size=hf_vision.patch_size,
+        temporal_patch_size=hf_vision.temporal_patch_size, spatial_merge_size=hf_vision.spatial_merge_size,
+        num_position_embeddings=hf_vision.num_position_embeddings,
+        deepstack_visual_indexes=tuple(hf_vision.deepstack_visual_indexes), in_channels=hf_vision.in_channels,
+        rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+@flax.struct.dataclass
+class EncoderInputs:
+    """One call's patches in the processor's order, padded to a patch bucket (padding: image -1)."""
+
+    patches: jax.Array  # float32 [N, patch_dim]
+    positions: jax.Array  # int32 [2, N]: each patch's row and column in its image's patch grid
+    images: jax.Array  # int32 [N]: the image each patch belongs to (-1: padding)
+    table_rows: jax.Array  # int32 [N, 4]: the position table's rows each patch's embedding is resampled from
+    table_weights: jax.Array  # float32 [N, 4]: their bilinear weights
+
+
+def table_taps(side: int, count: int, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear taps (align_corners) of grid index `index` of `count` along a table axis of `side` entries."""
+    source = index * (side - 1) / max(count - 1, 1)
+    floor = np.floor(source)
+    taps = floor.astype(np.int64)[:, None] + np.arange(2)
+    weights = np.clip(1 - np.abs(source[:, None] - taps), 0, None)
+    return np.clip(taps, 0, side - 1), weights
+
+
+def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
+                   bucket: int) -> tuple[EncoderInputs, np.ndarray]:
+    """One image's call padded to `bucket` patches, and the order of its output tokens (already raster order)."""
+    grid_t, grid_h, grid_w = grid_thw
+    if grid_t != 1:
+        raise ValueError(f"an image has one temporal patch, got grid {grid_thw}")
+    count = grid_h * grid_w
+    positions = merge_unit_positions(grid_h, grid_w, config.spatial_merge_size)
+    side = int(config.num_position_embeddings ** 0.5)
+    rows, row_weights = table_taps(side, grid_h, positions[0].astype(np.float64))
+    cols, col_weights = table_taps(side, grid_w, positions[1].astype(np.float64))
+    inputs = EncoderInputs(patches=np.zeros((bucket, config.patch_dim), np.float32),
+                           positions=np.zeros((2, bucket), np.int32), images=np.full(bucket, -1, np.int32),
+                           table_rows=np.zeros((bucket, FEATURES_BLOCK), np.int32),
+                           table_weights=np.zeros((bucket, FEATURES_BLOCK), np.float32))
+    inputs.patches[:count] = pixel_values
+    inputs.positions[:, :count] = positions
+    inputs.images[:count] = 0
+    inputs.table_rows[:count] = (rows[:, :, None] * side + cols[:, None, :]).reshape(count, -1)
+    inputs.table_weights[:count] = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(count, -1)
+    return inputs, np.arange(count // config.merge_unit)
+
+
+def _layer_norm(x, layer: dict, eps: float):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(((x32 - mean) ** 2).mean(-1, keepdims=True) + eps)
+    return (normed * layer["scale"] + layer["bias"]).astype(x.dtype)
+
+
+def _merge(config: VisionConfig, merger: dict, x, after: bool):
+    """2x2 patches into one token: normed before the merge (the final merger) or after (the deepstack ones)."""
+    width = config.hidden_size * config.merge_unit
+    x = _layer_norm(x.reshape(-1, width), merger["norm"], config.layer_norm_eps) if after else \
+        _layer_norm(x, merger["norm"], config.layer_norm_eps).reshape(-1, width)
+    return linear(jax.nn.gelu(linear(x, merger["linear_fc1"]), approximate=False), merger["linear_fc2"])
+
+
+def encode(config: VisionConfig, dtype, params: dict, inputs: EncoderInputs):
+    """The tower over one call's patches: `[N / merge_unit, (1 + deepstack) * out_hidden_size]` (the embeddings,
+    then each deepstack block's merged output). A step: `(outputs, new_state)` with no state."""
+    eps = config.layer_norm_eps
+    x = linear(inputs.patches.astype(dtype), params["patch_embed"])
+    table = params["pos_embed"].astype(jnp.float32)
+    x = x + (table[inputs.table_rows] * inputs.table_weights[..., None]).sum(1).astype(x.dtype)
+    features = []
+    for index, block in enumerate(params["blocks"]):
+        x = x + attention(config, block, _layer_norm(x, block["norm1"], eps), inputs.positions, inputs.images)
+        h = _layer_norm(x, block["norm2"], eps)
+        x = x + linear(jax.nn.gelu(linear(h, block["linear_fc1"]), approximate=True), block["linear_fc2"])
+        if index in config.deepstack_visual_indexes:
+            merger = params["deepstack_mergers"][config.deepstack_visual_indexes.index(index)]
+            features.append(_merge(config, merger, x, after=True))
+    return jnp.concatenate([_merge(config, params["merger"], x, after=False), *features], axis=-1), ()
+
+
+def activation_bytes(config: VisionConfig, patches: int) -> int:
+    """A bound on one `encode` call's temporaries (see `qwen2_5_vit.activation_bytes`)."""
+    return 4 * patches * (3 * config.num_heads * min(patches, QUERY_BLOCK) + 4 * config.hidden_size
+                          + 3 * config.intermediate_size + 2 * len(config.deepstack_visual_indexes)
+                          * config.out_hidden_size)
+
+
+def checkpoint_tensors(config: VisionConfig) -> dict:
+    """The tower's parameter tree with the checkpoint tensor (under the tower's prefix) each leaf is read from, and
+    whether it is stored transposed."""
+    def linear_tensors(name: str) -> dict:
+        return {"kernel": (f"{name}.weight", True), "bias": (f"{name}.bias", False)}
+
+    def norm(name: str) -> dict:
+        return {"scale": (f"{name}.weight", False), "bias": (f"{name}.bias", False)}
+
+    def merger(name: str) -> dict:
+        return {"norm": norm(f"{name}.norm"), "linear_fc1": linear_tensors(f"{name}.linear_fc1"),
+                "linear_fc2": linear_tensors(f"{name}.linear_fc2")}
+
+    blocks = [{"norm1": norm(f"blocks.{i}.norm1"), "norm2": norm(f"blocks.{i}.norm2"),
+               "qkv": linear_tensors(f"blocks.{i}.attn.qkv"), "proj": linear_tensors(f"blocks.{i}.attn.proj"),
+               "linear_fc1": linear_tensors(f"blocks.{i}.mlp.linear_fc1"),
+               "linear_fc2": linear_tensors(f"blocks.{i}.mlp.linear_fc2")} for i in range(config.depth)]
+    return {"patch_embed": linear_tensors("patch_embed.proj"), "pos_embed": ("pos_embed.weight", False),
+            "blocks": blocks, "merger": merger("merger"),
+            "deepstack_mergers": [merger(f"deepstack_merger_list.{i}")
+                                  for i in range(len(config.deepstack_visual_indexes))]}
+
+
+def checkpoint_shapes(config: VisionConfig) -> dict:
+    """The shape each leaf of `checkpoint_tensors` has once read (kernels `[in, out]`)."""
+    d, inner, merged = config.hidden_size, config.intermediate_size, config.hidden_size * config.merge_unit
+
+    def dense(fan_in: int, fan_out: int) -> dict:
+        return {"kernel": (fan_in, fan_out), "bias": (fan_out,)}
+
+    def merger(norm_width: int) -> dict:
+        return {"norm": {"scale": (norm_width,), "bias": (norm_width,)}, "linear_fc1": dense(merged, merged),
+                "linear_fc2": dense(merged, config.out_hidden_size)}
+
+    block = {"norm1": {"scale": (d,), "bias": (d,)}, "norm2": {"scale": (d,), "bias": (d,)},
+             "qkv": dense(d, 3 * d), "proj": dense(d, d), "linear_fc1": dense(d, inner), "linear_fc2": dense(inner, d)}
+    return {"patch_embed": dense(config.patch_dim, d), "pos_embed": (config.num_position_embeddings, d),
+            "blocks": [block] * config.depth, "merger": merger(d),
+            "deepstack_mergers": [merger(merged)] * len(config.deepstack_visual_indexes)}
