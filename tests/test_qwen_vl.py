@@ -1,6 +1,7 @@
-"""Qwen2.5-VL with images: the vision tower against transformers', greedy tokens against transformers' `generate` on
-the same image processor's outputs (one and several images, images between text, chunked prefill across an image,
-batching, preemption), the encoder cache, prefix caching keyed by the images, and bad input."""
+"""Qwen2.5-VL and Qwen3-VL with images: the vision towers against transformers', greedy tokens against transformers'
+`generate` on the same image processor's outputs (one and several images, images between text, chunked prefill
+across an image, batching, preemption), the encoder cache, prefix caching keyed by the images, tensor parallelism,
+the APIs (offline and over HTTP) and bad input. The tests after the first two use Qwen2.5-VL."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+def reference(model_dir: str):
+    """transformers' model, image processor and tokenizer of a saved checkpoint."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, Qwen2VLImageProcessorPil.from_pretrained(model_dir), transformers.AutoTokenizer.from_pretrained(
+        model_dir)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")))
@@ -26,13 +38,16 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    import torch
-    import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return reference(model_dir)
 
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, Qwen2VLImageProcessorPil.from_pretrained(model_dir), transformers.AutoTokenizer.from_pretrained(
-        model_dir)
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def family(request, tmp_path_factory, model_dir, hf) -> tuple[str, tuple]:
+    """Each family's checkpoint and its reference."""
+    if request.param == "qwen2_5_vl":
+        return model_dir, hf
+    path = save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp(request.param)), family=request.param)
+    return path, reference(path)
 
 
 def image_prompt(hf, parts: list) -> tuple[list[int], list]:
@@ -58,7 +73,7 @@ def hf_greedy(hf, ids: list[int], images: list) -> tuple[list[int], list[int]]:
     expanded, kwargs = [], {}
     if images:
         features = processor(images=images, return_tensors="np")
-        counts = iter((features["image_grid_thw"].prod(-1) // 4).tolist())
+        counts = iter((features["image_grid_thw"].prod(-1) // 4).tolist()) if images else iter(())
         kwargs = dict(pixel_values=torch.tensor(features["pixel_values"]),
                       image_grid_thw=torch.tensor(features["image_grid_thw"]))
     for token in ids:
@@ -71,11 +86,12 @@ def hf_greedy(hf, ids: list[int], images: list) -> tuple[list[int], list[int]]:
     return expanded, out[0, len(expanded):].tolist()
 
 
-def test_the_vision_tower_equals_transformers(model_dir, hf):
+def test_the_vision_tower_equals_transformers(family):
     """The encoder step over images whose patch grids split into whole and partial windows (and one window), padded
-    to its patch bucket, put back in raster order."""
+    to its patch bucket, put back in raster order; Qwen3-VL's deepstack features beside its embeddings."""
     import torch
 
+    model_dir, hf = family
     llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False)
     encoder = llm.llm_engine.runner.encoder
     processor = hf[1]
@@ -84,18 +100,21 @@ def test_the_vision_tower_equals_transformers(model_dir, hf):
         features = processor(images=[image], return_tensors="np")
         grid = tuple(int(n) for n in features["image_grid_thw"][0])
         with torch.no_grad():
-            expected = hf[0].model.get_image_features(torch.tensor(features["pixel_values"]),
-                                                      torch.tensor([grid])).pooler_output[0].numpy()
+            out = hf[0].model.get_image_features(torch.tensor(features["pixel_values"]), torch.tensor([grid]))
+        expected = np.concatenate([out.pooler_output[0].numpy(),
+                                   *(feature[0].numpy() for feature in getattr(out, "deepstack_features", None) or [])],
+                                  axis=-1)
         from jaxserve.multimodal.inputs import ImageInput
         ours = encoder.embeddings(ImageInput(f"test{index}", 0, len(expected), features["pixel_values"], grid),
                                   llm.llm_engine.runner.steps)
         np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=2e-5)
 
 
-def test_greedy_tokens_equal_transformers_with_images(model_dir, hf, caplog):
+def test_greedy_tokens_equal_transformers_with_images(family, caplog):
     """A batch of prompts with one image, two images between text, the same image twice, and none, in chunks of 32
     tokens (images split across chunks), with a pool small enough that sequences are preempted and recomputed (the
     images encoded again or found in the encoder cache); after warm-up nothing compiles."""
+    model_dir, hf = family
     a, b, c = drawn_image(200, 120, seed=1), drawn_image(90, 150, seed=2), drawn_image(112, 112, seed=3)
     cases = [["Describe", a, "now."], ["First", b, "then", c, "and compare"], [a, "twice", a], ["text alone here"]]
     prompts = [image_prompt(hf, parts) for parts in cases]
