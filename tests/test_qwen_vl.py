@@ -309,3 +309,30 @@ def test_tensor_parallel_serves_images_as_one_device(model_dir, hf):
                             for ids, images in prompts], GREEDY, use_tqdm=False)
     for (ids, images), output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf, ids, images)[1]
+
+
+def test_ngram_speculation_keeps_the_images_positions(model_dir, hf):
+    """n-gram drafts verified after an image: each verify step turns its tokens by their positions plus the
+    sequence's M-RoPE delta; greedy tokens stay transformers' with drafts accepted."""
+    image = drawn_image(200, 120, seed=10)
+    ids, images = image_prompt(hf, ["repeat after me", image, "again and again"])
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                  "prompt_lookup_min": 1, "disable_by_batch_size": None})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params,
+                             use_tqdm=False)
+    import torch
+
+    model = hf[0]
+    features = hf[1](images=images, return_tensors="np")
+    expanded = output.prompt_token_ids
+    input_ids = torch.tensor([expanded])
+    with torch.no_grad():
+        expected = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=torch.tensor(
+                features["pixel_values"]), image_grid_thw=torch.tensor(features["image_grid_thw"]),
+            mm_token_type_ids=(input_ids == model.config.image_token_id).int(), max_new_tokens=24, do_sample=False,
+            eos_token_id=None, pad_token_id=0)[0, len(expanded):].tolist()
+    assert output.outputs[0].token_ids == expected
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens > 0
