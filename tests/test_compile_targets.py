@@ -319,7 +319,7 @@ def test_an_image_model_compiles_its_vision_tower_and_fits(tmp_path, target):
         2 * len(result.plan.engine_config.prefill_shapes)  # each shape, text and with image embeddings
     assert not result.failed, result.verdict()
     assert result.fits, result.verdict()
-    vision = qwen2_5_vit.parse_vision_config(config.vision_config)
+    vision = qwen2_5_vit.parse_vision_config(config)
     for step in result.steps:  # the reserve for the encoder's temporaries holds what the compiler planned
         if step.name == "encode":
             assert step.temp_bytes + step.output_bytes <= qwen2_5_vit.activation_bytes(vision, 5120), step

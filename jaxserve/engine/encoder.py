@@ -28,7 +28,6 @@ from jaxserve.engine.steps import PrefillBatch
 from jaxserve.multimodal.inputs import ImageInput
 from jaxserve.multimodal.vision import VisionModel
 
-SMALLEST_BUCKET = 16  # patches of the smallest encoder call
 
 
 class EncoderCache:
@@ -68,9 +67,8 @@ class Encoder:
         self.mesh = mesh
         self.width = hidden_size * (1 + deepstack_layers)  # an image token's embedding and its deepstack features
         self.dtype = np.dtype(dtype)
-        self.buckets = power_of_two_buckets(SMALLEST_BUCKET, max(SMALLEST_BUCKET, vision.processor.max_patches()))
-        largest_image = self.buckets[-1] // vision.config.merge_unit
-        self.cache = EncoderCache(max(4 * max_num_batched_tokens, 2 * largest_image))
+        self.buckets = power_of_two_buckets(*vision.processor.patch_range())
+        self.cache = EncoderCache(max(4 * max_num_batched_tokens, 2 * vision.processor.max_tokens()))
         self.images_encoded = 0
         self.encoder_seconds = 0.0
 
@@ -83,12 +81,10 @@ class Encoder:
                      assign(self), self._examples)]
 
     def _examples(self) -> Iterator:
-        """Each bucket's call, holding one image of one merge unit (the rest padding)."""
-        config = self.vision.config
-        merge = config.spatial_merge_size
+        """Each bucket's call, holding the processor's smallest image (the rest padding)."""
+        pixels, grid = self.vision.processor.example()
         for bucket in self.buckets:
-            yield self.vision.family.encoder_inputs(config, np.zeros((merge * merge, config.patch_dim), np.float32),
-                                                    (1, merge, merge), bucket)[0]
+            yield self.vision.family.encoder_inputs(self.vision.config, pixels, grid, bucket)[0]
 
     def activation_bytes(self) -> int:
         """A bound on the largest encode call's temporaries: what the KV plan leaves free for it."""
@@ -127,7 +123,7 @@ class Encoder:
             return cached
         started = time.perf_counter()
         config = self.vision.config
-        bucket = bucket_for(len(image.pixel_values), self.buckets)
+        bucket = bucket_for(int(np.prod(image.grid_thw)), self.buckets)
         encoder_inputs, order = self.vision.family.encoder_inputs(config, image.pixel_values, image.grid_thw, bucket)
         out = steps.run("encode", encoder_inputs)
         embeddings = np.asarray(jax.device_get(out))[:image.num_tokens][order].astype(self.dtype)

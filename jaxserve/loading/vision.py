@@ -26,7 +26,7 @@ def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
 
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     family = VISION_FAMILIES[hf_config.model_type]
-    config = family.parse_config(hf_config.vision_config)
+    config = family.parse_config(hf_config)
     shapes = family.checkpoint_shapes(config)
     processor = family.processor(directory, hf_config, mm_processor_kwargs, defaults=load_format != "auto")
     sharding = NamedSharding(mesh, REPLICATED)
@@ -57,7 +57,7 @@ def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) 
         raise ValueError(f"{directory!r} has no vision tower tensors (looked under {', '.join(family.prefixes)})")
 
     def read(source: tuple[str, bool], shape: tuple[int, ...]) -> np.ndarray:
-        name, transposed = prefix + source[0], source[1]
+        name, transposed = source[0][1:] if source[0].startswith("^") else prefix + source[0], source[1]
         if name not in files:
             raise ValueError(f"{os.path.basename(directory)}: vision tower tensor {name!r} is missing")
         with safe_open(files[name], framework="np") as reader:

@@ -55,8 +55,10 @@ class VisionConfig:
         return self.spatial_merge_size ** 2
 
 
-def parse_vision_config(hf_vision: Any) -> VisionConfig:
-    """The tower's config from a transformers `vision_config`; ValueError naming what this code cannot compute."""
+def parse_vision_config(hf_config: Any) -> VisionConfig:
+    """The tower's config from a `qwen2_5_vl` config's `vision_config`; ValueError naming what this code cannot
+    compute."""
+    hf_vision = hf_config.vision_config
     if getattr(hf_vision, "hidden_act", "silu") != "silu":
         raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's Qwen2.5-VL tower "
                          "computes silu)")

@@ -49,8 +49,10 @@ class VisionConfig:
         return self.spatial_merge_size ** 2
 
 
-def parse_vision_config(hf_vision: Any) -> VisionConfig:
-    """The tower's config from a transformers `vision_config`; ValueError naming what this code cannot compute."""
+def parse_vision_config(hf_config: Any) -> VisionConfig:
+    """The tower's config from a `qwen3_vl` config's `vision_config`; ValueError naming what this code cannot
+    compute."""
+    hf_vision = hf_config.vision_config
     if getattr(hf_vision, "hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's Qwen3-VL tower "
                          "computes gelu_pytorch_tanh)")
@@ -107,7 +109,8 @@ def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tup
     return inputs, np.arange(count // config.merge_unit)
 
 
-def _layer_norm(x, layer: dict, eps: float):
+def layer_norm(x, layer: dict, eps: float):
+    """LayerNorm over the last axis in float32, with its scale and bias."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     normed = (x32 - mean) * jax.lax.rsqrt(((x32 - mean) ** 2).mean(-1, keepdims=True) + eps)
@@ -117,8 +120,8 @@ def _layer_norm(x, layer: dict, eps: float):
 def _merge(config: VisionConfig, merger: dict, x, after: bool):
     """2x2 patches into one token: normed before the merge (the final merger) or after (the deepstack ones)."""
     width = config.hidden_size * config.merge_unit
-    x = _layer_norm(x.reshape(-1, width), merger["norm"], config.layer_norm_eps) if after else \
-        _layer_norm(x, merger["norm"], config.layer_norm_eps).reshape(-1, width)
+    x = layer_norm(x.reshape(-1, width), merger["norm"], config.layer_norm_eps) if after else \
+        layer_norm(x, merger["norm"], config.layer_norm_eps).reshape(-1, width)
     return linear(jax.nn.gelu(linear(x, merger["linear_fc1"]), approximate=False), merger["linear_fc2"])
 
 
@@ -131,8 +134,8 @@ def encode(config: VisionConfig, dtype, params: dict, inputs: EncoderInputs):
     x = x + (table[inputs.table_rows] * inputs.table_weights[..., None]).sum(1).astype(x.dtype)
     features = []
     for index, block in enumerate(params["blocks"]):
-        x = x + attention(config, block, _layer_norm(x, block["norm1"], eps), inputs.positions, inputs.images)
-        h = _layer_norm(x, block["norm2"], eps)
+        x = x + attention(config, block, layer_norm(x, block["norm1"], eps), inputs.positions, inputs.images)
+        h = layer_norm(x, block["norm2"], eps)
         x = x + linear(jax.nn.gelu(linear(h, block["linear_fc1"]), approximate=True), block["linear_fc2"])
         if index in config.deepstack_visual_indexes:
             merger = params["deepstack_mergers"][config.deepstack_visual_indexes.index(index)]

@@ -13,6 +13,7 @@ from jaxserve.multimodal.inputs import ImageInput, MultiModalPrompt, image_hash
 
 
 PROCESSOR_CONFIG = "preprocessor_config.json"
+SMALLEST_BUCKET = 16  # patches of the smallest encoder call
 
 
 class QwenVLProcessor:
@@ -53,11 +54,21 @@ class QwenVLProcessor:
         t, h, w = grid_thw
         return t * h * w // self.merge ** 2
 
-    def max_patches(self) -> int:
-        """The most patches one image can have (the processor's largest pixel count)."""
+    def patch_range(self) -> tuple[int, int]:
+        """The patch counts of the encoder's smallest and largest calls (powers of two between them are compiled
+        too): up to the processor's largest image."""
         size = self.image_processor.size
         longest = size["longest_edge"] if "longest_edge" in size else size["max_pixels"]
-        return longest // self.image_processor.patch_size ** 2
+        return SMALLEST_BUCKET, max(SMALLEST_BUCKET, longest // self.image_processor.patch_size ** 2)
+
+    def max_tokens(self) -> int:
+        """The most placeholder tokens one image can take."""
+        return self.patch_range()[1] // self.merge ** 2
+
+    def example(self) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """The smallest image's preprocessed pixels and grid (one merge unit): warm-up's encoder input."""
+        patch_dim = 3 * self.image_processor.temporal_patch_size * self.image_processor.patch_size ** 2
+        return np.zeros((self.merge ** 2, patch_dim), np.float32), (1, self.merge, self.merge)
 
     def process(self, token_ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt]:
         runs = placeholder_runs(token_ids, self.image_token_id)
