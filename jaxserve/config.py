@@ -203,6 +203,7 @@ class ModelConfig:
     # Qwen3-VL's deepstack: an image's features from this many vision blocks, each added to the image tokens' hidden
     # states after the decoder layer of its index (they come beside the embeddings: `mm_embeds [..., (1 + n) * H]`)
     deepstack_layers: int = 0
+    bidirectional_images: bool = False  # Gemma 3: an image's tokens attend to each other both ways
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:

@@ -22,8 +22,8 @@ def test_supported_model_types_are_the_llama_family_and_its_relatives():
                                      "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
                                      "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe",
                                      "minimax_m2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
-                                     "qwen3_5_moe", "gemma4_text", "gemma4", "qwen2_5_vl")
-    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 15
+                                     "qwen3_5_moe", "gemma4_text", "gemma4", "qwen2_5_vl", "qwen3_vl")
+    assert len({id(model_spec(model_type)) for model_type in SUPPORTED_MODEL_TYPES}) == 16
 
 
 def test_an_unsupported_model_type_is_a_value_error_listing_the_supported_ones_before_any_read(tmp_path):

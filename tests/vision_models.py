@@ -90,3 +90,45 @@ def drawn_image(width: int, height: int, seed: int = 0):
     base = np.stack([x / width * 255, y / height * 255, (x + y) % 97 * 2.6], axis=-1)
     pixels = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
     return Image.fromarray(pixels, "RGB")
+
+
+GEMMA_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def save_tiny_gemma3(path: str, seed: int = 0) -> str:
+    """A Gemma 3 image + text checkpoint of random weights: Gemma 3's tiny text decoder (a 16-token window), a
+    2-layer SigLIP tower over 112-pixel images (8x8 patches of 14) pooled to 16 tokens per image."""
+    import torch
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from tests.conftest import tiny_hf_config
+
+    torch.manual_seed(seed)
+    vocab = TINY_DIMS["vocab_size"]
+    text = tiny_hf_config("gemma3_text").to_dict()
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+                  patch_size=14, layer_norm_eps=1e-6, vision_use_head=False)
+    first = vocab - len(GEMMA_TOKENS)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                                       boi_token_index=first, eoi_token_index=first + 1, image_token_index=first + 2)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 or name.endswith("bias"):
+                param.normal_(0.0, 0.08)
+            else:
+                param.normal_(0.0 if "norm" in name and "vision" not in name else 1.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, vocab, GEMMA_TOKENS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": 112, "width": 112}, image_mean=[0.5] * 3,
+                            image_std=[0.5] * 3).save_pretrained(path)
+    return path

@@ -59,13 +59,17 @@ class EncoderCache:
 
 class Encoder:
     def __init__(self, vision: VisionModel, mesh, hidden_size: int, dtype, max_num_batched_tokens: int,
-                 deepstack_layers: int = 0):
+                 deepstack_layers: int = 0, bidirectional: bool = False):
         if vision.config.out_hidden_size != hidden_size:
             raise ValueError(f"the vision tower's out_hidden_size ({vision.config.out_hidden_size}) is not the "
                              f"language model's hidden_size ({hidden_size})")
         self.vision = vision
         self.mesh = mesh
         self.width = hidden_size * (1 + deepstack_layers)  # an image token's embedding and its deepstack features
+        self.bidirectional = bidirectional  # an image's tokens see each other (the prefill takes query limits)
+        if bidirectional and max_num_batched_tokens < vision.processor.max_tokens():
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must hold an image's "
+                             f"{vision.processor.max_tokens()} tokens: they are prefilled in one chunk")
         self.dtype = np.dtype(dtype)
         self.buckets = power_of_two_buckets(*vision.processor.patch_range())
         self.cache = EncoderCache(max(4 * max_num_batched_tokens, 2 * vision.processor.max_tokens()))
@@ -97,7 +101,7 @@ class Encoder:
                     images_encoded=self.images_encoded, encoder_seconds=self.encoder_seconds)
 
     def with_room(self, batch: PrefillBatch) -> PrefillBatch:
-        return with_images(batch, self.width, self.dtype)
+        return with_images(batch, self.width, self.dtype, self.bidirectional)
 
     def attach(self, inputs: PrefillInputs, rows_of: InputBatch, steps) -> None:
         """Gives a prefill call the embeddings of the image placeholders its chunks hold (encoding what the cache
@@ -114,6 +118,8 @@ class Encoder:
                 batch.mm_embeds[row, first - chunk.start:last - chunk.start] = \
                     embeddings[first - image.offset:last - image.offset]
                 batch.mm_mask[row, first - chunk.start:last - chunk.start] = True
+                if batch.query_limits is not None:
+                    batch.query_limits[row, first - chunk.start:last - chunk.start] = image.end - 1
         inputs.batch = batch
 
     def embeddings(self, image: ImageInput, steps) -> np.ndarray:

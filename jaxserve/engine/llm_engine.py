@@ -55,7 +55,8 @@ __all__ = ["LLMEngine", "PromptType"]
 
 def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
     """ValueError for what an image model is not served with yet: a speculative method other than n-gram (a draft
-    model or head would need the images too), the KV tiers (their pages are keyed by token ids alone)."""
+    model or head would need the images too), the KV tiers (their pages are keyed by token ids alone), and for
+    Gemma 3 (an image's tokens see each other both ways) a Pallas attention backend."""
     if not is_image_model(target.model_type):
         return
     spec = config.speculative_config
@@ -65,6 +66,10 @@ def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
     if config.kv_tiers:
         raise ValueError(f"kv_offloading_size / kv_offloading_dir do not work with the image model "
                          f"{target.model_type!r} yet")
+    if target.bidirectional_images and config.attention_backend != "xla":
+        raise ValueError(f"the image model {target.model_type!r} attends within each image both ways, which only "
+                         f"the xla attention backend computes yet (attention_backend='xla', --attention-backend "
+                         f"xla; got {config.attention_backend!r})")
 
 
 class LLMEngine:

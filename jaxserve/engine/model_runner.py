@@ -102,7 +102,7 @@ class ModelRunner:
         # an image + text model's vision side (None: text only)
         self.encoder = None if vision is None else Encoder(vision, self.mesh, config.hidden_size, self.dtype,
                                                            engine_config.max_num_batched_tokens,
-                                                           config.deepstack_layers)
+                                                           config.deepstack_layers, config.bidirectional_images)
         spec = engine_config.speculative_config
         self.speculator = Speculator(self, spec, proposer_config) if spec is not None else None
         self.aux_layers = self.speculator.aux_layers if self.speculator is not None else ()

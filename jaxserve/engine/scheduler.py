@@ -211,7 +211,6 @@ class Scheduler:
         return output
 
     def _plan(self) -> Plan:
-        budget = self.engine_config.max_num_batched_tokens
         out = Plan([], [], [])
         speculate = self._speculates()
         max_model_len = self.engine_config.max_model_len
@@ -226,8 +225,7 @@ class Scheduler:
             seq.num_lookahead = self._lookahead(seq) if speculate else 0
             if self._make_room(seq, seq.num_tokens + seq.num_lookahead, out):
                 out.decodes.append(seq)
-
-        self._schedule_prefills(out, budget)
+        self._schedule_prefills(out, self.engine_config.max_num_batched_tokens)
         return out
 
     def _schedule_prefills(self, out: Plan, budget: int) -> None:
@@ -271,7 +269,8 @@ class Scheduler:
                 admitting = bool(self.free_slots)
             else:
                 num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
-                if not self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
+                num_tokens = seq.chunk_tokens(seq.num_computed_tokens, num_tokens)
+                if not num_tokens or not self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
                     continue
                 chunk = PrefillChunk(seq, seq.num_computed_tokens, num_tokens)
                 out.prefills.append(chunk)
@@ -293,7 +292,8 @@ class Scheduler:
         on_device = manager.admit(seq, cached_pages)
         seq.num_computed_tokens = seq.num_cached_tokens = on_device + len(found) * manager.page_size
         num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
-        if not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+        num_tokens = seq.chunk_tokens(seq.num_computed_tokens, num_tokens)
+        if not num_tokens or not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
             manager.free(seq)
             seq.num_computed_tokens = 0
             return None

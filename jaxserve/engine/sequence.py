@@ -81,6 +81,11 @@ class Sequence:
         self.mm = mm
         self._prompt_keys = mm.key_token_ids(self.token_ids[:self.num_prompt_tokens])
 
+    def chunk_tokens(self, start: int, num_tokens: int) -> int:
+        """How many of `num_tokens` from `start` a prefill chunk may take: fewer when it would split an image that is
+        prefilled whole (`MultiModalPrompt.chunk_stop`)."""
+        return num_tokens if self.mm is None else self.mm.chunk_stop(start, start + num_tokens) - start
+
     def key_tokens(self, start: int, stop: int) -> tuple[int, ...]:
         """Token ids `start .. stop` as the prefix cache keys and matches them: an image's placeholder tokens as
         keys of the image (`MultiModalPrompt.key_token_ids`), so pages holding different images never match."""

@@ -122,11 +122,13 @@ def empty_prefill(rows: int, tokens: int, pages_per_seq: int, fields: BatchField
                         mrope_positions=np.zeros((3, rows, tokens), np.int32) if fields.mrope else None)
 
 
-def with_images(batch: PrefillBatch, hidden_size: int, dtype) -> PrefillBatch:
-    """`batch` with room for image embeddings (none marked yet): the prefill variant an image model compiles."""
+def with_images(batch: PrefillBatch, hidden_size: int, dtype, bidirectional: bool = False) -> PrefillBatch:
+    """`batch` with room for image embeddings (none marked yet), and with `bidirectional` each query's last visible
+    key (its position until an image says otherwise): the prefill variant an image model compiles."""
     rows, tokens = batch.token_ids.shape
+    limits = batch.starts[:, None] + np.arange(tokens, dtype=np.int32)[None, :] if bidirectional else None
     return batch.replace(mm_embeds=np.zeros((rows, tokens, hidden_size), dtype),
-                         mm_mask=np.zeros((rows, tokens), bool))
+                         mm_mask=np.zeros((rows, tokens), bool), query_limits=limits)
 
 
 def empty_decode(rows: int, fields: BatchFields = BatchFields()) -> DecodeBatch:

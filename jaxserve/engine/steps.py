@@ -101,6 +101,7 @@ class PrefillBatch:
     # images: the embeddings [rows, tokens, hidden] of the tokens `mm_mask` (bool [rows, tokens]) marks
     mm_embeds: jax.Array | None = None
     mm_mask: jax.Array | None = None
+    query_limits: jax.Array | None = None  # int32 [rows, tokens]: images seen both ways (`AttentionMetadata`)
 
 
 @flax.struct.dataclass
@@ -238,7 +239,7 @@ def prefill_step(config, tp, backend, dtype, page_size, params, kv_cache, slot_s
                      rope_lens=jnp.maximum(batch.rope_lens[:, None], positions + 1),
                      state_slots=_state_rows(slot_state, batch.slots, num_tokens > 0),
                      state_sources=batch.state_sources, state_saves=batch.state_saves,
-                     mrope_positions=batch.mrope_positions)
+                     mrope_positions=batch.mrope_positions, query_limits=batch.query_limits)
     outputs, kv_cache = forward(params, config, backend, batch.token_ids, kv_cache, meta,
                                 logits_indices=jnp.maximum(num_tokens - 1, 0), dtype=dtype, tp=tp, with_hidden=True,
                                 lora_slots=batch.lora_slots, aux_layers=aux_layers, mm_embeds=batch.mm_embeds,

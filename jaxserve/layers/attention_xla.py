@@ -67,6 +67,7 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
     query = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
     query = query.astype(jnp.float32) * sm_scale  # [B, K, G, T, D]
     query_pos = meta.positions[:, None, None, :, None]  # against key positions [..., block]
+    query_limit = query_pos if meta.query_limits is None else meta.query_limits[:, None, None, :, None]
     context_lens = meta.context_lens[:, None, None, None, None]
     real_query = (jnp.arange(num_tokens) < meta.query_lens[:, None])[:, None, None, :, None]  # padding sees nothing
     num_blocks = (jnp.max(meta.context_lens) + block_tokens - 1) // block_tokens
@@ -92,7 +93,7 @@ def xla_paged_attention(q, kv: KVPages, meta: AttentionMetadata, *, sm_scale: fl
             scores = scores * k_scales.transpose(1, 0, 2)[:, :, None, None, :]
         if soft_cap is not None:  # Gemma 2's attention-logit soft-cap: cap * tanh(score / cap), before the mask
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        visible = (key_pos <= query_pos) & (key_pos < context_lens) & real_query
+        visible = (key_pos <= query_limit) & (key_pos < context_lens) & real_query
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
         scores = jnp.where(visible, scores, -jnp.inf)

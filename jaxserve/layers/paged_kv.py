@@ -93,6 +93,9 @@ class AttentionMetadata:
     # M-RoPE (`ModelConfig.mrope_section`): int32 [3, B, T], each token's temporal, height and width positions (an
     # image's tokens have their grid's; text has its position shifted by the images before it, on all three)
     mrope_positions: jax.Array | None = None
+    # int32 [B, T]: the last key position each query sees (None: its own; Gemma 3's image tokens see their whole
+    # image, `ModelConfig.bidirectional_images`); the sliding window still counts back from the query's position
+    query_limits: jax.Array | None = None
 
     def token_rope_lens(self) -> jax.Array:
         return self.positions + 1 if self.rope_lens is None else self.rope_lens

@@ -6,8 +6,8 @@ feed-forward (`sandwich_norms`), scores scaled by `query_pre_attn_scalar ** -0.5
 `layer_types`. Gemma 2 caps attention logits and final logits (`attn_logit_softcapping`,
 `final_logit_softcapping`); Gemma 3 has q/k norms and a rope per layer type (`rope_parameters` keyed by
 "sliding_attention" / "full_attention": the local base and the global base with its scaling). The image + text
-`gemma3` checkpoints (the published Gemma 3 4B-27B) are served text-only: their `text_config` and the decoder's
-tensors under `language_model.` (`MULTIMODAL_SPEC`); the vision tower is not read.
+`gemma3` checkpoints (the published Gemma 3 4B-27B): their `text_config` and the decoder's tensors under
+`language_model.` (`MULTIMODAL_SPEC`); their SigLIP tower and projector are `siglip_vit`, served beside it.
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ SPEC = dataclasses.replace(llama.SPEC, model_types=MODEL_TYPES, parse_config=par
 MULTIMODAL_PREFIX = "language_model."  # where a `gemma3` (image + text) checkpoint keeps its text decoder
 
 
-
 def multimodal_checkpoint_source(path: str, config: ModelConfig) -> TensorSource:
     source = llama.SPEC.checkpoint_source(path, config)
     return dataclasses.replace(source, names=tuple(MULTIMODAL_PREFIX + name for name in source.names))
 
 
-# Gemma 3's image + text checkpoints (Gemma3ForConditionalGeneration): the text decoder only; the vision tower and
-# its projector are not read, and prompts are text
+def multimodal_parse_config(hf_config: Any) -> ModelConfig:
+    """The text decoder of an image + text `gemma3` config; an image's tokens attend to each other both ways."""
+    return dataclasses.replace(text_decoder_parser(parse_config)(hf_config), bidirectional_images=True)
+
+
+# Gemma 3's image + text checkpoints (Gemma3ForConditionalGeneration): the text decoder
 MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=("gemma3",),
-                                      parse_config=text_decoder_parser(parse_config),
+                                      parse_config=multimodal_parse_config,
                                       checkpoint_source=multimodal_checkpoint_source)

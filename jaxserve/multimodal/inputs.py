@@ -30,11 +30,23 @@ class ImageInput:
 @dataclasses.dataclass(frozen=True, eq=False)
 class MultiModalPrompt:
     """A prompt's images in order, and its M-RoPE positions (`mrope_positions [3, prompt tokens]`; tokens past the
-    prompt turn by their position + `mrope_delta` on all three axes) for models that use them."""
+    prompt turn by their position + `mrope_delta` on all three axes) for models that use them. `whole_images`: an
+    image's tokens attend to each other both ways (Gemma 3), so a prefill chunk takes them all or none."""
 
     images: tuple[ImageInput, ...]
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    whole_images: bool = False
+
+    def chunk_stop(self, start: int, stop: int) -> int:
+        """Under `whole_images`, where a chunk from `start` may end at most at `stop`: before the image it would
+        end inside, or at `start` (no tokens) when it would end inside the image it starts in."""
+        if not self.whole_images:
+            return stop
+        for image in reversed(self.images):
+            if image.offset < stop < image.end:
+                stop = max(image.offset, start)
+        return stop
 
     def key_token_ids(self, token_ids: list[int]) -> list[int]:
         """`token_ids` (the prompt's first) with each image placeholder replaced by a key of its image and index

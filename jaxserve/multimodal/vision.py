@@ -9,13 +9,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxserve.models import qwen2_5_vit, qwen3_vit
+from jaxserve.models import qwen2_5_vit, qwen3_vit, siglip_vit
+from jaxserve.multimodal.gemma3 import Gemma3Processor
 from jaxserve.multimodal.qwen_vl import QwenVLProcessor
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionFamily:
-    parse_config: Callable[[Any], Any]  # a transformers vision_config -> the tower's frozen config
+    parse_config: Callable[[Any], Any]  # the image + text checkpoint's transformers config -> the tower's config
     encode: Callable[..., Any]  # (config, dtype, params, inputs) -> (embeddings in the call's order, ())
     encoder_inputs: Callable[..., tuple[Any, np.ndarray]]  # (config, pixels, grid, bucket) -> (inputs, raster order)
     checkpoint_tensors: Callable[[Any], dict]  # config -> tree of (tensor name under the prefix, transposed)
@@ -32,6 +33,9 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen3_vl": VisionFamily(qwen3_vit.parse_vision_config, qwen3_vit.encode, qwen3_vit.encoder_inputs,
                              qwen3_vit.checkpoint_tensors, qwen3_vit.checkpoint_shapes, qwen3_vit.activation_bytes,
                              ("model.visual.", "visual."), QwenVLProcessor),
+    "gemma3": VisionFamily(siglip_vit.parse_config, siglip_vit.encode, siglip_vit.encoder_inputs,
+                           siglip_vit.checkpoint_tensors, siglip_vit.checkpoint_shapes, siglip_vit.activation_bytes,
+                           ("vision_tower.vision_model.", "vision_tower."), Gemma3Processor),
 }
 
 
