@@ -163,7 +163,9 @@ def assert_matches_transformers(path: str, label: str) -> None:
 
 def test_gemma3_image_and_text_checkpoints_serve_their_text_decoder(tmp_path):
     """A Gemma3ForConditionalGeneration checkpoint (the published Gemma 3 4B-27B are): its text decoder's greedy
-    tokens through the engine equal transformers' on text prompts; the vision tower is never read."""
+    tokens through the engine equal transformers' on text prompts (its images: tests/test_gemma3_images.py)."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
     path = str(tmp_path / "gemma3")
     text = tiny_hf_config("gemma3_text")
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -177,6 +179,7 @@ def test_gemma3_image_and_text_checkpoints_serve_their_text_decoder(tmp_path):
                 param.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path, text.vocab_size)
+    Gemma3ImageProcessorPil(size={"height": 28, "width": 28}).save_pretrained(path)
     prompts = random_prompts(3, 500, 5, 30, seed=41)
     llm = LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, warmup=False)
     assert llm.llm_engine.runner.model_config.model_type == "gemma3"
