@@ -81,9 +81,16 @@ def test_greedy_tokens_equal_transformers_with_images(model_dir, hf):
     assert llm.llm_engine.stats().num_preemptions > 0
 
 
-def test_what_cannot_serve_gemma3_images_is_refused(model_dir):
-    with pytest.raises(ValueError, match="only the xla attention backend"):
-        LLM(model_dir, max_num_seqs=2, max_model_len=128, attention_backend="pallas-interpret", warmup=False)
+def test_a_backend_that_cannot_see_an_image_both_ways_serves_text_only(model_dir, hf):
+    """On a Pallas backend (its kernels mask causally only) text prompts are served and an image is refused by
+    name; the engine keeps serving."""
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=64, attention_backend="pallas-interpret", warmup=False)
+    ids = hf[1].encode("look") + [hf[0].config.boi_token_id]
+    with pytest.raises(ValueError, match="need the xla attention backend"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": drawn_image(50, 50)}})
+    (output,) = llm.generate({"prompt_token_ids": hf[1].encode("just text")},
+                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
 
 
 def test_prompt_scores_equal_transformers_when_an_image_would_straddle_chunks(model_dir, hf):

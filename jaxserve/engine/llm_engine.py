@@ -55,8 +55,7 @@ __all__ = ["LLMEngine", "PromptType"]
 
 def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
     """ValueError for what an image model is not served with yet: a speculative method other than n-gram (a draft
-    model or head would need the images too), the KV tiers (their pages are keyed by token ids alone), and for
-    Gemma 3 (an image's tokens see each other both ways) a Pallas attention backend."""
+    model or head would need the images too), the KV tiers (their pages are keyed by token ids alone)."""
     if not is_image_model(target.model_type):
         return
     spec = config.speculative_config
@@ -66,10 +65,17 @@ def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
     if config.kv_tiers:
         raise ValueError(f"kv_offloading_size / kv_offloading_dir do not work with the image model "
                          f"{target.model_type!r} yet")
+
+
+
+def image_refusal(target: ModelConfig, config: EngineConfig) -> str | None:
+    """Why this engine serves an image model's text but not its images (None: it serves both): Gemma 3's image
+    tokens attend to each other both ways, which only the xla attention backend computes yet."""
     if target.bidirectional_images and config.attention_backend != "xla":
-        raise ValueError(f"the image model {target.model_type!r} attends within each image both ways, which only "
-                         f"the xla attention backend computes yet (attention_backend='xla', --attention-backend "
-                         f"xla; got {config.attention_backend!r})")
+        return (f"images on {target.model_type!r} need the xla attention backend (attention_backend='xla', "
+                f"--attention-backend xla): its image tokens attend to each other both ways, which the "
+                f"{config.attention_backend!r} kernels do not compute yet")
+    return None
 
 
 class LLMEngine:
@@ -119,7 +125,8 @@ class LLMEngine:
                          if self.engine_config.enable_lora else None)
         self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
                                      detokenizer_process, self.adapters,
-                                     self.model.vision.processor if self.model.vision is not None else None)
+                                     self.model.vision.processor if self.model.vision is not None else None,
+                                     image_refusal(loaded_config, self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.scheduler.cut_output,
                                        self.inputs.release, detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
