@@ -28,6 +28,9 @@ QUERY_BLOCK = 1024  # queries whose attention weights are held at once, so memor
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
+    """A Qwen-VL tower's shape: this one's window attention (`window_size` pixels, but in the
+    `fullatt_block_indexes` blocks), or Qwen3-VL's position table and deepstack blocks (`qwen3_vit`)."""
+
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -36,11 +39,13 @@ class VisionConfig:
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
-    window_size: int
-    fullatt_block_indexes: tuple[int, ...]
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
     in_channels: int = 3
     rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
+    norm_eps: float = 1e-6
 
     @property
     def head_dim(self) -> int:
@@ -55,19 +60,25 @@ class VisionConfig:
         return self.spatial_merge_size ** 2
 
 
+ACTIVATIONS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}  # each tower's MLP
+
+
 def parse_vision_config(hf_config: Any) -> VisionConfig:
-    """The tower's config from a `qwen2_5_vl` config's `vision_config`; ValueError naming what this code cannot
-    compute."""
-    hf_vision = hf_config.vision_config
-    if getattr(hf_vision, "hidden_act", "silu") != "silu":
-        raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's Qwen2.5-VL tower "
-                         "computes silu)")
+    """The tower's config from a `qwen2_5_vl` or `qwen3_vl` config's `vision_config`; ValueError naming what this
+    code cannot compute."""
+    hf_vision, activation = hf_config.vision_config, ACTIVATIONS[hf_config.model_type]
+    if getattr(hf_vision, "hidden_act", activation) != activation:
+        raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's "
+                         f"{hf_config.model_type} tower computes {activation})")
     rope = dict(getattr(hf_vision, "rope_parameters", None) or {})
     return VisionConfig(
         depth=hf_vision.depth, hidden_size=hf_vision.hidden_size, intermediate_size=hf_vision.intermediate_size,
         num_heads=hf_vision.num_heads, out_hidden_size=hf_vision.out_hidden_size, patch_size=hf_vision.patch_size,
         temporal_patch_size=hf_vision.temporal_patch_size, spatial_merge_size=hf_vision.spatial_merge_size,
-        window_size=hf_vision.window_size, fullatt_block_indexes=tuple(hf_vision.fullatt_block_indexes),
+        window_size=getattr(hf_vision, "window_size", 0),
+        fullatt_block_indexes=tuple(getattr(hf_vision, "fullatt_block_indexes", None) or ()),
+        num_position_embeddings=getattr(hf_vision, "num_position_embeddings", 0),
+        deepstack_visual_indexes=tuple(getattr(hf_vision, "deepstack_visual_indexes", None) or ()),
         in_channels=hf_vision.in_channels, rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
@@ -162,7 +173,7 @@ def attention(config, block: dict, x, positions, groups):
 def encode(config: VisionConfig, dtype, params: dict, inputs: EncoderInputs):
     """The tower over one call's patches: `[N / merge_unit, out_hidden_size]` image embeddings in window order
     (rows past the image's are padding). A step: `(outputs, new_state)` with no state."""
-    eps = config.rms_norm_eps
+    eps = config.norm_eps
     x = linear(inputs.patches.astype(dtype), params["patch_embed"])
     for index, block in enumerate(params["blocks"]):
         groups = inputs.images if index in config.fullatt_block_indexes else inputs.windows

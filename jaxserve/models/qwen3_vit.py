@@ -7,63 +7,14 @@ blocks are merged too (each by its own merger, normed after the merge) and go in
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.qwen2_5_vit import QUERY_BLOCK, attention, linear, merge_unit_positions
+from jaxserve.models.qwen2_5_vit import QUERY_BLOCK, VisionConfig, attention, linear, merge_unit_positions
 
 FEATURES_BLOCK = 4  # bilinear taps per patch of the position table
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    num_position_embeddings: int
-    deepstack_visual_indexes: tuple[int, ...]
-    in_channels: int = 3
-    rope_theta: float = 10000.0
-    layer_norm_eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
-
-
-def parse_vision_config(hf_config: Any) -> VisionConfig:
-    """The tower's config from a `qwen3_vl` config's `vision_config`; ValueError naming what this code cannot
-    compute."""
-    hf_vision = hf_config.vision_config
-    if getattr(hf_vision, "hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's Qwen3-VL tower "
-                         "computes gelu_pytorch_tanh)")
-    rope = dict(getattr(hf_vision, "rope_parameters", None) or {})
-    return VisionConfig(
-        depth=hf_vision.depth, hidden_size=hf_vision.hidden_size, intermediate_size=hf_vision.intermediate_size,
-        num_heads=hf_vision.num_heads, out_hidden_size=hf_vision.out_hidden_size, patch_size=hf_vision.patch_size,
-        temporal_patch_size=hf_vision.temporal_patch_size, spatial_merge_size=hf_vision.spatial_merge_size,
-        num_position_embeddings=hf_vision.num_position_embeddings,
-        deepstack_visual_indexes=tuple(hf_vision.deepstack_visual_indexes), in_channels=hf_vision.in_channels,
-        rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
 @flax.struct.dataclass
@@ -120,15 +71,15 @@ def layer_norm(x, layer: dict, eps: float):
 def _merge(config: VisionConfig, merger: dict, x, after: bool):
     """2x2 patches into one token: normed before the merge (the final merger) or after (the deepstack ones)."""
     width = config.hidden_size * config.merge_unit
-    x = layer_norm(x.reshape(-1, width), merger["norm"], config.layer_norm_eps) if after else \
-        layer_norm(x, merger["norm"], config.layer_norm_eps).reshape(-1, width)
+    x = layer_norm(x.reshape(-1, width), merger["norm"], config.norm_eps) if after else \
+        layer_norm(x, merger["norm"], config.norm_eps).reshape(-1, width)
     return linear(jax.nn.gelu(linear(x, merger["linear_fc1"]), approximate=False), merger["linear_fc2"])
 
 
 def encode(config: VisionConfig, dtype, params: dict, inputs: EncoderInputs):
     """The tower over one call's patches: `[N / merge_unit, (1 + deepstack) * out_hidden_size]` (the embeddings,
     then each deepstack block's merged output). A step: `(outputs, new_state)` with no state."""
-    eps = config.layer_norm_eps
+    eps = config.norm_eps
     x = linear(inputs.patches.astype(dtype), params["patch_embed"])
     table = params["pos_embed"].astype(jnp.float32)
     x = x + (table[inputs.table_rows] * inputs.table_weights[..., None]).sum(1).astype(x.dtype)

@@ -30,7 +30,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(qwen2_5_vit.parse_vision_config, qwen2_5_vit.encode, qwen2_5_vit.encoder_inputs,
                                qwen2_5_vit.checkpoint_tensors, qwen2_5_vit.checkpoint_shapes,
                                qwen2_5_vit.activation_bytes, ("visual.", "model.visual."), QwenVLProcessor),
-    "qwen3_vl": VisionFamily(qwen3_vit.parse_vision_config, qwen3_vit.encode, qwen3_vit.encoder_inputs,
+    "qwen3_vl": VisionFamily(qwen2_5_vit.parse_vision_config, qwen3_vit.encode, qwen3_vit.encoder_inputs,
                              qwen3_vit.checkpoint_tensors, qwen3_vit.checkpoint_shapes, qwen3_vit.activation_bytes,
                              ("model.visual.", "visual."), QwenVLProcessor),
     "gemma3": VisionFamily(siglip_vit.parse_config, siglip_vit.encode, siglip_vit.encoder_inputs,
