@@ -78,28 +78,52 @@ def test_heads_and_states_split_over_two_devices(model_dirs):
     assert {shard.data.shape for shard in recurrent.addressable_shards} == {(4, 2, 16, 8)}
 
 
-def test_an_image_and_text_checkpoint_serves_its_text_decoder(tmp_path):
-    """A Qwen3_5ForConditionalGeneration checkpoint (what Qwen3.5 publishes): `text_config` and the language model's
-    tensors; the vision tower is not read."""
+def test_an_image_and_text_checkpoint_serves_text_and_images(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (what Qwen3.5 publishes): text prompts and prompts with images
+    (Qwen3-VL's tower without deepstack; M-RoPE interleaved over the rotated quarter of the full-attention layer's
+    heads, the Gated DeltaNet layers reading the image embeddings) in chunks of 16, greedy tokens equal
+    transformers'."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.vision_models import VISION_TOKENS, drawn_image
+
     path = str(tmp_path / "qwen3_5")
-    text = CONFIGS["qwen3_5_text"]().to_dict()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    vocab = DIMS["vocab_size"]
+    text = {**CONFIGS["qwen3_5_text"]().to_dict(), "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True}}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  num_position_embeddings=64)
+    first = vocab - len(VISION_TOKENS)
     torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
-                                                                                     vision_config=vision))
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, vision_start_token_id=first, vision_end_token_id=first + 1,
+        image_token_id=first + 2, video_token_id=first + 3))
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.08)
     randomize_vectors(model)
     model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path, text["vocab_size"])
-    prompts = random_prompts(2, 500, 5, 30, seed=9)
-    llm = LLM(path, max_num_seqs=2, max_model_len=64, page_size=8, warmup=False)
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert greedy(llm, prompts) == expected
+    save_tiny_tokenizer(path, vocab, VISION_TOKENS)
+    processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, patch_size=16)
+    processor.save_pretrained(path)
+    image = drawn_image(100, 70, seed=5)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 500, 5, 30, seed=9)]
+    prompts.append({"prompt_token_ids": [5, 6, first, first + 2, first + 1, 7, 8], "multi_modal_data": {"image": image}})
+    llm = LLM(path, max_num_seqs=3, max_model_len=64, page_size=8, max_num_batched_tokens=16, warmup=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    features = processor(images=[image], return_tensors="pt")
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([output.prompt_token_ids])
+        images = dict(pixel_values=features["pixel_values"], image_grid_thw=features["image_grid_thw"],
+                      mm_token_type_ids=(ids == first + 2).int()) if "multi_modal_data" in prompt else {}
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0, **images)
+        assert output.outputs[0].token_ids == expected[0, ids.shape[1]:].tolist()
+    assert outputs[2].prompt_token_ids.count(first + 2) > 1
 
 
 def test_what_the_state_cannot_take_yet_is_refused_by_name(model_dirs):

@@ -60,12 +60,13 @@ class VisionConfig:
         return self.spatial_merge_size ** 2
 
 
-ACTIVATIONS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}  # each tower's MLP
+ACTIVATIONS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh", "qwen3_5": "gelu_pytorch_tanh",
+               "qwen3_5_moe": "gelu_pytorch_tanh"}  # each tower's MLP
 
 
 def parse_vision_config(hf_config: Any) -> VisionConfig:
-    """The tower's config from a `qwen2_5_vl` or `qwen3_vl` config's `vision_config`; ValueError naming what this
-    code cannot compute."""
+    """The tower's config from a `qwen2_5_vl`, `qwen3_vl` or `qwen3_5(_moe)` config's `vision_config`; ValueError
+    naming what this code cannot compute."""
     hf_vision, activation = hf_config.vision_config, ACTIVATIONS[hf_config.model_type]
     if getattr(hf_vision, "hidden_act", activation) != activation:
         raise ValueError(f"vision hidden_act {hf_vision.hidden_act!r} is not supported (jaxserve's "

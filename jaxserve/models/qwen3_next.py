@@ -182,6 +182,20 @@ SPEC = dataclasses.replace(
     llama.SPEC, model_types=MODEL_TYPES, parse_config=parse_config, checkpoint_shapes=checkpoint_shapes,
     checkpoint_source=checkpoint_source, fuse_layer=fuse_layer, sharding_rules=SHARDING_RULES,
     quantizable_linears=(), dummy_fan_in=dummy_fan_in, lora_targets=())
+def multimodal_parse_config(hf_config: Any) -> ModelConfig:
+    """The decoder of an image + text Qwen3.5 config: its M-RoPE (interleaved over the rotated quarter of each
+    head), which turns an image's tokens by their grid; text alone turns as without it."""
+    config = text_decoder_parser(parse_config)(hf_config)
+    rope = dict(getattr(hf_config.text_config, "rope_parameters", None) or {})
+    section = rope.get("mrope_section")
+    rotary = next(layer.rotary_dim or config.head_dim for layer in config.layers if layer.mixer == "attention")
+    if section is None or 2 * sum(section) != rotary:
+        raise ValueError(f"{hf_config.model_type}: rope mrope_section {section} must cover the {rotary // 2} "
+                         "rotated frequencies of each head")
+    return dataclasses.replace(config, mrope_section=tuple(section),
+                               mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
+
+
 MULTIMODAL_SPEC = dataclasses.replace(SPEC, model_types=MULTIMODAL_TYPES,
-                                      parse_config=text_decoder_parser(parse_config),
+                                      parse_config=multimodal_parse_config,
                                       checkpoint_source=multimodal_checkpoint_source)

@@ -33,6 +33,10 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen3_vl": VisionFamily(qwen2_5_vit.parse_vision_config, qwen3_vit.encode, qwen3_vit.encoder_inputs,
                              qwen3_vit.checkpoint_tensors, qwen3_vit.checkpoint_shapes, qwen3_vit.activation_bytes,
                              ("model.visual.", "visual."), QwenVLProcessor),
+    # Qwen3.5's tower is Qwen3-VL's without deepstack features
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), VisionFamily(
+        qwen2_5_vit.parse_vision_config, qwen3_vit.encode, qwen3_vit.encoder_inputs, qwen3_vit.checkpoint_tensors,
+        qwen3_vit.checkpoint_shapes, qwen3_vit.activation_bytes, ("model.visual.",), QwenVLProcessor)),
     "gemma3": VisionFamily(siglip_vit.parse_config, siglip_vit.encode, siglip_vit.encoder_inputs,
                            siglip_vit.checkpoint_tensors, siglip_vit.checkpoint_shapes, siglip_vit.activation_bytes,
                            ("vision_tower.vision_model.", "vision_tower."), Gemma3Processor),
