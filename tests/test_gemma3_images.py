@@ -36,8 +36,8 @@ def hf_greedy(hf, processor, expanded: list[int], images: list) -> list[int]:
         if images else {}
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             token_type_ids=(input_ids == model.config.image_token_id).long(), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+                             token_type_ids=(input_ids == model.config.image_token_id).long(),
+                             max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
     return out[0, len(expanded):].tolist()
 
 

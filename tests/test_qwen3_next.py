@@ -110,7 +110,8 @@ def test_an_image_and_text_checkpoint_serves_text_and_images(tmp_path):
     processor.save_pretrained(path)
     image = drawn_image(100, 70, seed=5)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 500, 5, 30, seed=9)]
-    prompts.append({"prompt_token_ids": [5, 6, first, first + 2, first + 1, 7, 8], "multi_modal_data": {"image": image}})
+    prompts.append({"prompt_token_ids": [5, 6, first, first + 2, first + 1, 7, 8],
+                    "multi_modal_data": {"image": image}})
     llm = LLM(path, max_num_seqs=3, max_model_len=64, page_size=8, max_num_batched_tokens=16, warmup=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -273,7 +273,8 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
             assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
         again = (await http.post("/v1/chat/completions", json=chat(data_url))).json()
         assert again["choices"][0]["token_ids"] == expected[1]
-        metrics = {line.split("{")[0]: float(line.split()[-1]) for line in (await http.get("/metrics")).text.splitlines()
+        lines = (await http.get("/metrics")).text.splitlines()
+        metrics = {line.split("{")[0]: float(line.split()[-1]) for line in lines
                    if line.startswith(("jaxserve:images_encoded", "jaxserve:encoder_cache"))}
         assert metrics["jaxserve:images_encoded_total"] == 1
         assert 0 < metrics["jaxserve:encoder_cache_hits_total"] < metrics["jaxserve:encoder_cache_queries_total"]
@@ -285,7 +286,8 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
 
 
 def test_llm_chat_takes_image_parts(model_dir, hf):
-    """`LLM.chat` with vLLM's image_pil and image_url parts renders the template's placeholders and serves the images."""
+    """`LLM.chat` with vLLM's image_pil and image_url parts renders the template's placeholders and serves the
+    images."""
     image = drawn_image(100, 160, seed=7)
     llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False)
     encoded = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
