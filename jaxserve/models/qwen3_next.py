@@ -1,10 +1,12 @@
 """Qwen3-Next (`qwen3_next`) and Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe_text`; the image + text `qwen3_5` and
-`qwen3_5_moe` checkpoints served text-only): hybrid decoders whose `layer_types` interleave Gated DeltaNet layers
-(`layers/gated_deltanet.py`, a per-sequence state, no KV pages) with full-attention layers, 3:1 by default.
+`qwen3_5_moe` checkpoints, whose vision tower is Qwen3-VL's, `multimodal/vision.py`): hybrid decoders whose
+`layer_types` interleave Gated DeltaNet layers (`layers/gated_deltanet.py`, a per-sequence state, no KV pages) with
+full-attention layers, 3:1 by default.
 
 On the Llama decoder: RMS norms of `(1 + w)`; the attention's q/k norms, a per-head output gate from a doubled
-`q_proj` (each head's query, then its gate), a quarter of each head rotated (mrope's sections collapse to ordinary
-positions for text); Qwen3-Next's experts and Qwen3.5-MoE's as Qwen2-MoE's (a shared expert behind a sigmoid gate).
+`q_proj` (each head's query, then its gate), a quarter of each head rotated (by M-RoPE in the image + text
+checkpoints, which for text equals ordinary positions); Qwen3-Next's experts and Qwen3.5-MoE's as Qwen2-MoE's (a
+shared expert behind a sigmoid gate).
 
 Checkpoint layout: transformers' names. A Gated DeltaNet layer's in-projections are Qwen3-Next's `in_proj_qkvz`
 and `in_proj_ba` (laid out per key head: its q, k, then its value heads' v and z; its value heads' b, then a) or
