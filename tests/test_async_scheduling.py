@@ -135,10 +135,13 @@ def test_slot_state_and_runner_rows_are_what_the_host_sequences_say(tiny_llama_d
 
 
 def plain_data(value) -> bool:
-    """True for ints, strings, ranges, sampling parameters and tuples of them: nothing of the engine's own."""
+    """True for ints, strings, ranges, sampling parameters, a prompt's images (frozen records of numbers and arrays),
+    None and tuples of them: nothing of the engine's own."""
+    from jaxserve.multimodal.inputs import MultiModalPrompt
+
     if isinstance(value, tuple):
         return all(plain_data(item) for item in value)
-    return isinstance(value, (int, str, range, SamplingParams))
+    return value is None or isinstance(value, (int, str, range, SamplingParams, MultiModalPrompt))
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama_dir):

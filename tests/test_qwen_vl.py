@@ -185,6 +185,11 @@ def test_bad_image_input_is_a_clear_error_and_the_engine_keeps_serving(model_dir
     (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": encoded}}, GREEDY,
                              use_tqdm=False)
     assert output.outputs[0].token_ids == hf_greedy(hf, ids, [image])[1]
+    from jaxserve import GuidedDecodingParams  # constrained decoding after an image
+
+    guided = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, guided, use_tqdm=False)
+    assert output.outputs[0].text in ("yes", "no")
 
 
 def test_an_image_on_a_text_model_is_refused(tiny_llama_dir):
@@ -218,6 +223,11 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path == "/elsewhere":  # a redirect to another scheme
+                self.send_response(302)
+                self.send_header("Location", "ftp://127.0.0.1/picture.png")
+                self.end_headers()
+                return
             found = self.path == "/picture.png"
             self.send_response(200 if found else 404)
             self.send_header("Content-Type", "image/png")
@@ -262,6 +272,7 @@ def test_chat_with_images_over_http(model_dir, hf, tmp_path):
         assert counted["count"] == len(expected[0])
         bad = {"base64 does not decode": chat("data:image/png;base64,@@@"),
                "answered HTTP 404": chat(f"{base}/missing.png"),
+               "only http(s) redirects are followed": chat(f"{base}/elsewhere"),
                "outside the allowed local media path": chat(f"file://{tmp_path}/elsewhere.png"),
                "does not decode": chat("data:image/png;base64," + base64.b64encode(data[:300]).decode()),
                "at most 1 are allowed": {**chat(data_url), "messages": [{"role": "user", "content": [

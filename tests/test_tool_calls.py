@@ -108,7 +108,7 @@ def test_tool_call_history_reaches_the_template(tiny_llama_dir):
                 "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
                 "{% for call in m.tool_calls or [] %}(call {{ call.function.name }} "
                 "city={{ call.function.arguments.city }}){% endfor %}{% endfor %}")
-    messages = normalize_messages([
+    messages, _ = normalize_messages([
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Nice"}'}}]},
