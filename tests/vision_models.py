@@ -21,7 +21,7 @@ def tiny_qwen2_5_vl_config(**overrides):
 
     vocab = TINY_DIMS["vocab_size"]
     text = {**TINY_DIMS, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            **overrides}
+            "eos_token_id": 0, "bos_token_id": None, **overrides}
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=TINY_DIMS["hidden_size"],
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                   fullatt_block_indexes=[1], in_channels=3)
