@@ -302,7 +302,7 @@ def test_an_eagle3_head_compiles_from_its_config_alone(config_dirs, tmp_path, ta
 @pytest.mark.parametrize("target", ["v6e-1", "h200"])
 def test_an_image_model_compiles_its_vision_tower_and_fits(tmp_path, target):
     """Qwen2.5-VL from its config alone: the vision tower's encode step for every patch bucket up to transformers'
-    default largest image (5120 patches), beside the decoder's prefill (text and with image embeddings) and decode.
+    default largest image (5120 patches), and on h200 the decoder's prefill (text and with image embeddings).
     The KV plan leaves room for the largest encode's temporaries (it did not: an H200 plan took every byte the
     decoder's steps left, and the encode step of 5120 patches did not fit)."""
     from jaxserve.models import qwen2_5_vit
@@ -312,11 +312,12 @@ def test_an_image_model_compiles_its_vision_tower_and_fits(tmp_path, target):
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]})
     config.vision_config.update(dict(out_hidden_size=256, hidden_size=64, num_heads=4))
     config.save_pretrained(tmp_path)
-    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, {"prefill", "decode", "encode"})
-    assert {step.name for step in result.steps} == {"prefill", "decode", "encode"}
+    steps = {"prefill", "encode"} if target == "h200" else {"encode"}  # the decoder's steps: the families' tests
+    result = compile_engine(EngineConfig(model=str(tmp_path), **SMALL), target, steps)
+    assert {step.name for step in result.steps} == steps
     assert max(int(step.shape.split("=")[1]) for step in result.steps if step.name == "encode") == 5120
     assert len([step for step in result.steps if step.name == "prefill"]) == \
-        2 * len(result.plan.engine_config.prefill_shapes)  # each shape, text and with image embeddings
+        2 * len(result.plan.engine_config.prefill_shapes) * (target == "h200")  # text and with image embeddings
     assert not result.failed, result.verdict()
     assert result.fits, result.verdict()
     vision = qwen2_5_vit.parse_vision_config(config)
