@@ -1,6 +1,6 @@
 """Gemma 3 with images: the SigLIP tower and projector against transformers', greedy tokens against transformers'
 `generate` (each image's tokens attending to each other both ways, inside causal text), under chunked prefill that
-never splits an image, batching and preemption; the backends that cannot compute it yet are refused by name."""
+never splits an image, batching and preemption, on the xla backend and the interpreted Pallas ones."""
 
 from __future__ import annotations
 
@@ -81,33 +81,14 @@ def test_greedy_tokens_equal_transformers_with_images(model_dir, hf):
     assert llm.llm_engine.stats().num_preemptions > 0
 
 
-def test_a_backend_that_cannot_see_an_image_both_ways_serves_text_only(model_dir, hf):
-    """On a Pallas backend (its kernels mask causally only) text prompts are served and an image is refused by
-    name; the engine keeps serving."""
-    llm = LLM(model_dir, max_num_seqs=2, max_model_len=64, attention_backend="pallas-interpret", warmup=False)
-    ids = hf[1].encode("look") + [hf[0].config.boi_token_id]
-    with pytest.raises(ValueError, match="need the xla attention backend"):
-        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": drawn_image(50, 50)}})
-    (output,) = llm.generate({"prompt_token_ids": hf[1].encode("just text")},
-                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(output.outputs[0].token_ids) == 4
-
-
-def test_prompt_scores_equal_transformers_when_an_image_would_straddle_chunks(model_dir, hf):
-    """Every prompt token's logprob against transformers' forward: in chunks of 16 tokens the image (tokens 11-26)
-    would straddle two chunks, whose first half could not see its second; the chunk stops before it instead."""
+def assert_prompt_scores_equal_transformers(llm, hf, ids: list[int], image) -> list[int]:
+    """Every prompt token's logprob (scored by `llm`) against transformers' forward; returns the expanded prompt."""
     import torch
 
-    model, tokenizer = hf
-    image = drawn_image(150, 90, seed=3)
-    ids = tokenizer.encode("describe") + [model.config.boi_token_id] + tokenizer.encode("now")
-    llm = LLM(model_dir, max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=16,
-              attention_backend="xla", warmup=False)
+    model = hf[0]
     (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}},
                              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     prompt = output.prompt_token_ids
-    first_image = prompt.index(model.config.image_token_id)
-    assert first_image % 16  # the image does not start a chunk of 16
     input_ids = torch.tensor([prompt])
     processor = llm.llm_engine.model.vision.processor
     with torch.no_grad():
@@ -117,3 +98,25 @@ def test_prompt_scores_equal_transformers_when_an_image_would_straddle_chunks(mo
     expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompt) - 1), prompt[1:]].numpy()
     ours = np.array([entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])])
     np.testing.assert_allclose(ours, expected, atol=2e-4)
+    return prompt
+
+
+def test_prompt_scores_equal_transformers_when_an_image_would_straddle_chunks(model_dir, hf):
+    """Every prompt token's logprob against transformers' forward: in chunks of 16 tokens the image (tokens 11-26)
+    would straddle two chunks, whose first half could not see its second; the chunk stops before it instead."""
+    model, tokenizer = hf
+    ids = tokenizer.encode("describe") + [model.config.boi_token_id] + tokenizer.encode("now")
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=16,
+              attention_backend="xla", warmup=False)
+    prompt = assert_prompt_scores_equal_transformers(llm, hf, ids, drawn_image(150, 90, seed=3))
+    assert prompt.index(model.config.image_token_id) % 16  # the image does not start a chunk of 16
+
+
+@pytest.mark.parametrize("backend", ["pallas-interpret", "pallas-tpu-interpret"])
+def test_the_pallas_backends_attend_to_a_chunk_holding_an_image_in_xla(model_dir, hf, backend):
+    """The Pallas kernels mask causally only: a prefill chunk that holds a Gemma 3 image attends in XLA over the
+    same pools (on TPU, heads padded to 128 lanes), every other call runs the kernels; every prompt token's logprob
+    equals transformers'."""
+    ids = hf[1].encode("describe") + [hf[0].config.boi_token_id] + hf[1].encode("now")
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=64, page_size=16, attention_backend=backend, warmup=False)
+    assert_prompt_scores_equal_transformers(llm, hf, ids, drawn_image(150, 90, seed=3))

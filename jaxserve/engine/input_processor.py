@@ -6,7 +6,6 @@ ids of unfinished requests, so an id in use is refused at once."""
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from typing import Any
@@ -24,7 +23,6 @@ from jaxserve.multimodal.media import MediaPolicy, load_image
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import GrammarCompiler
 
-logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 SEED_STRIDE = 0x9E3779B1  # completion i of a request samples with seed + i * SEED_STRIDE (mod 2**32)
 
@@ -43,8 +41,7 @@ class InputProcessor:
     instead of an `IncrementalDetokenizer` each."""
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, grammars: GrammarCompiler,
-                 detokenizer_process: bool = False, adapters: AdapterCache | None = None, images=None,
-                 image_refusal: str | None = None):
+                 detokenizer_process: bool = False, adapters: AdapterCache | None = None, images=None):
         self.engine_config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -52,9 +49,6 @@ class InputProcessor:
         self.detokenizer_process = detokenizer_process
         self.adapters = adapters  # LoRA: the host cache (None: enable_lora is off)
         self.images = images  # an image model's prompt processor (`multimodal/qwen_vl.py`); None: text only
-        self.image_refusal = image_refusal  # why this engine takes no images of an image model (None: it does)
-        if image_refusal is not None:
-            logger.warning("text prompts only: %s", image_refusal)
         self.media = MediaPolicy(config.allowed_local_media_path)
         self._ids_lock = threading.Lock()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished
@@ -121,9 +115,9 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data modality {unknown[0]!r} is not supported (jaxserve takes 'image')")
         images = (data or {}).get("image")
         images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-        if self.images is None or (images and self.image_refusal is not None):
+        if self.images is None:
             if images:
-                raise ValueError(self.image_refusal or "this model takes no images (it is served text-only)")
+                raise ValueError("this model takes no images (it is served text-only)")
             return token_ids, None
         limit = (self.engine_config.limit_mm_per_prompt or {}).get("image")
         if limit is not None and len(images) > limit:

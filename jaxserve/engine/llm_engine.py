@@ -68,16 +68,6 @@ def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
 
 
 
-def image_refusal(target: ModelConfig, config: EngineConfig) -> str | None:
-    """Why this engine serves an image model's text but not its images (None: it serves both): Gemma 3's image
-    tokens attend to each other both ways, which only the xla attention backend computes yet."""
-    if target.bidirectional_images and config.attention_backend != "xla":
-        return (f"images on {target.model_type!r} need the xla attention backend (attention_backend='xla', "
-                f"--attention-backend xla): its image tokens attend to each other both ways, which the "
-                f"{config.attention_backend!r} kernels do not compute yet")
-    return None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None, **options: Any):
         config = config or EngineConfig(**options)
@@ -125,8 +115,7 @@ class LLMEngine:
                          if self.engine_config.enable_lora else None)
         self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
                                      detokenizer_process, self.adapters,
-                                     self.model.vision.processor if self.model.vision is not None else None,
-                                     image_refusal(loaded_config, self.engine_config))
+                                     self.model.vision.processor if self.model.vision is not None else None)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.scheduler.cut_output,
                                        self.inputs.release, detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

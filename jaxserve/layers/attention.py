@@ -184,10 +184,14 @@ class PagedAttention:
                sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None
                ) -> jax.Array:
         """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`);
-        `sinks [q_heads]` split over the devices like the heads."""
+        `sinks [q_heads]` split over the devices like the heads. With `meta.query_limits` (a chunk holding an image
+        whose tokens see each other both ways) it attends in XLA whatever the backend: the Pallas kernels mask
+        causally only."""
+        backend = self.backend if meta.query_limits is None else XlaAttention()
+
         def attend(q, kv, meta, sinks):
-            return self.backend.attend(q, kv, meta, sm_scale=sm_scale, sliding_window=sliding_window,
-                                       soft_cap=soft_cap, sinks=sinks)
+            return backend.attend(q, kv, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  sinks=sinks)
 
         sinks = None if sinks is None else sinks.astype(jnp.float32)
         specs = (HEADS, self.cache_specs(), REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: spec unused
