@@ -6,19 +6,19 @@ are not supported."""
 
 from __future__ import annotations
 
-import os
+import functools
 from typing import Any
 
 import numpy as np
 
 from jaxserve.multimodal.inputs import ImageInput, MultiModalPrompt, image_hash
-from jaxserve.multimodal.qwen_vl import PROCESSOR_CONFIG
+from jaxserve.multimodal.qwen_vl import read_image_processor
 
 
 class Gemma3Processor:
     def __init__(self, directory: str, hf_config: Any, mm_processor_kwargs: dict | None = None,
                  defaults: bool = False):
-        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers import AutoTokenizer
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
         kwargs = dict(mm_processor_kwargs or {})
@@ -26,15 +26,9 @@ class Gemma3Processor:
             raise ValueError("mm_processor_kwargs do_pan_and_scan is not supported (jaxserve encodes each image "
                              "whole)")
         vision = hf_config.vision_config
-        try:
-            if defaults and not os.path.exists(os.path.join(directory, PROCESSOR_CONFIG)):
-                self.image_processor = Gemma3ImageProcessorPil(
-                    size={"height": vision.image_size, "width": vision.image_size}, **kwargs)
-            else:
-                self.image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil", **kwargs)
-        except (OSError, ValueError, TypeError) as err:
-            raise ValueError(f"cannot read the image processor of {directory!r} ({PROCESSOR_CONFIG}): "
-                             f"{err}") from None
+        default = functools.partial(Gemma3ImageProcessorPil, size={"height": vision.image_size,
+                                                                   "width": vision.image_size})
+        self.image_processor = read_image_processor(directory, kwargs, default if defaults else None)
         size = self.image_processor.size
         if (size["height"], size["width"]) != (vision.image_size, vision.image_size):
             raise ValueError(f"the image processor resizes to {size['height']}x{size['width']}, the vision tower "

@@ -5,7 +5,7 @@ each image's placeholder expanded to its token count, and the M-RoPE positions o
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -14,6 +14,19 @@ from jaxserve.multimodal.inputs import ImageInput, MultiModalPrompt, image_hash
 
 PROCESSOR_CONFIG = "preprocessor_config.json"
 SMALLEST_BUCKET = 16  # patches of the smallest encoder call
+
+
+def read_image_processor(directory: str, kwargs: dict, default: Callable | None = None):
+    """transformers' image processor of `directory` (its PIL backend) with `kwargs` on top; `default(**kwargs)` when
+    the directory has no preprocessor_config.json and a default is given, else ValueError naming the file."""
+    from transformers import AutoImageProcessor
+
+    try:
+        if default is not None and not os.path.exists(os.path.join(directory, PROCESSOR_CONFIG)):
+            return default(**kwargs)
+        return AutoImageProcessor.from_pretrained(directory, backend="pil", **kwargs)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"cannot read the image processor of {directory!r} ({PROCESSOR_CONFIG}): {err}") from None
 
 
 class QwenVLProcessor:
@@ -26,18 +39,10 @@ class QwenVLProcessor:
                  defaults: bool = False):
         """`defaults`: a directory without preprocessor_config.json gets transformers' default processor (random
         weights, `jaxserve compile`); otherwise its absence is a ValueError."""
-        from transformers import AutoImageProcessor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        kwargs = mm_processor_kwargs or {}
-        try:
-            if defaults and not os.path.exists(os.path.join(directory, PROCESSOR_CONFIG)):
-                self.image_processor = Qwen2VLImageProcessorPil(**kwargs)
-            else:
-                self.image_processor = AutoImageProcessor.from_pretrained(directory, backend="pil", **kwargs)
-        except (OSError, ValueError, TypeError) as err:
-            raise ValueError(f"cannot read the image processor of {directory!r} ({PROCESSOR_CONFIG}): "
-                             f"{err}") from None
+        self.image_processor = read_image_processor(directory, mm_processor_kwargs or {},
+                                                    Qwen2VLImageProcessorPil if defaults else None)
         self.image_token_id = hf_config.image_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
         self.placeholder = "<|image_pad|>"
