@@ -94,3 +94,42 @@ def test_prefill_buckets_start_at_64_tokens_on_an_accelerator():
         assert "smallest_prefill_bucket must be a power of two, got 48" in str(err)
     else:
         raise AssertionError("48 accepted")
+
+
+def add_images(scheduler: Scheduler, prompt_len: int, request_id: str, images: list[tuple[str, int, int]]) -> Sequence:
+    """A prompt with image placeholders: (image name, offset, tokens) each; its hash: the name (a hex digit) 8 times."""
+    from jaxserve.multimodal.inputs import ImageInput, MultiModalPrompt
+
+    seq = Sequence(request_id, 0, list(range(1, prompt_len + 1)), SamplingParams(), seed=0, arrival_time=0.0)
+    seq.set_images(MultiModalPrompt(tuple(ImageInput(name * 8, offset, tokens, None, (1, 1, 1))
+                                          for name, offset, tokens in images)))
+    scheduler.add(seq)
+    return seq
+
+
+def test_the_encoder_budget_bounds_a_steps_images_and_the_cache_evicts_what_the_runner_drops():
+    """A step encodes images up to the encoder budget (a chunk stops before the image past it; a step's first image
+    goes whatever its size); images the cache holds cost nothing; past the cache's size the least recently used
+    image not read this step is evicted, and the step tells the runner to drop it."""
+    from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+
+    scheduler = make_scheduler()
+    scheduler.encoder_cache = manager = EncoderCacheManager(cache_size=48, step_budget=24)
+    a = add_images(scheduler, 40, "a", [("a", 4, 12), ("b", 20, 12), ("c", 34, 6)])
+    prefills, _, _ = run_step(scheduler)
+    assert prefills == [(a, 0, 34)]  # images a and b fill the budget: the chunk stops before c
+    b = add_images(scheduler, 40, "b", [("a", 2, 12), ("d", 16, 24)])
+    prefills, _, _ = run_step(scheduler)
+    # c (6 rows) and d (24) pass the budget together: b's chunk reads a (held, free) and stops before d
+    assert prefills == [(a, 34, 6), (b, 0, 16)]
+    plan = scheduler.schedule()
+    assert [(chunk.seq_id, chunk.start, chunk.num_tokens) for chunk in plan.prefills] == [(b.seq_id, 16, 24)]
+    # 12 + 12 + 6 + 24 rows passed 48: the least recently used image outside this step (b) is dropped
+    assert plan.encoder_frees == ("b" * 8,)
+    c = add_images(scheduler, 60, "c", [("e", 0, 50)])
+    scheduler.update_after_dispatch(plan)
+    plan = scheduler.schedule()
+    # a step's first image goes over the budget; the cache drops every image but it, though it alone passes 48 rows
+    assert [(chunk.seq_id, chunk.start, chunk.num_tokens) for chunk in plan.prefills] == [(c.seq_id, 0, 60)]
+    assert plan.encoder_frees == ("c" * 8, "a" * 8, "d" * 8)
+    assert list(manager._held) == ["e" * 8]

@@ -59,6 +59,14 @@ def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of `buckets` (ascending) that holds `size`."""
+    for bucket in buckets:
+        if size <= bucket:
+            return bucket
+    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded default model

@@ -38,7 +38,7 @@ from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
 from jaxserve.engine.kv_plan import kv_cache_shardings
 from jaxserve.engine.kv_tiers import HostTier, KVTiers, PageToStore, TierPage, numpy_dtype, run_jobs
 from jaxserve.engine.page_manager import page_key
-from jaxserve.engine.step_inputs import bucket_for
+from jaxserve.engine.config import bucket_for
 from jaxserve.engine.step_registry import RunnerState, Step, assign
 from jaxserve.layers.paged_kv import KV_PAGES
 from jaxserve.loading import resolve_model
@@ -239,7 +239,7 @@ def attach_kv_tiers(config: EngineConfig, runner: RunnerState) -> KVTiers | None
         weights = (["dummy", config.seed] if config.load_format == "dummy"
                    else weights_identity(resolve_model(config.model).weights))
         fingerprint = kv_fingerprint(
-            format=1, model=repr(runner.model_config), weights=weights, dtype=config.dtype,
+            format=2, model=repr(runner.model_config), weights=weights, dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype, storage_dtype=runner.kv_storage_dtype,
             quantization=config.quantization, page_size=config.page_size, tensor_parallel_size=runner.tp.size,
             expert_parallel=config.enable_expert_parallel, pool_heads=runner.tp.pool_heads(runner.model_config),

@@ -27,6 +27,7 @@ import jax
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
 from jaxserve.engine.kv_plan import check_plan
 from jaxserve.engine.kv_transfer import attach_kv_tiers
@@ -55,16 +56,11 @@ __all__ = ["LLMEngine", "PromptType"]
 
 def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
     """ValueError for what an image model is not served with yet: a speculative method other than n-gram (a draft
-    model or head would need the images too), the KV tiers (their pages are keyed by token ids alone)."""
-    if not is_image_model(target.model_type):
-        return
+    model or head would need the images too)."""
     spec = config.speculative_config
-    if spec is not None and spec.method != "ngram":
+    if is_image_model(target.model_type) and spec is not None and spec.method != "ngram":
         raise ValueError(f"speculative method {spec.method!r} is not supported for the image model "
                          f"{target.model_type!r} (n-gram speculation is)")
-    if config.kv_tiers:
-        raise ValueError(f"kv_offloading_size / kv_offloading_dir do not work with the image model "
-                         f"{target.model_type!r} yet")
 
 
 
@@ -107,8 +103,11 @@ class LLMEngine:
         self.page_manager = PageManager(plan.num_pages, plan.page_size, self.engine_config.enable_prefix_caching,
                                         tiers=attach_kv_tiers(self.engine_config, runner), windows=windows,
                                         states=states)
+        encoder_cache = (EncoderCacheManager.for_model(self.engine_config.max_num_batched_tokens,
+                                                       runner.encoder.vision.processor.max_tokens())
+                         if runner.encoder is not None else None)
         self.scheduler = Scheduler(self.engine_config, self.page_manager, frozenset(self.eos_token_ids),
-                                   loaded_config.rope_length_rule)
+                                   loaded_config.rope_length_rule, encoder_cache=encoder_cache)
         detokenizer_process = self.engine_config.detokenizer_process and self.tokenizer is not None
         self.adapters = (AdapterCache(loaded_config, runner.tp, self.engine_config.max_lora_rank,
                                       self.engine_config.max_cpu_loras or self.engine_config.max_loras)

@@ -43,7 +43,7 @@ from jaxserve.models import param_shardings, serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine import runner_steps
 from jaxserve.engine.allocator import Allocator, DeviceAllocator
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import EngineConfig, bucket_for
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import kv_budget_bytes
 from jaxserve.engine.kv_plan import (empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
@@ -54,7 +54,7 @@ from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
 from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from jaxserve.engine.speculator import Speculator
 from jaxserve.engine.stats import SpecDecodeCounters, StepPhases
-from jaxserve.engine.step_inputs import DecodeInputs, PrefillInputs, bucket_for, decode_inputs, prefill_groups, \
+from jaxserve.engine.step_inputs import DecodeInputs, PrefillInputs, decode_inputs, prefill_groups, \
     prefill_inputs
 from jaxserve.engine.step_output import InFlightStep, PendingSample, RowSequence, SampledToken, sampled_token
 from jaxserve.engine.encoder import Encoder
@@ -211,8 +211,8 @@ class ModelRunner:
         by_sequence = (self.model_config.rope_length_rule or ("",))[0] == "sequence"
         calls = [prefill_inputs(batch, tokens, chunks, by_sequence)
                  for tokens, chunks in prefill_groups(scheduler_output.prefills, self.engine_config)]
-        for inputs in calls if self.encoder is not None else ():
-            self.encoder.attach(inputs, batch, self.steps)
+        if self.encoder is not None:
+            self.encoder.prepare(calls, batch, self.steps, scheduler_output.encoder_frees)
         decodes = scheduler_output.decodes
         verify = (self.speculator.verify_inputs(decodes)
                   if self.speculator is not None and any(decode.num_draft for decode in decodes) else None)

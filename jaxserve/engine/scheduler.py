@@ -9,7 +9,8 @@ is charged its padded size (its length bucket), so a decode waits at most one bu
    admitted (priority: of the lowest priority; slo: the one with the most slack);
 2. prefill work, under the budget and vLLM's long-prefill limits (`prefill_limits.py`): under fcfs and priority,
    running sequences still prefilling get their next chunk, then waiting sequences are admitted into free slots
-   (FCFS, or by aged priority); under slo both are ordered together by slack (`slo.py`). An admitted sequence
+   (FCFS, or by aged priority); under slo both are ordered together by slack (`slo.py`). With images, a chunk
+   stops before an image past the step's encoder budget (`encoder_cache_manager.py`). An admitted sequence
    reuses its longest cached prefix (none for one that must score its prompt), continued in the KV tiers, whose
    pages the step restores first. Admission stops at the first sequence that finds no pages. A LoRA sequence waits
    while every device slot of the adapter stack serves other adapters' running sequences (`lora/cache.py`).
@@ -33,9 +34,10 @@ import time
 from collections import deque
 from typing import Callable, NamedTuple
 
+from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prefill_limits import PrefillLimits
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import EngineConfig, bucket_for
 from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, Sent, scheduled_decodes,
                                               scheduler_output)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
@@ -59,7 +61,8 @@ class AppendedToken(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, page_manager: PageManager, eos_token_ids: frozenset[int] = frozenset(),
-                 rope_length_rule: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic):
+                 rope_length_rule: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
+                 encoder_cache: EncoderCacheManager | None = None):
         self.engine_config = config
         self.clock = clock  # the arrival times' clock (a fake one in tests)
         self.slo = slo_policy(config)
@@ -67,6 +70,7 @@ class Scheduler:
         self._last_read = -math.inf
         self.rope_length_rule = rope_length_rule  # ModelConfig.rope_length_rule
         self.page_manager = page_manager
+        self.encoder_cache = encoder_cache or EncoderCacheManager(0, 0)  # an image model's (none: text only)
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -138,8 +142,9 @@ class Scheduler:
             seq.num_computed_tokens += 1
             seq.num_pending += 1
         if self.slo is not None:
+            buckets = self.engine_config.prefill_buckets
             self._dispatched.append((self.clock(), len(scheduler_output.decodes),
-                                     sum(self._bucket(chunk.num_tokens) for chunk in scheduler_output.prefills)))
+                                     sum(bucket_for(chunk.num_tokens, buckets) for chunk in scheduler_output.prefills)))
 
     def update_from_output(self, sampled: list[SampledToken]) -> tuple[list[AppendedToken], set[str]]:
         """Applies a step's sampled tokens; a sequence that finished meanwhile drops its token. Returns the tokens
@@ -203,6 +208,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's plan, as plain data for the runner."""
         plan = self._plan()
+        plan.encoder_frees = self.encoder_cache.end_step()
         decodes = scheduled_decodes(plan.decodes, self.engine_config.speculative_config, self.drafter)
         decodes = self.page_manager.assign_states(plan.prefills, decodes, self.seqs)  # state checkpoints
         output, sent = scheduler_output(plan, tuple(self._left_slots), decodes, self.sent, self.page_manager.tables)
@@ -269,15 +275,16 @@ class Scheduler:
                 admitting = bool(self.free_slots)
             else:
                 num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
-                num_tokens = seq.chunk_tokens(seq.num_computed_tokens, num_tokens)
+                num_tokens = self.encoder_cache.chunk_tokens(seq, seq.num_computed_tokens, num_tokens)
                 if not num_tokens or not self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
                     continue
                 chunk = PrefillChunk(seq, seq.num_computed_tokens, num_tokens)
                 out.prefills.append(chunk)
-            padded = self._bucket(chunk.num_tokens)
+            padded = bucket_for(chunk.num_tokens, self.engine_config.prefill_buckets)
             budget -= padded
             allowance -= padded
             limits.took(long, admit, chunk.num_tokens)
+            self.encoder_cache.took(seq, chunk.start, chunk.num_tokens)
 
     def _admit(self, seq: Sequence, available: int, cap: int, out: Plan) -> PrefillChunk | None:
         """Admits waiting `seq` into a free slot with its first chunk (after its longest cached prefix, continued in
@@ -292,7 +299,7 @@ class Scheduler:
         on_device = manager.admit(seq, cached_pages)
         seq.num_computed_tokens = seq.num_cached_tokens = on_device + len(found) * manager.page_size
         num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
-        num_tokens = seq.chunk_tokens(seq.num_computed_tokens, num_tokens)
+        num_tokens = self.encoder_cache.chunk_tokens(seq, seq.num_computed_tokens, num_tokens)
         if not num_tokens or not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
             manager.free(seq)
             seq.num_computed_tokens = 0
@@ -332,17 +339,13 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
         return max(0, min(self.engine_config.num_speculative_tokens, room))
 
-    def _bucket(self, num_tokens: int) -> int:
-        """The prefill bucket a chunk of `num_tokens` is padded to."""
-        return next(bucket for bucket in self.engine_config.prefill_buckets if bucket >= num_tokens)
-
     def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
         """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""
         buckets = self.engine_config.prefill_buckets
         num_tokens = min(remaining, budget)
         if num_tokens <= 0 or budget < buckets[0]:
             return 0, 0
-        padded = self._bucket(num_tokens)
+        padded = bucket_for(num_tokens, buckets)
         if padded > budget:  # take the largest bucket that fits, whole
             padded = num_tokens = max(bucket for bucket in buckets if bucket <= budget)
         return num_tokens, padded
@@ -352,7 +355,8 @@ class Scheduler:
         while not self.page_manager.allocate(seq, num_tokens):
             victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING),
                          key=self._preemption_order)
-            self._preempt(victim, out)
+            self.num_preemptions += 1
+            self._requeue(victim, out)
             if victim is seq:
                 return False
         return True
@@ -365,10 +369,6 @@ class Scheduler:
         if self.slo is not None:
             return self.slo.slack(seq, self.clock()), seq.admission_order
         return seq.admission_order
-
-    def _preempt(self, seq: Sequence, out: Plan) -> None:
-        self.num_preemptions += 1
-        self._requeue(seq, out)
 
     def _requeue(self, seq: Sequence, out: Plan) -> None:
         """Frees `seq`'s pages and slot and puts it first in line, to be recomputed when admitted again."""

@@ -90,6 +90,7 @@ class SchedulerOutput:
     restores: tuple[tuple[int, TierPage], ...] = ()
     # LoRA: adapters to write into device slots before the step's forwards, (slot, adapter)
     lora_loads: tuple[tuple[int, LoadedAdapter], ...] = ()
+    encoder_frees: tuple[str, ...] = ()  # images whose embeddings the runner drops (`EncoderCacheManager`)
 
     @property
     def is_empty(self) -> bool:
@@ -156,7 +157,7 @@ def scheduler_output(plan: "Plan", left: tuple[int, ...], decodes: tuple[Schedul
     chunks = tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored, c.state_source,
                                   c.state_saves) for c in plan.prefills)
     return SchedulerOutput(left, tuple(new), tuple(cached), chunks, decodes, tuple(plan.restores),
-                           tuple(plan.lora_loads)), updates
+                           tuple(plan.lora_loads), plan.encoder_frees), updates
 
 
 def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool, int]:
@@ -214,3 +215,4 @@ class Plan:
     admitted: list[Sequence]
     restores: list[tuple[int, TierPage]] = dataclasses.field(default_factory=list)  # (device page, tier page)
     lora_loads: list[tuple[int, LoadedAdapter]] = dataclasses.field(default_factory=list)  # (slot, adapter)
+    encoder_frees: tuple[str, ...] = ()

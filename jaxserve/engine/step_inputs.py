@@ -14,19 +14,12 @@ import functools
 
 import numpy as np
 
-from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
+from jaxserve.engine.config import PREFILL_ROWS, EngineConfig, bucket_for
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.scheduler_output import ScheduledChunk, ScheduledDecode
 from jaxserve.engine.step_output import RowSequence
 from jaxserve.engine.steps import BatchFields, DecodeBatch, PrefillBatch, VerifyBatch
 from jaxserve.layers.gated_deltanet import CHUNK_TOKENS, save_blocks
-
-
-def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
-    for bucket in buckets:
-        if size <= bucket:
-            return bucket
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's vision tower: its config, the host-side layout of one image's patches (`encoder_inputs`), the pure
+"""Qwen2.5-VL's vision tower: its config, the host-side layout of a call's images (`encoder_inputs`), the pure
 encoder (`encode`: patches in, the language model's image embeddings out) and its weights.
 
 The tower embeds 14x14 patches (two frames of a still image) with a linear map, runs `depth` blocks of pre-norm
@@ -117,25 +117,41 @@ def merge_unit_positions(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
                      cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)])
 
 
-def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
-                   bucket: int) -> tuple[EncoderInputs, np.ndarray]:
-    """One image's call padded to `bucket` patches, and the order that puts the call's output tokens (window order)
-    back in raster order."""
+def one_frame(grid_thw: tuple[int, int, int]) -> tuple[int, int]:
+    """An image's patch grid (height, width); ValueError for more than one temporal patch (video)."""
     grid_t, grid_h, grid_w = grid_thw
     if grid_t != 1:
         raise ValueError(f"an image has one temporal patch, got grid {grid_thw}")
-    count, unit = grid_h * grid_w, config.merge_unit
-    positions = merge_unit_positions(grid_h, grid_w, config.spatial_merge_size)
-    units, counts = window_order(config, grid_h, grid_w)
-    order = (units[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
+    return grid_h, grid_w
+
+
+def check_fits(config: VisionConfig, images: list, bucket: int) -> None:
+    patches = sum(int(np.prod(grid)) for _, grid in images)
+    if patches > bucket:
+        raise ValueError(f"{len(images)} images of {patches} patches exceed the encoder call's {bucket}")
+
+
+def encoder_inputs(config: VisionConfig, images: list[tuple[np.ndarray, tuple[int, int, int]]],
+                   bucket: int) -> tuple[EncoderInputs, list[np.ndarray]]:
+    """One call over `images` (pixels and patch grid each), their patches back to back in window order and padded
+    to `bucket`; and each image's tokens in raster order as rows of the call's output."""
+    check_fits(config, images, bucket)
     inputs = EncoderInputs(patches=np.zeros((bucket, config.patch_dim), np.float32),
                            positions=np.zeros((2, bucket), np.int32), images=np.full(bucket, -1, np.int32),
                            windows=np.full(bucket, -1, np.int32))
-    inputs.patches[:count] = pixel_values[order]
-    inputs.positions[:, :count] = positions[:, order]
-    inputs.images[:count] = 0
-    inputs.windows[:count] = np.repeat(np.arange(len(counts)), counts * unit)
-    return inputs, np.argsort(units)
+    unit, first, first_window, orders = config.merge_unit, 0, 0, []
+    for index, (pixel_values, grid_thw) in enumerate(images):
+        grid_h, grid_w = one_frame(grid_thw)
+        patches = slice(first, first + grid_h * grid_w)
+        units, counts = window_order(config, grid_h, grid_w)
+        order = (units[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
+        inputs.patches[patches] = pixel_values[order]
+        inputs.positions[:, patches] = merge_unit_positions(grid_h, grid_w, config.spatial_merge_size)[:, order]
+        inputs.images[patches] = index
+        inputs.windows[patches] = first_window + np.repeat(np.arange(len(counts)), counts * unit)
+        orders.append(first // unit + np.argsort(units))
+        first, first_window = patches.stop, first_window + len(counts)
+    return inputs, orders
 
 
 def linear(x, layer: dict):

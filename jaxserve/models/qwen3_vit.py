@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.qwen2_5_vit import QUERY_BLOCK, VisionConfig, attention, linear, merge_unit_positions
+from jaxserve.models.qwen2_5_vit import (QUERY_BLOCK, VisionConfig, attention, check_fits, linear,
+                                         merge_unit_positions, one_frame)
 
 FEATURES_BLOCK = 4  # bilinear taps per patch of the position table
 
@@ -37,27 +38,32 @@ def table_taps(side: int, count: int, index: np.ndarray) -> tuple[np.ndarray, np
     return np.clip(taps, 0, side - 1), weights
 
 
-def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
-                   bucket: int) -> tuple[EncoderInputs, np.ndarray]:
-    """One image's call padded to `bucket` patches, and the order of its output tokens (already raster order)."""
-    grid_t, grid_h, grid_w = grid_thw
-    if grid_t != 1:
-        raise ValueError(f"an image has one temporal patch, got grid {grid_thw}")
-    count = grid_h * grid_w
-    positions = merge_unit_positions(grid_h, grid_w, config.spatial_merge_size)
+def encoder_inputs(config: VisionConfig, images: list[tuple[np.ndarray, tuple[int, int, int]]],
+                   bucket: int) -> tuple[EncoderInputs, list[np.ndarray]]:
+    """One call over `images` (pixels and patch grid each), their patches back to back padded to `bucket`; and each
+    image's tokens (already in raster order) as rows of the call's output."""
+    check_fits(config, images, bucket)
     side = int(config.num_position_embeddings ** 0.5)
-    rows, row_weights = table_taps(side, grid_h, positions[0].astype(np.float64))
-    cols, col_weights = table_taps(side, grid_w, positions[1].astype(np.float64))
     inputs = EncoderInputs(patches=np.zeros((bucket, config.patch_dim), np.float32),
                            positions=np.zeros((2, bucket), np.int32), images=np.full(bucket, -1, np.int32),
                            table_rows=np.zeros((bucket, FEATURES_BLOCK), np.int32),
                            table_weights=np.zeros((bucket, FEATURES_BLOCK), np.float32))
-    inputs.patches[:count] = pixel_values
-    inputs.positions[:, :count] = positions
-    inputs.images[:count] = 0
-    inputs.table_rows[:count] = (rows[:, :, None] * side + cols[:, None, :]).reshape(count, -1)
-    inputs.table_weights[:count] = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(count, -1)
-    return inputs, np.arange(count // config.merge_unit)
+    first, orders = 0, []
+    for index, (pixel_values, grid_thw) in enumerate(images):
+        grid_h, grid_w = one_frame(grid_thw)
+        count = grid_h * grid_w
+        patches = slice(first, first + count)
+        positions = merge_unit_positions(grid_h, grid_w, config.spatial_merge_size)
+        rows, row_weights = table_taps(side, grid_h, positions[0].astype(np.float64))
+        cols, col_weights = table_taps(side, grid_w, positions[1].astype(np.float64))
+        inputs.patches[patches] = pixel_values
+        inputs.positions[:, patches] = positions
+        inputs.images[patches] = index
+        inputs.table_rows[patches] = (rows[:, :, None] * side + cols[:, None, :]).reshape(count, -1)
+        inputs.table_weights[patches] = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(count, -1)
+        orders.append(np.arange(first, first + count, config.merge_unit) // config.merge_unit)
+        first += count
+    return inputs, orders
 
 
 def layer_norm(x, layer: dict, eps: float):

@@ -73,14 +73,17 @@ class EncoderInputs:
     patches: jax.Array  # float32 [num_patches, patch_dim]: the image's patches in raster order
 
 
-def encoder_inputs(config: VisionConfig, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
-                   bucket: int) -> tuple[EncoderInputs, np.ndarray]:
+def encoder_inputs(config: VisionConfig, images: list[tuple[np.ndarray, tuple[int, int, int]]],
+                   bucket: int) -> tuple[EncoderInputs, list[np.ndarray]]:
     """One image's patches (`pixel_values [channels, image_size, image_size]`), channel-major within a patch as
-    the patch embedding's weights are; the tokens come out in order."""
+    the patch embedding's weights are (a call takes one image: its shape is the only one); the tokens come out in
+    order."""
+    if len(images) != 1:
+        raise ValueError(f"the SigLIP encoder takes one image per call, got {len(images)}")
     side, patch = config.patches_per_side, config.patch_size
-    pixels = np.asarray(pixel_values, np.float32).reshape(config.in_channels, side, patch, side, patch)
+    pixels = np.asarray(images[0][0], np.float32).reshape(config.in_channels, side, patch, side, patch)
     patches = pixels.transpose(1, 3, 0, 2, 4).reshape(config.num_patches, config.patch_dim)
-    return EncoderInputs(patches=patches), np.arange(config.tokens_per_image)
+    return EncoderInputs(patches=patches), [np.arange(config.tokens_per_image)]
 
 
 def _attention(config: VisionConfig, layer: dict, x):

@@ -18,7 +18,8 @@ from jaxserve.multimodal.qwen_vl import QwenVLProcessor
 class VisionFamily:
     parse_config: Callable[[Any], Any]  # the image + text checkpoint's transformers config -> the tower's config
     encode: Callable[..., Any]  # (config, dtype, params, inputs) -> (embeddings in the call's order, ())
-    encoder_inputs: Callable[..., tuple[Any, np.ndarray]]  # (config, pixels, grid, bucket) -> (inputs, raster order)
+    # (config, [(pixels, grid)], bucket) -> (one call's inputs, each image's output rows in raster order)
+    encoder_inputs: Callable[..., tuple[Any, list[np.ndarray]]]
     checkpoint_tensors: Callable[[Any], dict]  # config -> tree of (tensor name under the prefix, transposed)
     checkpoint_shapes: Callable[[Any], dict]  # config -> tree of shapes
     activation_bytes: Callable[[Any, int], int]  # (config, patches) -> a bound on one encode call's temporaries
