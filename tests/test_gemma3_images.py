@@ -53,7 +53,7 @@ def test_the_tower_and_projector_equal_transformers(model_dir, hf):
         pixels = processor.preprocess(image)
         with torch.no_grad():
             expected = hf[0].model.get_image_features(torch.tensor(pixels[None])).pooler_output[0].numpy()
-        ours = encoder.embeddings(ImageInput(f"gemma{index}", 0, 16, pixels, (1, 8, 8)), llm.llm_engine.runner.steps)
+        (ours,) = encoder.encode([ImageInput(f"gemma{index}", 0, 16, pixels, (1, 8, 8))], llm.llm_engine.runner.steps)
         np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=2e-5)
 
 

@@ -87,27 +87,33 @@ def hf_greedy(hf, ids: list[int], images: list) -> tuple[list[int], list[int]]:
 
 
 def test_the_vision_tower_equals_transformers(family):
-    """The encoder step over images whose patch grids split into whole and partial windows (and one window), padded
-    to its patch bucket, put back in raster order; Qwen3-VL's deepstack features beside its embeddings."""
+    """The encoder step over images whose patch grids split into whole and partial windows (and one window), each
+    alone padded to its patch bucket and packed several to a call (up to the largest bucket, 256 patches), put back
+    in raster order; Qwen3-VL's deepstack features beside its embeddings."""
     import torch
+
+    from jaxserve.multimodal.inputs import ImageInput
 
     model_dir, hf = family
     llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False)
-    encoder = llm.llm_engine.runner.encoder
+    encoder, steps = llm.llm_engine.runner.encoder, llm.llm_engine.runner.steps
     processor = hf[1]
+    images, expected = [], []
     for index, (width, height) in enumerate([(200, 120), (90, 300), (56, 56)]):
-        image = drawn_image(width, height, seed=index)
-        features = processor(images=[image], return_tensors="np")
+        features = processor(images=[drawn_image(width, height, seed=index)], return_tensors="np")
         grid = tuple(int(n) for n in features["image_grid_thw"][0])
         with torch.no_grad():
             out = hf[0].model.get_image_features(torch.tensor(features["pixel_values"]), torch.tensor([grid]))
-        expected = np.concatenate([out.pooler_output[0].numpy(),
-                                   *(feature[0].numpy() for feature in getattr(out, "deepstack_features", None) or [])],
-                                  axis=-1)
-        from jaxserve.multimodal.inputs import ImageInput
-        ours = encoder.embeddings(ImageInput(f"test{index}", 0, len(expected), features["pixel_values"], grid),
-                                  llm.llm_engine.runner.steps)
-        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=2e-5)
+        expected.append(np.concatenate(
+            [out.pooler_output[0].numpy(),
+             *(feature[0].numpy() for feature in getattr(out, "deepstack_features", None) or [])], axis=-1))
+        images.append(ImageInput(f"test{index}", 0, len(expected[-1]), features["pixel_values"], grid))
+    alone = [encoder.encode([image], steps)[0] for image in images]
+    assert encoder.calls == 3
+    packed = encoder.encode(images, steps)
+    assert encoder.calls - 3 < len(images)
+    for ours, theirs in zip(alone + packed, expected + expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=2e-5)
 
 
 def test_greedy_tokens_equal_transformers_with_images(family, caplog):
@@ -152,6 +158,75 @@ def test_prefix_cache_keys_include_the_image(model_dir, hf):
     last_image = max(i for i, token in enumerate(results["a"].prompt_token_ids) if token == image_token)
     assert results["a again"].num_cached_tokens > last_image  # through the image
     assert llm.llm_engine.runner.encoder.images_encoded == 2
+
+
+def test_kv_tiers_key_pages_by_the_images(model_dir, hf, tmp_path):
+    """The host and disk tiers keep pages under the prefix cache's keys: once other requests took the device pool,
+    the same image and text hit the tiers through the image, a different image with the same text only before it;
+    a restarted engine finds them on disk; outputs stay transformers'."""
+    a, b = drawn_image(200, 120, seed=4), drawn_image(200, 120, seed=5)
+    ids, _ = image_prompt(hf, ["a long shared preamble of text", a, "what is it"])
+    options = dict(max_num_seqs=1, max_model_len=96, page_size=8, num_kv_pages=14, warmup=False,
+                   kv_offloading_dir=str(tmp_path))
+
+    def generate(llm, image):
+        (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, GREEDY,
+                                 use_tqdm=False)
+        assert output.outputs[0].token_ids == hf_greedy(hf, ids, [image])[1]
+        return output
+
+    image_token = hf[0].config.image_token_id
+    llm = LLM(model_dir, **options, kv_offloading_size=0.01)
+    first = generate(llm, a)
+    image_tokens = [i for i, token in enumerate(first.prompt_token_ids) if token == image_token]
+    assert generate(llm, b).num_cached_tokens == image_tokens[0] // 8 * 8
+    generate(llm, b)  # b's pages take the device pool
+    assert generate(llm, a).num_cached_tokens > image_tokens[-1]
+    host = dict((tier, (q, h)) for tier, q, h in llm.llm_engine.stats().external_prefix_cache)["host"]
+    assert host[1] > 0
+    llm.llm_engine.shutdown()
+    restarted = LLM(model_dir, **options)
+    assert generate(restarted, a).num_cached_tokens > image_tokens[-1]
+    disk = dict((tier, (q, h)) for tier, q, h in restarted.llm_engine.stats().external_prefix_cache)["disk"]
+    assert disk[1] > 0
+
+
+def test_lora_adapters_of_the_language_model_serve_images(model_dir, hf, tmp_path):
+    """A PEFT adapter of the image + text checkpoint's decoder (its tensors under `model.language_model.`) with
+    images, beside the base model in one batch: greedy tokens equal PEFT's; an adapter that also adapts the vision
+    tower's MLP is refused naming the tensor."""
+    import peft
+    import torch
+
+    from jaxserve import LoRARequest
+
+    def save(path: str, targets: list[str]) -> str:
+        torch.manual_seed(0)
+        model = type(hf[0]).from_pretrained(model_dir, dtype=torch.float32)
+        adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                             target_modules=targets))
+        with torch.no_grad():
+            for name, param in adapted.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.3)
+        adapted.save_pretrained(path)
+        return path
+
+    adapter = save(str(tmp_path / "attention"), ["q_proj", "v_proj", "o_proj"])
+    image = drawn_image(200, 120, seed=6)
+    ids, images = image_prompt(hf, ["Describe", image, "now."])
+    peft_model = peft.PeftModel.from_pretrained(type(hf[0]).from_pretrained(model_dir, dtype=torch.float32), adapter)
+    expected = [hf_greedy((peft_model.eval(), *hf[1:]), ids, images)[1], hf_greedy(hf, ids, images)[1]]
+    assert expected[0] != expected[1]
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=128, enable_lora=True, max_lora_rank=4, warmup=False)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+    outputs = llm.generate([prompt, prompt], GREEDY, lora_request=[LoRARequest("a", 1, adapter), None],
+                           use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    tower = save(str(tmp_path / "tower"), ["q_proj", "gate_proj"])
+    with pytest.raises(ValueError, match=r"visual\.blocks\.\d+\.mlp\.gate_proj"):
+        llm.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower), use_tqdm=False)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[1]
 
 
 def png_bytes(image) -> bytes:

@@ -36,7 +36,7 @@ from jaxserve.engine.kv_tiers import TierPage, numpy_dtype, run_jobs
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"JAXSERVE-KV-1\n"
+MAGIC = b"JAXSERVE-KV-2\n"  # 2: the prefix as int64 (image keys)
 SUFFIX = ".kv"
 
 
@@ -159,7 +159,7 @@ class DiskTier:
     # -- the format --------------------------------------------------------------------------------------------
 
     def _encode(self, page: TierPage) -> bytes:
-        payload = b"".join([page.prefix.astype("<i4").tobytes()] + [np.ascontiguousarray(a).tobytes()
+        payload = b"".join([page.prefix.astype("<i8").tobytes()] + [np.ascontiguousarray(a).tobytes()
                                                                       for a in page.arrays])
         header = json.dumps({"fingerprint": self.fingerprint, "key": page.key.hex(), "tokens": len(page.prefix),
                              "arrays": [[a.dtype.name, list(a.shape)] for a in page.arrays],
@@ -182,10 +182,10 @@ class DiskTier:
         if not ok or hashlib.sha256(payload).hexdigest() != header["sha256"]:
             return None
         tokens = header["tokens"]
-        if 4 * tokens + sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in self.array_specs) != len(payload):
+        if 8 * tokens + sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in self.array_specs) != len(payload):
             return None
-        prefix = np.frombuffer(payload[:4 * tokens], "<i4").astype(np.int32)
-        arrays, offset = [], 4 * tokens
+        prefix = np.frombuffer(payload[:8 * tokens], "<i8").astype(np.int64)
+        arrays, offset = [], 8 * tokens
         for dtype, shape in self.array_specs:
             count = int(np.prod(shape))
             arrays.append(np.frombuffer(payload, numpy_dtype(dtype), count, offset).reshape(shape))

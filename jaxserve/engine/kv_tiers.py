@@ -40,10 +40,10 @@ class TierPage:
     """One page's K/V for every layer, off the device: `arrays` one per group of the pool's leaves (the values of
     every layer's K and V `[2 * layers, heads, page_size, head_dim]`, and a quantized pool's scales
     `[2 * layers, heads, page_size]`), under its chain key, with the token ids from the sequence's start to the
-    page's end."""
+    page's end as the prefix cache keys them (`Sequence.key_tokens`: an image's placeholders as keys of the image)."""
 
     key: bytes
-    prefix: np.ndarray  # int32 [tokens up to the page's end]
+    prefix: np.ndarray  # int64 [tokens up to the page's end]: token ids, or an image placeholder's (negative) key
     arrays: tuple[np.ndarray, ...]
 
     @property
@@ -159,7 +159,7 @@ class KVTiers:
     def note_registered(self, page: int, key: bytes, token_ids: list[int], end: int) -> None:
         """A page holding `token_ids[:end]`'s last page was registered on the device: copy it unless held already."""
         if key not in self.host:
-            self.pending.append(PageToStore(page, key, np.asarray(token_ids[:end], np.int32)))
+            self.pending.append(PageToStore(page, key, np.asarray(token_ids[:end], np.int64)))
 
     def take_pending(self) -> list[PageToStore]:
         pending, self.pending = self.pending, []
@@ -172,7 +172,7 @@ class KVTiers:
         none); stops at the first miss. A disk hit is promoted to the host tier."""
         if max_pages <= 0:
             return []
-        tokens = np.asarray(token_ids, np.int32)
+        tokens = np.asarray(token_ids, np.int64)
         found: list[tuple[TierPage, str]] = []
         size = self.page_size
         for index in range(first_page, first_page + max_pages):

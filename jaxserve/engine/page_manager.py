@@ -166,7 +166,7 @@ class PageManager:
             return []
         parent_key = self.cached[cached_pages[-1]].key if cached_pages else seq.prefix_root
         max_pages = (len(seq.token_ids) - 1) // self.page_size - len(cached_pages)
-        return self.tiers.lookup(seq.token_ids, len(cached_pages), parent_key, max_pages)
+        return self.tiers.lookup(seq.key_token_ids, len(cached_pages), parent_key, max_pages)
 
     def admit(self, seq: Sequence, cached_pages: list[int]) -> int:
         """Gives `seq` the cached prefix pages, taking a reference on each; returns the tokens they hold."""
@@ -259,7 +259,8 @@ class PageManager:
             serials.append(self._register(page, key, tokens, index, parent_serial))
             if self.tiers is not None and serials[-1] is not None and self.cached.get(page) is not None \
                     and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
-                self.tiers.note_registered(page, key, seq.token_ids, (index + 1) * self.page_size)
+                end = (index + 1) * self.page_size
+                self.tiers.note_registered(page, key, seq.key_tokens(0, end), end)
             for window in self.windows:
                 window.register(seq.seq_id, index, serials[-1])
             if self.states is not None:

@@ -33,7 +33,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # safetensors' dtype names -> numpy's (safetensors.numpy has no bfloat16): numpy only, so reading compiles nothing
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# a decoder's layers: under `model.`, or an image + text model's `model.language_model.` (or `language_model.model.`)
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
