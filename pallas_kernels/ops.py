@@ -107,12 +107,14 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    query_limits: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal attention of several sequences' new tokens (chunked prefill, prefix-cache extend).
+    """Attention of several sequences' new tokens (chunked prefill, prefix-cache extend): causal, or up to each
+    query's limit.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim]; sequence ``s`` owns rows
@@ -129,6 +131,13 @@ def ragged_paged_attention(
       v_scales, interpret: as for ``paged_attention``.  Query ``i`` of sequence ``s`` sits
         at position ``kv_lens[s] - q_len_s + i`` and sees keys at positions
         ``<= `` its own (and ``> position - sliding_window`` when set).
+      query_limits: if set, int32[num_tokens] (rows as q's): the last key position
+        each query sees instead of its own (Gemma 3's image tokens see their
+        whole image), clipped to the sequence's keys; it must be at least the
+        query's position (not checked: a smaller one hides the query's own key).
+        The sliding window still counts back from the query's position.
+        Padding rows' limits are ignored.  None: causal, the same compiled kernel
+        as before limits existed.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q's dtype.
@@ -153,6 +162,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         sinks=sinks,
+        query_limits=query_limits,
         pages_per_compute_block=pages_per_compute_block,
         interpret=interpret,
     )

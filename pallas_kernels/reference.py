@@ -107,8 +107,12 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    query_limits: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged prefill/extend attention, same contract as ``pallas_kernels.ragged_paged_attention``.
+
+    ``query_limits`` (int32[num_tokens], ragged like q): the last key position each query sees (at least its own;
+    Gemma 3's image tokens see their whole image); None: its own position (causal).
 
     Loops (``lax.scan``) over sequences; each step attends all tokens to one
     sequence's keys and keeps the rows that belong to it.  Rows of the padded
@@ -134,8 +138,9 @@ def ragged_paged_attention_reference(
         kv_len = kv_lens[s].astype(jnp.int32)
         mine = (token >= q_start) & (token < q_end) & (s < n)  # [tokens]
         q_pos = kv_len - (q_end - q_start) + (token - q_start)
+        limit = q_pos if query_limits is None else query_limits.astype(jnp.int32)
         key_pos = jnp.arange(keys, dtype=jnp.int32)
-        valid = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len)
+        valid = (key_pos[None, :] <= limit[:, None]) & (key_pos[None, :] < kv_len)
         if sliding_window is not None:
             valid &= key_pos[None, :] > q_pos[:, None] - sliding_window
         valid &= mine[:, None]  # [tokens, keys]

@@ -45,12 +45,14 @@ class Step:
     page_tables: np.ndarray  # int32 [B, P]
     slot_mapping: np.ndarray  # int32 [B, T]
     positions: np.ndarray  # int32 [B, T]
+    query_limits: np.ndarray | None = None  # int32 [B, T]: the last key each query sees (None: its own)
 
     def meta(self) -> AttentionMetadata:
         return AttentionMetadata(
             positions=jnp.asarray(self.positions), slot_mapping=jnp.asarray(self.slot_mapping),
             page_tables=jnp.asarray(self.page_tables), context_lens=jnp.asarray(self.context_lens, jnp.int32),
-            query_lens=jnp.asarray(self.query_lens, jnp.int32))
+            query_lens=jnp.asarray(self.query_lens, jnp.int32),
+            query_limits=None if self.query_limits is None else jnp.asarray(self.query_limits))
 
     def real(self) -> np.ndarray:
         """bool [B, T]: query tokens whose output matters."""
@@ -109,9 +111,9 @@ def make_step(rng: np.random.Generator, rows: list[tuple[int, int]], num_tokens:
 
 def reference(step: Step, sliding_window: int | None = None, soft_cap: float | None = None,
               sinks: np.ndarray | None = None) -> np.ndarray:
-    """float64 causal attention of each real query token over its row's owned keys (logits capped as
-    `soft_cap * tanh(x / soft_cap)` when set; `sinks[h]` one more logit of head h, with no value); zeros
-    elsewhere."""
+    """float64 causal attention of each real query token over its row's owned keys, or up to its `query_limits`
+    entry when the step has them (logits capped as `soft_cap * tanh(x / soft_cap)` when set; `sinks[h]` one more
+    logit of head h, with no value); zeros elsewhere."""
     batch, num_tokens, q_heads, head_dim = step.q.shape
     kv_heads = step.k_new.shape[2]
     group = q_heads // kv_heads
@@ -127,8 +129,9 @@ def reference(step: Step, sliding_window: int | None = None, soft_cap: float | N
         for j in range(q_len):
             pos = start + j
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            hi = pos if step.query_limits is None else int(step.query_limits[b, j])
             for h in range(q_heads):
-                k, v = keys[h // group, lo:pos + 1], values[h // group, lo:pos + 1]
+                k, v = keys[h // group, lo:hi + 1], values[h // group, lo:hi + 1]
                 logits = k @ step.q[b, j, h].astype(np.float64) / math.sqrt(head_dim)
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
@@ -274,3 +277,21 @@ def test_sinks_match_the_reference(backend, sliding_window):
     expected = reference(step, sliding_window, sinks=sinks)
     assert_matches(attend(backend, step, sliding_window, sinks=sinks), expected, step.real(), f"{backend} sinks")
     assert np.abs(reference(step, sliding_window) - expected)[step.real()].max() > 1e-2
+
+
+@pytest.mark.parametrize("backend, sliding_window", [("xla", None), ("xla", 3), ("pallas-interpret", 3),
+                                                     ("pallas-tpu-interpret", None)])
+def test_query_limits_match_the_reference(backend, sliding_window):
+    """Gemma 3's images seen both ways (`AttentionMetadata.query_limits`) in every backend, binding: an image
+    inside a whole prompt and one that starts in the cache; padded tokens' limits are their positions (past the
+    context), as the engine gives them."""
+    rng = np.random.default_rng(55)
+    step = make_step(rng, [(8, 8), (5, 9), (0, 0), (1, 12)], 8, poison="nan")
+    limits = step.positions.copy()
+    limits[0, 2:6] = 5  # an image at positions 2-5
+    limits[1, :3] = 6  # positions 3-6, the first one cached
+    expected = reference(step, sliding_window)
+    step.query_limits = limits
+    got = attend(backend, step, sliding_window)
+    assert np.abs(reference(step, sliding_window) - expected)[step.real()].max() > 1e-2
+    assert_matches(got, reference(step, sliding_window), step.real(), f"{backend} query limits")

@@ -324,3 +324,31 @@ def test_an_image_model_compiles_its_vision_tower_and_fits(tmp_path, target):
     for step in result.steps:  # the reserve for the encoder's temporaries holds what the compiler planned
         if step.name == "encode":
             assert step.temp_bytes + step.output_bytes <= qwen2_5_vit.activation_bytes(vision, 5120), step
+
+
+@pytest.mark.parametrize("target", ["v6e-1", "h200"])
+def test_a_gemma3_image_chunk_compiles_through_the_kernels(tmp_path, target):
+    """Gemma 3 with images from its config alone: the decoder's prefill with image embeddings, whose query limits
+    let an image's tokens see each other both ways, compiles with as many Pallas kernel calls as the text prefill
+    (Mosaic TPU on v6e, Triton on h200; before the kernels took the limits it attended in XLA), sliding-window and
+    global layers alike."""
+    from jaxserve.aot.compile import plan_engine
+    from jaxserve.aot.targets import compiling_for
+    from tests.vision_models import tiny_gemma3_config
+
+    config = tiny_gemma3_config(hidden_size=256, intermediate_size=256)
+    config.text_config.head_dim = 128
+    config.save_pretrained(tmp_path)
+    engine = EngineConfig(model=str(tmp_path), **SMALL)
+    result = compile_engine(engine, target, {"prefill"})
+    assert len(result.steps) == 2 * len(result.plan.engine_config.prefill_shapes)  # text and with images
+    assert_compiles_and_fits(result)
+    _, runner = plan_engine(engine, target)
+    kernel = "tpu_custom_call" if target == "v6e-1" else "jaxserve_ragged_paged"
+    calls = {False: set(), True: set()}  # with query limits or not: the kernel calls of each prefill shape
+    with compiling_for(target):
+        for name, inputs in runner.steps.examples():
+            if name == "prefill":
+                text = runner.steps[name].fn.lower(*runner.steps[name].state(), inputs).as_text()
+                calls[inputs.query_limits is not None].add(text.count(kernel))
+    assert min(calls[False]) > 0 and calls[True] == calls[False], calls

@@ -105,8 +105,8 @@ RAGGED_CASES = [
 
 
 def ragged_call(dtype, pages_dtype, group, head_dim, page_size, rows, tokens, window, soft_cap, sinks,
-                pages_per_block, query_tokens, kv_heads=2, num_pages=64, width=8):
-    """(function, argument shapes) of one ragged attention call."""
+                pages_per_block, query_tokens, kv_heads=2, num_pages=64, width=8, limits=False):
+    """(function, argument shapes) of one ragged attention call; with `limits`, `query_limits` (Gemma 3's images)."""
     kv = spec((kv_heads, num_pages, page_size, head_dim), pages_dtype or dtype)
     args = [spec((rows, tokens, kv_heads * group, head_dim), dtype), kv, kv, spec((rows,), jnp.int32),
             spec((rows,), jnp.int32), spec((rows, width), jnp.int32)]
@@ -114,12 +114,15 @@ def ragged_call(dtype, pages_dtype, group, head_dim, page_size, rows, tokens, wi
         args += [spec((kv_heads, num_pages, page_size), jnp.float32)] * 2
     if sinks:
         args.append(spec((kv_heads * group,), jnp.float32))
+    if limits:
+        args.append(spec((rows, tokens), jnp.int32))
 
     def call(q, k, v, contexts, query_lens, tables, *rest):
         rest = list(rest)
         scales = dict(k_scales=rest.pop(0), v_scales=rest.pop(0)) if pages_dtype is not None else {}
         return ragged_paged_attention(q, k, v, contexts, query_lens, tables, sliding_window=window,
                                       soft_cap=soft_cap, sinks=rest.pop(0) if sinks else None,
+                                      query_limits=rest.pop(0) if limits else None,
                                       pages_per_block=pages_per_block, query_tokens=query_tokens, **scales)
     return call, args
 
@@ -130,6 +133,20 @@ def test_ragged_paged_attention_compiles_for_tpu(name, case):
     """Fails with 'Source and target leading tiles have different trailing dimensions' when int8/fp8 pages' scales
     are copied into a lane slice of a VMEM buffer."""
     call, args = ragged_call(*case)
+    compile_for(name, call, *args)
+
+
+LIMIT_CASES = [c for c in RAGGED_CASES if c[0] in ("bf16-fp8-gqa2-d256-p64-chunk16-cap-sinks",
+                                                    "bf16-gqa4-d128-p16-prefill256-window-blocks",
+                                                    "f32-int8-gqa1-d64-p128-prefill512", "bf16-gqa4-d512-p16-chunk16")]
+
+
+@pytest.mark.parametrize("name", TPU_TARGETS)
+@pytest.mark.parametrize("case", [c[1:] for c in LIMIT_CASES], ids=[c[0] for c in LIMIT_CASES])
+def test_ragged_paged_attention_with_query_limits_compiles_for_tpu(name, case):
+    """Gemma 3's image chunks (`query_limits`): each cell's limits a VMEM block, its query block's largest
+    scalar-prefetched."""
+    call, args = ragged_call(*case, limits=True)
     compile_for(name, call, *args)
 
 
@@ -206,11 +223,11 @@ def gpu_args(dtype, pages_dtype, group, head_dim, page_size, *, tokens, rows=4, 
     return spec((tokens, kv_heads * group, head_dim), dtype), kv, spec((rows, width), jnp.int32), scales
 
 
-@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+@pytest.mark.parametrize("kernel", ["decode", "ragged", "ragged-limits"])
 @pytest.mark.parametrize("case", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
 def test_triton_kernels_compile_for_h200(kernel, case):
-    """`pallas_kernels.paged_attention` / `ragged_paged_attention` (Triton); float32 at head_dim 256 overflowed
-    shared memory with 64-token tiles."""
+    """`pallas_kernels.paged_attention` / `ragged_paged_attention` (Triton; "ragged-limits" with `query_limits`,
+    Gemma 3's images); float32 at head_dim 256 overflowed shared memory with 64-token tiles."""
     dtype, pages_dtype, group, head_dim, page_size, window, soft_cap, sinks = case
     rows = 4
     q, kv, table, scales = gpu_args(dtype, pages_dtype, group, head_dim, page_size, tokens=rows if kernel == "decode"
@@ -218,6 +235,8 @@ def test_triton_kernels_compile_for_h200(kernel, case):
     options = dict(sliding_window=window, soft_cap=soft_cap, **scales)
     if sinks:
         options["sinks"] = spec((q.shape[1],), jnp.float32)
+    if kernel == "ragged-limits":
+        options["query_limits"] = spec((q.shape[0],), jnp.int32)
     if kernel == "decode":
         compile_for("h200", pallas_kernels.paged_attention, q, kv, kv, spec((rows,), jnp.int32), table, **options)
     else:

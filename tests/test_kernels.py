@@ -112,7 +112,9 @@ def numpy_decode_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
 
 def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale=None, sliding_window=None, k_scales=None, v_scales=None, soft_cap=None,
-                           sinks=None):
+                           sinks=None, query_limits=None):
+    """Each query sees keys up to its position, or up to its entry of ``query_limits`` (int32[num_tokens], ragged
+    like q) when given; the sliding window counts back from the position."""
     q = np.asarray(q, np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
     k_all = _dequantize(np.asarray(k_pages), k_scales)
@@ -129,8 +131,9 @@ def numpy_ragged_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         k = _sequence_kv(k_all, np.asarray(page_indices[s]), kv_len)
         v = _sequence_kv(v_all, np.asarray(page_indices[s]), kv_len)
         q_pos = kv_len - q_len + np.arange(q_len)
+        limit = q_pos if query_limits is None else np.asarray(query_limits[start:end])
         key_pos = np.arange(kv_len)
-        allowed = key_pos[None, :] <= q_pos[:, None]
+        allowed = key_pos[None, :] <= limit[:, None]
         if sliding_window is not None:
             allowed &= key_pos[None, :] > q_pos[:, None] - sliding_window
         for h in range(kv_heads):
@@ -563,6 +566,46 @@ def test_ragged_fp8_kv(dtype, window):
     assert_close(out, expected, dtype, "ragged fp8")
     used = int(inp["cu_q_lens"][len(MIXED)])
     assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
+
+
+def image_limits(q_len: int, kv_len: int, image: tuple[int, int] | None) -> np.ndarray:
+    """int32[q_len]: the last key each of a sequence's new tokens sees, Gemma 3's way: a token of the image (its
+    positions ``image[0]..image[1]``) sees the whole image, every other token its own position."""
+    pos = np.arange(kv_len - q_len, kv_len, dtype=np.int32)
+    if image is None:
+        return pos
+    return np.where((pos >= image[0]) & (pos <= image[1]), image[1], pos).astype(np.int32)
+
+
+# (q_len, kv_len, image span): one in the middle of the new tokens, past the first tile's (16 tokens at group 4) last
+# query and its KV tile (16 keys), one starting in the cached context, one opening the prompt and ending the chunk,
+# a decode row, an empty one
+IMAGE_SEQS = [(24, 40, (26, 35)), (10, 20, (7, 12)), (5, 5, (0, 4)), (1, 9, None), (0, 5, None)]
+
+
+@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 6)])
+def test_ragged_query_limits(dtype, window):
+    """Gemma 3's images seen both ways (``query_limits``), with GQA, poisoned pools and tail; the padded tail's
+    limits are garbage. The XLA reference takes the same limits."""
+    rng = np.random.default_rng(31)
+    inp = make_ragged(rng, [s[:2] for s in IMAGE_SEQS], kv_heads=2, group=4, head_dim=64, page_size=8, dtype=dtype)
+    kv, q = inp["kv"], inp["q"]
+    limits = np.full(q.shape[0], 10**6, np.int32)
+    limits[:int(inp["cu_q_lens"][len(IMAGE_SEQS)])] = np.concatenate([image_limits(*s) for s in IMAGE_SEQS])
+    args = dict(kv_lens=jnp.asarray(inp["kv_lens"]), page_indices=jnp.asarray(kv.page_indices),
+                cu_q_lens=jnp.asarray(inp["cu_q_lens"]), num_seqs=jnp.asarray(inp["num_seqs"]), sliding_window=window)
+    out = triton_ragged.ragged_paged_attention(q, **args, query_limits=jnp.asarray(limits), pages_per_compute_block=2,
+                                               interpret=INTERPRET, poison_output=True, **kv.device(dtype))
+    host = dict(kv_lens=inp["kv_lens"], cu_q_lens=inp["cu_q_lens"], num_seqs=inp["num_seqs"], sliding_window=window,
+                **kv.host(dtype))
+    expected = numpy_ragged_reference(np.asarray(q, np.float64), query_limits=limits, **host)
+    assert np.abs(expected - numpy_ragged_reference(np.asarray(q, np.float64), **host)).max() > 0.1  # they bind
+    assert_close(out, expected, dtype, "ragged query limits")
+    used = int(inp["cu_q_lens"][len(IMAGE_SEQS)])
+    assert np.all(np.asarray(out[used:], np.float32) == 0.0), "padded tail rows must be zeros"
+    ref = pallas_kernels.ragged_paged_attention_reference(q, **args, query_limits=jnp.asarray(limits),
+                                                          **kv.device(dtype))
+    assert_close(ref, expected, dtype, "xla ragged reference with query limits")
 
 
 def test_public_ragged_and_xla_reference_agree():

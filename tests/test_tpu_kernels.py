@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxserve import LLM, SamplingParams
 from pallas_kernels.tpu import ragged_paged_attention, write_to_pages
 from tests.conftest import random_prompts
-from tests.test_kernels import make_paged_kv, numpy_ragged_reference
+from tests.test_kernels import image_limits, make_paged_kv, numpy_ragged_reference
 
 INTERPRET = pltpu.InterpretParams()
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}  # of the largest |output|; float32 is ~1e-6 off here
@@ -42,13 +42,17 @@ def make_rows(rng, rows, num_tokens, *, kv_heads, group, head_dim, page_size, dt
     return jnp.asarray(q, dtype), np.asarray(contexts, np.int32), np.asarray(q_lens, np.int32), kv
 
 
-def reference(q, contexts, q_lens, kv, dtype, window, soft_cap=None, sinks=None):
-    """The float64 ragged reference on the real tokens, put back in the padded layout (zeros elsewhere)."""
+def reference(q, contexts, q_lens, kv, dtype, window, soft_cap=None, sinks=None, query_limits=None):
+    """The float64 ragged reference on the real tokens, put back in the padded layout (zeros elsewhere);
+    `query_limits` in the padded layout too."""
     q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
     flat = np.concatenate([q[b, :n] for b, n in enumerate(q_lens)])
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    if query_limits is not None:
+        query_limits = np.concatenate([query_limits[b, :n] for b, n in enumerate(q_lens)])
     ragged = numpy_ragged_reference(flat, kv_lens=contexts, cu_q_lens=cu, num_seqs=np.asarray([len(q_lens)]),
-                                    sliding_window=window, soft_cap=soft_cap, sinks=sinks, **kv.host(dtype))
+                                    sliding_window=window, soft_cap=soft_cap, sinks=sinks,
+                                    query_limits=query_limits, **kv.host(dtype))
     out = np.zeros_like(q)
     for b, n in enumerate(q_lens):
         out[b, :n] = ragged[cu[b]:cu[b + 1]]
@@ -147,6 +151,30 @@ def test_ragged_sinks_match_float64_reference(dtype, window, quantized):
     expected = reference(q, contexts, q_lens, kv, dtype, window, sinks=sinks)
     assert np.abs(expected - reference(q, contexts, q_lens, kv, dtype, window)).max() > 0.1  # the sinks bind
     assert_matches(out, expected, q_lens, dtype, "ragged sinks")
+
+
+# (query_len, context, image span) per row of T = 16: an image across query blocks of 4 tokens and past the first
+# block's last KV block (8 keys), one starting in the cached context, one opening the prompt, a decode row, none
+IMAGE_ROWS = [(16, 22, (9, 17)), (6, 14, (5, 9)), (12, 12, (0, 3)), (1, 9, None), (0, 0, None)]
+
+
+@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", 5)])
+def test_ragged_query_limits_match_float64_reference(dtype, window):
+    """Gemma 3's images seen both ways (`query_limits`, binding), with GQA, query blocks, poisoned pools; padding's
+    limits are garbage."""
+    rng = np.random.default_rng(23)
+    q, contexts, q_lens, kv = make_rows(rng, [r[:2] for r in IMAGE_ROWS], 16, kv_heads=2, group=2, head_dim=64,
+                                        page_size=8, dtype=dtype)
+    limits = np.full(q.shape[:2], 10**6, np.int32)
+    for b, row in enumerate(IMAGE_ROWS):
+        limits[b, :row[0]] = image_limits(*row)
+    out = ragged_paged_attention(q, context_lens=jnp.asarray(contexts), query_lens=jnp.asarray(q_lens),
+                                 page_tables=jnp.asarray(kv.page_indices), sliding_window=window,
+                                 query_limits=jnp.asarray(limits), pages_per_block=1, query_tokens=4,
+                                 interpret=INTERPRET, **kv.device(dtype))
+    expected = reference(q, contexts, q_lens, kv, dtype, window, query_limits=limits)
+    assert np.abs(expected - reference(q, contexts, q_lens, kv, dtype, window)).max() > 0.1  # the limits bind
+    assert_matches(out, expected, q_lens, dtype, "ragged query limits")
 
 
 def run_detecting_races(run):

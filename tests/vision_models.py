@@ -100,23 +100,30 @@ GEMMA_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
+def tiny_gemma3_config(**text_overrides):
+    """Gemma 3 image + text: Gemma 3's tiny text decoder (a 16-token window; `text_overrides` on top), a 2-layer
+    SigLIP tower over 112-pixel images (8x8 patches of 14) pooled to 16 tokens per image."""
+    import transformers
+
+    from tests.conftest import tiny_hf_config
+
+    text = tiny_hf_config("gemma3_text", **text_overrides).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+                  patch_size=14, layer_norm_eps=1e-6, vision_use_head=False)
+    first = TINY_DIMS["vocab_size"] - len(GEMMA_TOKENS)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                                     boi_token_index=first, eoi_token_index=first + 1, image_token_index=first + 2)
+
+
 def save_tiny_gemma3(path: str, seed: int = 0) -> str:
-    """A Gemma 3 image + text checkpoint of random weights: Gemma 3's tiny text decoder (a 16-token window), a
-    2-layer SigLIP tower over 112-pixel images (8x8 patches of 14) pooled to 16 tokens per image."""
+    """A Gemma 3 image + text checkpoint of random weights (`tiny_gemma3_config`)."""
     import torch
     import transformers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    from tests.conftest import tiny_hf_config
-
     torch.manual_seed(seed)
     vocab = TINY_DIMS["vocab_size"]
-    text = tiny_hf_config("gemma3_text").to_dict()
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=112,
-                  patch_size=14, layer_norm_eps=1e-6, vision_use_head=False)
-    first = vocab - len(GEMMA_TOKENS)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
-                                       boi_token_index=first, eoi_token_index=first + 1, image_token_index=first + 2)
+    config = tiny_gemma3_config()
     model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -56,10 +56,10 @@ class AttentionBackend(Protocol):
 
     def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
-        """Causal attention of `q: [B, T, q_heads, head_dim]` over each row's pages (after `write_kv`), each query
-        seeing the last `sliding_window` positions when set; logits capped as `soft_cap * tanh(x / soft_cap)`
-        when `soft_cap` is set; `sinks: [q_heads]` (gpt-oss) one more logit per head in each softmax, with no
-        value."""
+        """Causal attention of `q: [B, T, q_heads, head_dim]` over each row's pages (after `write_kv`), or up to
+        each query's `meta.query_limits` when set (Gemma 3's images), each query seeing the last `sliding_window`
+        positions back from its own when set; logits capped as `soft_cap * tanh(x / soft_cap)` when `soft_cap` is
+        set; `sinks: [q_heads]` (gpt-oss) one more logit per head in each softmax, with no value."""
 
 
 def backend_by_name(name: str) -> AttentionBackend:
@@ -183,15 +183,12 @@ class PagedAttention:
     def attend(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,
                sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None
                ) -> jax.Array:
-        """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`);
-        `sinks [q_heads]` split over the devices like the heads. With `meta.query_limits` (a chunk holding an image
-        whose tokens see each other both ways) it attends in XLA whatever the backend: the Pallas kernels mask
-        causally only."""
-        backend = self.backend if meta.query_limits is None else XlaAttention()
-
+        """Causal attention of `q: [B, T, q_heads, head_dim]` over each sequence's pages (after `write_kv`), or up
+        to each query's `meta.query_limits` (a chunk holding a Gemma 3 image, whose tokens see each other both
+        ways: every backend's kernels take the limits); `sinks [q_heads]` split over the devices like the heads."""
         def attend(q, kv, meta, sinks):
-            return backend.attend(q, kv, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                  sinks=sinks)
+            return self.backend.attend(q, kv, meta, sm_scale=sm_scale, sliding_window=sliding_window,
+                                       soft_cap=soft_cap, sinks=sinks)
 
         sinks = None if sinks is None else sinks.astype(jnp.float32)
         specs = (HEADS, self.cache_specs(), REPLICATED, P(MODEL_AXIS))  # a None `sinks` has no leaves: spec unused

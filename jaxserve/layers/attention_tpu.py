@@ -4,8 +4,8 @@ which works on a CPU.
 
 `write_kv` writes a step's new K/V with DMAs of whole row groups (`pallas_kernels/tpu/kv_write.py`); `attend` runs
 one ragged paged attention call over the step's rows (the engine's prefill and decode steps are separate calls,
-each through this one kernel), with sliding windows, attention-logit soft-caps and sinks, and Multi-head Latent
-Attention's latent pool (`attend_latent`). The kernels read the
+each through this one kernel), with sliding windows, attention-logit soft-caps and sinks, Gemma 3's images seen both
+ways (`query_limits`), and Multi-head Latent Attention's latent pool (`attend_latent`). The kernels read the
 pool layout all backends share: one page of one head is a contiguous `[page_size, head_dim]` tile, its unit of
 DMA, lane-dense at head_dim 128 (the heads are stored padded to it); quantized pools keep their
 `[kv_heads, num_pages, page_size]` scales.
@@ -79,7 +79,7 @@ class MosaicTpuAttention:
         # rows without keys (the engine's inactive rows: 1 query token, context 0) give zeros, as padding does
         return ragged_paged_attention(q, k_pool, v_pool, meta.context_lens, meta.query_lens, meta.page_tables,
                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                      sinks=sinks,
+                                      sinks=sinks, query_limits=meta.query_limits,
                                       interpret=self.interpret_params(), **scales)
 
     def attend_latent(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,

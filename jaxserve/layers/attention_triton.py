@@ -3,9 +3,10 @@ on GPU; `pallas-interpret` runs the same kernels in Pallas' interpreter, for tes
 
 New K/V go in by the XLA scatter (`paged_kv.scatter_kv`). A decode step (one query token per row) runs the decode
 kernel; any other step runs all its rows through one ragged-kernel call, the rows packed back to back
-(`to_ragged`, `from_ragged`). Quantized pools go to the kernels as stored, with their per-token scales; the
-soft-cap and attention sinks are the kernels' own. Multi-head Latent Attention's decode has a kernel of its own
-(`attend_latent`); its prefill attends in XLA.
+(`to_ragged`, `from_ragged`), with the queries' limits when a chunk holds a Gemma 3 image (`query_limits`; a
+one-token row's query is its row's last key, so the decode kernel needs none). Quantized pools go to the kernels as
+stored, with their per-token scales; the soft-cap and attention sinks are the kernels' own. Multi-head Latent
+Attention's decode has a kernel of its own (`attend_latent`); its prefill attends in XLA.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ class TritonAttention:
             return out[:, None]
         query_lens = jnp.clip(meta.query_lens, 0, num_tokens).astype(jnp.int32)
         cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
+        limits = None if meta.query_limits is None else to_ragged(meta.query_limits, cu_q_lens)
         out = pallas_kernels.ragged_paged_attention(
             to_ragged(q, cu_q_lens), k_pool, v_pool, meta.context_lens, meta.page_tables, cu_q_lens,
             jnp.int32(batch), sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-            interpret=self.interpret, **scales)
+            query_limits=limits, interpret=self.interpret, **scales)
         return from_ragged(out, cu_q_lens, query_lens, num_tokens)
 
     def attend_latent(self, q: jax.Array, kv: KVPages, meta: AttentionMetadata, *, sm_scale: float,

@@ -6,8 +6,11 @@ Queries come in the engine's layout, `q: [B, T, q_heads, head_dim]` with row `b`
 group as the rows of its matmuls (`query_block * group` of them), and cells past a row's query length only
 write zeros. A cell walks the row's page table (its row only, in SMEM) a block of pages at a time,
 copying each page's `[page_size, head_dim]` tile HBM -> VMEM with `make_async_copy` into one of two
-buffers, so block `j + 1` is in flight while block `j` is computed (online softmax in float32). It reads
-only the blocks its causal (and sliding-window) range needs. Int8/fp8 pages come with float32 per-token
+buffers, so block `j + 1` is in flight while block `j` is computed (online softmax in float32). Each query sees
+the keys up to its own position (causal) or, with `query_limits`, up to its limit (Gemma 3's image tokens see
+their whole image): each cell's rows' limits come as a VMEM block, and its query block's largest limit is
+scalar-prefetched to end its walk. It reads only the blocks that range (and the sliding window, which counts back
+from the query's position) needs. Int8/fp8 pages come with float32 per-token
 scales: each page's `[1, page_size]` row is copied alongside the page into its own sublane row of a
 `[pages_per_block, page_size]` buffer (Mosaic copies no row into a lane slice), spread along the keys by an exact
 selection matmul and applied to the scores and probabilities. Attention sinks (one logit per
@@ -43,13 +46,18 @@ def query_block_tokens(num_tokens: int, group: int) -> int:
     return tokens
 
 
-def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap,
-            group, query_tokens, page_size, pages_per_block, quantized, has_sinks, value_dim):
-    sinks_ref = None
+def _kernel(context_lens, query_lens, *rest, sm_scale, sliding_window, soft_cap, group, query_tokens, page_size,
+            pages_per_block, quantized, has_sinks, has_limits, value_dim):
+    sinks_ref = block_limits = limits_ref = None
+    if has_limits:  # int32[B * query blocks]: each query block's largest limit over its real tokens
+        block_limits, *rest = rest
+    q_ref, page_table, k_hbm, v_hbm, *rest = rest
     if quantized:
         k_scales_hbm, v_scales_hbm, *rest = rest
     if has_sinks:
         sinks_ref, *rest = rest  # f32[rows, 1]: this KV head's query heads, once per token
+    if has_limits:
+        limits_ref, *rest = rest  # int32[rows, 1]: each row's last visible key, once per query head
     if quantized:
         o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
     else:
@@ -101,6 +109,10 @@ def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm
         real = token < query_len
         last_token = jnp.minimum(first_token + query_tokens, query_len) - 1
         kv_end = context - query_len + last_token + 1  # keys [kv_start, kv_end) are visible to some row
+        q_limit = q_pos
+        if has_limits:  # limits are at least their queries' positions: they only move the end
+            kv_end = jnp.minimum(context, block_limits[row * pl.num_programs(2) + q_block] + 1)
+            q_limit = limits_ref[...]
         kv_start = 0
         if sliding_window is not None:
             kv_start = jnp.maximum(context - query_len + first_token - sliding_window + 1, 0)
@@ -137,7 +149,7 @@ def _kernel(context_lens, query_lens, q_ref, page_table, k_hbm, v_hbm, *rest, sm
                 scores = scores * key_row(ks_buf[slot], block)
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
-            visible = (key_pos <= q_pos) & in_context & real
+            visible = (key_pos <= q_limit) & in_context & real
             if sliding_window is not None:
                 visible &= key_pos > q_pos - sliding_window
             scores = jnp.where(visible, scores, -jnp.inf)
@@ -172,10 +184,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array 
                            query_lens: jax.Array, page_tables: jax.Array, *, k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None, sm_scale: float | None = None,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           sinks: jax.Array | None = None, pages_per_block: int | None = None,
+                           sinks: jax.Array | None = None, query_limits: jax.Array | None = None,
+                           pages_per_block: int | None = None,
                            query_tokens: int | None = None, value_dim: int | None = None,
                            interpret: pltpu.InterpretParams | None = None) -> jax.Array:
-    """Causal attention of each row's new tokens over its paged K/V (already holding those tokens).
+    """Attention of each row's new tokens over its paged K/V (already holding those tokens): causal, or up to each
+    query's limit.
 
     Args:
       q: [B, T, q_heads, head_dim]; row `b`'s tokens `q[b, :query_lens[b]]` sit at positions
@@ -191,6 +205,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array 
       soft_cap: if set, scaled scores are capped as soft_cap * tanh(s / soft_cap) (Gemma 2).
       sinks: if set, f32 [q_heads] attention sinks (gpt-oss): one more logit per query head in each softmax,
         with no value.
+      query_limits: if set, int32 [B, T]: the last key position each query sees instead of its own (Gemma 3's
+        image tokens see their whole image), clipped to the row's context; at least the query's position (not
+        checked: a smaller one hides the query's own key). The sliding window still counts back from the query's
+        position; padding's limits are ignored. None: causal, the same kernel as before limits existed.
       pages_per_block: pages per KV block (default: `TARGET_BLOCK_TOKENS` keys, at most the table's width).
       query_tokens: query tokens per grid cell, dividing T (default `query_block_tokens`).
       value_dim: Multi-head Latent Attention's pool (DeepSeek, absorbed): `v_pages` is None and each key's first
@@ -229,7 +247,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array 
     rows = query_tokens * group
     block_tokens = pages_per_block * page_size
 
-    def q_index(b, h, i, context_lens, query_lens):  # cells past a row's tokens keep the last block
+    def q_index(b, h, i, context_lens, query_lens, *_):  # cells past a row's tokens keep the last block
         last = jnp.maximum(query_lens[b] - 1, 0) // query_tokens
         return b, h, jnp.minimum(i, last), 0
 
@@ -249,12 +267,21 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array 
     if sinks is not None:
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda b, h, i, *_: (h, 0, 0)))
         operands.append(group_sinks(sinks, q_heads, kv_heads, group, repeats=query_tokens)[..., None])
+    prefetch = [context_lens, query_lens]
+    if query_limits is not None:
+        if query_limits.shape != (batch, num_tokens):
+            raise ValueError(f"query_limits must be [B, T] = {(batch, num_tokens)}; got {query_limits.shape}")
+        limits = query_limits.astype(jnp.int32)
+        real = jnp.arange(num_tokens, dtype=jnp.int32)[None, :] < query_lens[:, None]
+        prefetch.append(jnp.where(real, limits, -1).reshape(batch, -1, query_tokens).max(axis=-1).reshape(-1))
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda b, h, i, *refs: (b, q_index(b, h, i, *refs)[2], 0)))
+        operands.append(jnp.repeat(limits, group, axis=1)[..., None])  # [B, T * group, 1], token-major like q_rows
     scratch.append(pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)))
     kernel = functools.partial(
         _kernel, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         query_tokens=query_tokens,
         page_size=page_size, pages_per_block=pages_per_block, quantized=quantized,
-        has_sinks=sinks is not None, value_dim=value_dim)
+        has_sinks=sinks is not None, has_limits=query_limits is not None, value_dim=value_dim)
     cells = batch * kv_heads * (num_tokens // query_tokens)
     keys = visible_keys(width * page_size, sliding_window, query_tokens, block_tokens)
     key_bytes = kv_bytes_per_key(head_dim, k_pages.dtype, quantized) // (2 if latent else 1)
@@ -264,12 +291,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array 
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(batch, kv_heads, num_tokens // query_tokens), in_specs=in_specs,
+            num_scalar_prefetch=len(prefetch), grid=(batch, kv_heads, num_tokens // query_tokens), in_specs=in_specs,
             out_specs=out_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((*q_rows.shape[:-1], out_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
-    )(context_lens, query_lens, *operands)
+    )(*prefetch, *operands)
     out = out.reshape(batch, kv_heads, num_tokens, group, out_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch, num_tokens, q_heads, out_dim)

@@ -6,9 +6,12 @@ list (``_planning.ragged_work_list``) cuts every sequence's tokens into tiles
 of ``tokens_per_tile`` tokens; grid = (tile, kv_head).  A program stacks its
 tokens x the KV head's query group into one ``tile_rows x D`` matrix (heads
 padded to a power of two), walks the KV tiles from the sliding-window start to
-its last query's position, and applies the causal (and window) mask per row.
-The padded tail of ``q`` is a pseudo-sequence with no keys: its rows come out 0.
-Attention sinks (one logit per query head) start each row's softmax state.
+the last key any of its queries sees, and masks per row: causally, or up to
+each query's limit when ``query_limits`` are given (Gemma 3's image tokens see
+their whole image), and by the window, which counts back from the query's own
+position either way.  The padded tail of ``q`` is a pseudo-sequence with no
+keys: its rows come out 0.  Attention sinks (one logit per query head) start
+each row's softmax state.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def _ragged_kernel(
     soft_cap: float | None,
     quantized: bool,
     has_sinks: bool,
+    has_limits: bool,
     num_aliased: int,
 ) -> None:
     if quantized:
@@ -51,6 +55,7 @@ def _ragged_kernel(
     else:
         k_scales_ref = v_scales_ref = None
     sinks_ref, *refs = refs if has_sinks else (None, *refs)  # f32[tile_rows] (this KV head's heads per token)
+    limits_ref, *refs = refs if has_limits else (None, *refs)  # int32[num_tokens + tokens_per_tile, group_padded]
     (out_ref,) = refs[num_aliased:]
 
     # Walk the work list last-to-first.  The order is irrelevant on a GPU; in
@@ -75,8 +80,14 @@ def _ragged_kernel(
     q = jnp.where(row_valid[:, None], q, jnp.zeros_like(q))  # other sequences' rows
     q_pos = first_pos + row_token
 
-    # Keys any row of this tile may see: up to its last query's position.
-    kv_end = jnp.where(num_valid > 0, jnp.minimum(kv_len, first_pos + num_valid), 0)
+    # Keys any row of this tile may see: up to its last query's position, or its valid rows' largest limit.
+    busy = num_valid > 0
+    if limits_ref is None:
+        q_limit, kv_end = q_pos, first_pos + num_valid
+    else:  # callers pass limits >= the row's position: a row sees its own key and every earlier one
+        q_limit = limits_ref[common.ds(first_row, tokens)].reshape(rows)
+        kv_end = jnp.max(jnp.where(row_valid, q_limit, -1)) + 1
+    kv_end = jnp.where(busy, jnp.minimum(kv_len, kv_end), 0)
     kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
     tile_lo = lax.div(kv_start, kv_tile)
     tile_hi = lax.div(kv_end + kv_tile - 1, kv_tile)
@@ -88,7 +99,7 @@ def _ragged_kernel(
         ]
         key_pos = kv_tile_idx * kv_tile + offsets
         in_range = key_pos < kv_end
-        allowed = in_range[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        allowed = in_range[None, :] & (key_pos[None, :] <= q_limit[:, None])
         if sliding_window is not None:
             allowed = allowed & (key_pos[None, :] > q_pos[:, None] - sliding_window)
         return common.attend_kv_tile(
@@ -141,6 +152,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    query_limits: jax.Array | None = None,
     pages_per_compute_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -148,6 +160,9 @@ def ragged_paged_attention(
     poison_output: bool = False,
 ) -> jax.Array:
     """Ragged multi-sequence attention; see ``pallas_kernels.ragged_paged_attention``.
+
+    ``query_limits`` (int32[num_tokens], rows as q's): the last key position each query sees, at least its own
+    (not checked: a smaller one hides the query's own key); None compiles the causal kernel.
 
     ``poison_output=True`` (tests only) starts the output buffer as NaN so rows
     the kernel fails to write show up.
@@ -210,6 +225,12 @@ def ragged_paged_attention(
     if sinks is not None:
         in_specs.append(pl.BlockSpec((None, plan.tile_rows), lambda t, h: (h, 0)))
         inputs.append(planning.group_sinks(sinks, num_q_heads, num_kv_heads, heads, repeats=tokens))
+    if query_limits is not None:
+        if query_limits.shape != (num_tokens,):
+            raise ValueError(f"query_limits must be [num_tokens = {num_tokens}]; got {query_limits.shape}")
+        limits = jnp.pad(query_limits.astype(jnp.int32), (0, tokens))  # a row's limit for each of its heads
+        in_specs.append(pl.BlockSpec((padded_tokens, heads), lambda t, h: (0, 0)))
+        inputs.append(jnp.broadcast_to(limits[:, None], (padded_tokens, heads)))
 
     out_shape = jax.ShapeDtypeStruct((padded_tokens, num_kv_heads, heads, head_dim), q.dtype)
     aliases: dict[int, int] = {}
@@ -229,6 +250,7 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         quantized=quantized,
         has_sinks=sinks is not None,
+        has_limits=query_limits is not None,
         num_aliased=num_aliased,
     )
     # every tile of the static work list counted busy, each as far into its sequence as the table reaches
