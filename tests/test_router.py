@@ -89,6 +89,19 @@ def test_routing_text_of_chats_and_completions():
     assert routing_text({"prompt": 7}) == "" and routing_text({"messages": "x"}) == ""
 
 
+def test_routing_text_keys_images_by_their_url():
+    """An image part routes by a digest of its URL (a data: URL: of the image's bytes), so chats with the same text
+    and different images share only the text before the image, and the same image and text route alike."""
+    def chat(url: str) -> dict:
+        return {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "what is it?"}]}]}
+    a, b = routing_text(chat("data:image/png;base64,AAAA")), routing_text(chat("data:image/png;base64,AAAB"))
+    assert a != b and a.startswith("user\nlook") and b.startswith("user\nlook")
+    assert a == routing_text(chat("data:image/png;base64,AAAA")) and a.endswith("what is it?\n")
+    assert len(routing_text(chat("data:image/png;base64," + "A" * 100_000))) < 100
+
+
 def test_bad_options_are_errors():
     assert worker_url("http://10.0.0.1:8000/") == "http://10.0.0.1:8000"
     with pytest.raises(ValueError, match="policy must be one of"):

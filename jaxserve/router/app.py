@@ -8,13 +8,14 @@ request is not retried: a whole answer becomes a 502, a stream in flight ends wi
 (the form jaxserve's own streams end with on a failure), never silently. A client that hangs up, streamed or
 whole, closes the upstream request, so the worker aborts it. `GET /v1/models` comes from a healthy worker; `/health`
 (200 while any worker is healthy) and `/metrics` are the router's own. Routing text: a completion's prompt (a
-string, or token ids written out), a chat's messages as role and content lines.
+string, or token ids written out), a chat's messages as role and content lines (an image: a digest of its URL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -50,8 +51,18 @@ def routing_text(body: dict[str, Any]) -> str:
 
 def _content(content: Any) -> str:
     if isinstance(content, list):  # OpenAI's content parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "".join(_part(part) for part in content if isinstance(part, dict))
     return content if isinstance(content, str) else ""
+
+
+def _part(part: dict) -> str:
+    """A content part's text; an image's: a digest of its URL, so different images key differently."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if part.get("type") == "image_url" and isinstance(url, str):
+        return f"<image {hashlib.sha256(url.encode()).hexdigest()[:16]}>"
+    text = part.get("text", "")
+    return text if isinstance(text, str) else ""
 
 
 def create_router_app(pool: WorkerPool, policy: Policy, client: httpx.AsyncClient,
