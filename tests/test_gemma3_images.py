@@ -113,9 +113,9 @@ def test_prompt_scores_equal_transformers_when_an_image_would_straddle_chunks(mo
 
 
 @pytest.mark.parametrize("backend", ["pallas-interpret", "pallas-tpu-interpret"])
-def test_the_pallas_backends_attend_to_a_chunk_holding_an_image_in_xla(model_dir, hf, backend):
-    """The Pallas kernels mask causally only: a prefill chunk that holds a Gemma 3 image attends in XLA over the
-    same pools (on TPU, heads padded to 128 lanes), every other call runs the kernels; every prompt token's logprob
+def test_the_pallas_kernels_attend_to_a_chunk_holding_an_image(model_dir, hf, backend):
+    """The Pallas kernels take the queries' limits: a prefill chunk that holds a Gemma 3 image runs them too (on
+    TPU, heads padded to 128 lanes), its image tokens seeing each other both ways; every prompt token's logprob
     equals transformers'."""
     ids = hf[1].encode("describe") + [hf[0].config.boi_token_id] + hf[1].encode("now")
     llm = LLM(model_dir, max_num_seqs=2, max_model_len=64, page_size=16, attention_backend=backend, warmup=False)
