@@ -1,7 +1,8 @@
 """Multi-host serving on one machine: three `jaxserve serve` processes of one CPU device each, joined by
 jax.distributed (gloo CPU collectives), serve one model split three ways.
 
-Over HTTP the answers equal one device's (with LoRA adapters too, their slots loaded on every host); SIGTERM to
+Over HTTP the answers equal one device's (with LoRA adapters too, their slots loaded on every host, and with
+images); SIGTERM to
 the leader ends every rank; a follower that dies makes
 the leader fail the request in flight with 503 and exit non-zero, and the other follower exits with it.
 """
@@ -192,3 +193,39 @@ def test_three_hosts_serve_lora_adapters_as_one_device(start_cluster, three_head
     assert texts == expected
     cluster.processes[0].send_signal(signal.SIGTERM)
     assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
+
+
+def test_three_hosts_serve_images_as_one_device(tmp_path):
+    """A Qwen2.5-VL split three ways: the leader encodes each image and sends the followers the encode calls and the
+    prefill's embeddings like any step's inputs; chats with two different images answer as one device does."""
+    import base64
+    import io
+
+    from jaxserve import LLM, SamplingParams
+    from tests.vision_models import drawn_image, save_tiny_qwen2_5_vl
+
+    model = save_tiny_qwen2_5_vl(str(tmp_path / "vl"), hidden_size=96, intermediate_size=192, num_attention_heads=6,
+                                 num_key_value_heads=3)
+    chats = []
+    for seed in (1, 2):
+        png = io.BytesIO()
+        drawn_image(200, 120, seed=seed).save(png, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        chats.append([{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                   {"type": "image_url", "image_url": {"url": url}}]}])
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [output.outputs[0].token_ids for output in llm.chat(chats, greedy, use_tqdm=False)]
+    assert expected[0] != expected[1], "the images change nothing: the test proves nothing"
+    del llm
+    cluster = Cluster(model, tmp_path)
+    try:
+        cluster.wait_healthy()
+        answers = [httpx.post(cluster.url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": chat, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()["choices"][0]["token_ids"] for chat in chats]
+        assert answers == expected
+        cluster.processes[0].send_signal(signal.SIGTERM)
+        assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
+    finally:
+        cluster.kill()

@@ -22,7 +22,7 @@ def tiny_qwen2_5_vl_config(**overrides):
     vocab = TINY_DIMS["vocab_size"]
     text = {**TINY_DIMS, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             "eos_token_id": 0, "bos_token_id": None, **overrides}
-    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=TINY_DIMS["hidden_size"],
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=text["hidden_size"],
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                   fullatt_block_indexes=[1], in_channels=3)
     first = vocab - len(VISION_TOKENS)  # the tokenizer's last tokens
@@ -53,7 +53,8 @@ def tiny_qwen3_vl_config(**overrides):
 TINY_VL = {"qwen2_5_vl": (tiny_qwen2_5_vl_config, 14), "qwen3_vl": (tiny_qwen3_vl_config, 16)}
 
 
-def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 64, family: str = "qwen2_5_vl") -> str:
+def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 64, family: str = "qwen2_5_vl",
+                         **text_overrides) -> str:
     """A Qwen-VL checkpoint of random weights (larger than transformers' init, so images change the outputs), its
     tokenizer and its image processor (images of up to `max_pixels`: 256 patches, 64 tokens by default)."""
     import torch
@@ -62,7 +63,7 @@ def save_tiny_qwen2_5_vl(path: str, seed: int = 0, max_pixels: int = 28 * 28 * 6
 
     torch.manual_seed(seed)
     make_config, patch = TINY_VL[family]
-    config = make_config()
+    config = make_config(**text_overrides)
     model = transformers.AutoModelForImageTextToText.from_config(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
