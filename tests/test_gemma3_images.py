@@ -41,11 +41,17 @@ def hf_greedy(hf, processor, expanded: list[int], images: list) -> list[int]:
     return out[0, len(expanded):].tolist()
 
 
-def test_the_tower_and_projector_equal_transformers(model_dir, hf):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_the_tower_and_projector_equal_transformers(model_dir, hf, tensor_parallel_size):
+    """On one device, and over two (each layer's q/k/v and first MLP linear split by output, the last ones by
+    input)."""
     import torch
 
-    llm = LLM(model_dir, max_num_seqs=2, max_model_len=128, attention_backend="xla", warmup=False)
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=128, attention_backend="xla", warmup=False,
+              tensor_parallel_size=tensor_parallel_size)
     encoder = llm.llm_engine.runner.encoder
+    layer = encoder.vision.params["layers"][0]
+    assert tuple(layer["q_proj"]["kernel"].sharding.spec) == ((None, "model") if tensor_parallel_size == 2 else ())
     processor = llm.llm_engine.model.vision.processor
     from jaxserve.multimodal.inputs import ImageInput
 

@@ -88,8 +88,8 @@ def hf_greedy(hf, ids: list[int], images: list) -> tuple[list[int], list[int]]:
 
 def test_the_vision_tower_equals_transformers(family):
     """The encoder step over images whose patch grids split into whole and partial windows (and one window), each
-    alone padded to its patch bucket and packed several to a call (up to the largest bucket, 256 patches), put back
-    in raster order; Qwen3-VL's deepstack features beside its embeddings."""
+    alone padded to its patch bucket and packed several to a call (up to the largest bucket, 256 patches), and over
+    two devices, put back in raster order; Qwen3-VL's deepstack features beside its embeddings."""
     import torch
 
     from jaxserve.multimodal.inputs import ImageInput
@@ -112,7 +112,9 @@ def test_the_vision_tower_equals_transformers(family):
     assert encoder.calls == 3
     packed = encoder.encode(images, steps)
     assert encoder.calls - 3 < len(images)
-    for ours, theirs in zip(alone + packed, expected + expected):
+    split = LLM(model_dir, max_num_seqs=2, max_model_len=256, warmup=False, tensor_parallel_size=2)
+    on_two = split.llm_engine.runner.encoder.encode(images, split.llm_engine.runner.steps)  # the tower split in two
+    for ours, theirs in zip(alone + packed + on_two, expected * 3):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=2e-5)
 
 
@@ -388,11 +390,15 @@ def test_llm_chat_takes_image_parts(model_dir, hf):
 
 
 def test_tensor_parallel_serves_images_as_one_device(model_dir, hf):
-    """Over 2 devices (the decoder's heads split, the vision tower replicated on both) the tokens are transformers'."""
+    """Over 2 devices (the decoder's heads split, and the vision tower's: each block's q/k/v and MLP by output,
+    their last linears by input) the tokens are transformers'."""
     a, b = drawn_image(120, 90, seed=8), drawn_image(64, 200, seed=9)
     prompts = [image_prompt(hf, ["one", a, "and", b]), image_prompt(hf, [b, "alone"])]
     llm = LLM(model_dir, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2,
               warmup=False)
+    block = llm.llm_engine.runner.encoder.vision.params["blocks"][0]
+    assert [tuple(block[name]["kernel"].sharding.spec) for name in ("qkv", "proj", "gate_proj", "down_proj")] == [
+        (None, None, "model"), ("model", None), (None, "model"), ("model", None)]
     outputs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
                             for ids, images in prompts], GREEDY, use_tqdm=False)
     for (ids, images), output in zip(prompts, outputs):

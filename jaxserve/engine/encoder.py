@@ -18,9 +18,7 @@ from typing import Any, Iterator
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
-from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.engine.config import bucket_for, power_of_two_buckets
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.step_inputs import PrefillInputs, with_images
@@ -78,8 +76,7 @@ class Encoder:
 
     def steps(self) -> list[Step]:
         vision = self.vision
-        replicated = NamedSharding(self.mesh, REPLICATED)
-        params_in = jax.tree.map(lambda _: replicated, vision.params)
+        params_in = jax.tree.map(lambda param: param.sharding, vision.params)
         encode = functools.partial(vision.family.encode, vision.config, self.dtype)
         return [Step("encode", jit_step(encode, self.mesh, (params_in,), (), donate=()), lambda: (vision.params,),
                      assign(self), self._examples)]

@@ -1,7 +1,7 @@
 """`load_vision`: an image + text checkpoint's vision side (`multimodal.vision.VisionModel`), read beside its language
 model (`loading.load_model`): the tower's tensors from the checkpoint's safetensors (or random ones for
-`load_format="dummy"`), checked against its config, in the serving dtype and replicated on the mesh, and the
-family's prompt processor."""
+`load_format="dummy"`), checked against its config, in the serving dtype and on the mesh (split under tensor parallelism:
+`tower_shardings`), and the family's prompt processor."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.loading.hf_files import tensor_files
-from jaxserve.multimodal.vision import VISION_FAMILIES, VisionFamily, VisionModel
+from jaxserve.multimodal.vision import VISION_FAMILIES, VisionFamily, VisionModel, is_shape, tower_shardings
 
 
 def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
@@ -29,10 +28,10 @@ def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
     config = family.parse_config(hf_config)
     shapes = family.checkpoint_shapes(config)
     processor = family.processor(directory, hf_config, mm_processor_kwargs, defaults=load_format != "auto")
-    sharding = NamedSharding(mesh, REPLICATED)
+    shardings = tower_shardings(family, config, shapes, mesh)
     if load_format == "abstract":  # `jaxserve compile`: shapes on the target's devices, nothing read
-        params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), shapes,
-                              is_leaf=is_shape)
+        params = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), shapes,
+                              shardings, is_leaf=is_shape)
         return VisionModel(family, config, params, processor)
     if load_format == "dummy":
         rng = np.random.default_rng(0)
@@ -40,12 +39,8 @@ def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
                             is_leaf=is_shape)
     else:
         host = read_tower(directory, family, config, shapes)
-    params = jax.tree.map(lambda array: jax.device_put(array.astype(dtype), sharding), host)
+    params = jax.tree.map(lambda array, sharding: jax.device_put(array.astype(dtype), sharding), host, shardings)
     return VisionModel(family, config, params, processor)
-
-
-def is_shape(leaf: Any) -> bool:
-    return isinstance(leaf, tuple) and all(isinstance(n, int) for n in leaf)
 
 
 def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) -> dict:
@@ -64,6 +59,8 @@ def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) 
             array = reader.get_tensor(name).astype(np.float32)
         if transposed:
             array = array.reshape(array.shape[0], -1).T
+        if len(shape) > array.ndim and array.size == np.prod(shape):  # a fused q/k/v split on its output axis
+            array = array.reshape(shape)
         if array.shape != tuple(shape):
             raise ValueError(f"vision tower tensor {name!r} has shape {array.shape}, its config says {shape}")
         return array

@@ -60,6 +60,12 @@ class VisionConfig:
         return self.spatial_merge_size ** 2
 
 
+# Under tensor parallelism each block splits as the decoder's (`multimodal.vision.tower_shardings`): the fused q/k/v
+# and the MLP's first linears by output (heads, features), the attention's and the MLP's last by input; the rest is
+# replicated. Paths as `path_name` writes them; the first match wins.
+SHARDING_RULES = ((r"^blocks/.*/(qkv|gate_proj|up_proj)/", "columns"), (r"^blocks/.*/(proj|down_proj)/kernel$", "rows"),
+                  (r".", "replicated"))
+
 ACTIVATIONS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh", "qwen3_5": "gelu_pytorch_tanh",
                "qwen3_5_moe": "gelu_pytorch_tanh"}  # each tower's MLP
 
@@ -155,7 +161,8 @@ def encoder_inputs(config: VisionConfig, images: list[tuple[np.ndarray, tuple[in
 
 
 def linear(x, layer: dict):
-    y = x @ layer["kernel"].astype(x.dtype)
+    """`x [N, in]` through a dense layer: its kernel `[in, out...]` (a fused q/k/v's `[in, 3, width]`) and bias."""
+    y = jnp.tensordot(x, layer["kernel"].astype(x.dtype), axes=1)
     return y + layer["bias"].astype(x.dtype) if "bias" in layer else y
 
 
@@ -228,13 +235,14 @@ def checkpoint_tensors(config: VisionConfig) -> dict:
 
 
 def checkpoint_shapes(config: VisionConfig) -> dict:
-    """The shape each leaf of `checkpoint_tensors` has once read (kernels `[in, out]`)."""
+    """The shape each leaf of `checkpoint_tensors` has once read (kernels `[in, out]`; the fused q/k/v's
+    `[in, 3, width]`, so its heads split over devices as q's, k's and v's)."""
     d, inner, merged = config.hidden_size, config.intermediate_size, config.hidden_size * config.merge_unit
 
     def dense(fan_in: int, fan_out: int, bias: bool = True) -> dict:
         return {"kernel": (fan_in, fan_out), **({"bias": (fan_out,)} if bias else {})}
 
-    block = {"norm1": (d,), "norm2": (d,), "qkv": dense(d, 3 * d), "proj": dense(d, d),
+    block = {"norm1": (d,), "norm2": (d,), "qkv": {"kernel": (d, 3, d), "bias": (3, d)}, "proj": dense(d, d),
              "gate_proj": dense(d, inner), "up_proj": dense(d, inner), "down_proj": dense(inner, d)}
     return {"patch_embed": dense(config.patch_dim, d, bias=False), "blocks": [block] * config.depth,
             "merger": {"ln_q": (d,), "mlp_0": dense(merged, merged), "mlp_2": dense(merged, config.out_hidden_size)}}

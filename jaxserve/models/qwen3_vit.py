@@ -16,6 +16,8 @@ from jaxserve.models.qwen2_5_vit import (QUERY_BLOCK, VisionConfig, attention, c
                                          merge_unit_positions, one_frame)
 
 FEATURES_BLOCK = 4  # bilinear taps per patch of the position table
+SHARDING_RULES = ((r"^blocks/.*/(qkv|linear_fc1)/", "columns"), (r"^blocks/.*/(proj|linear_fc2)/kernel$", "rows"),
+                  (r".", "replicated"))  # as `qwen2_5_vit.SHARDING_RULES`
 
 
 @flax.struct.dataclass
@@ -131,7 +133,8 @@ def checkpoint_tensors(config: VisionConfig) -> dict:
 
 
 def checkpoint_shapes(config: VisionConfig) -> dict:
-    """The shape each leaf of `checkpoint_tensors` has once read (kernels `[in, out]`)."""
+    """The shape each leaf of `checkpoint_tensors` has once read (kernels `[in, out]`; the fused q/k/v's
+    `[in, 3, width]`)."""
     d, inner, merged = config.hidden_size, config.intermediate_size, config.hidden_size * config.merge_unit
 
     def dense(fan_in: int, fan_out: int) -> dict:
@@ -142,7 +145,8 @@ def checkpoint_shapes(config: VisionConfig) -> dict:
                 "linear_fc2": dense(merged, config.out_hidden_size)}
 
     block = {"norm1": {"scale": (d,), "bias": (d,)}, "norm2": {"scale": (d,), "bias": (d,)},
-             "qkv": dense(d, 3 * d), "proj": dense(d, d), "linear_fc1": dense(d, inner), "linear_fc2": dense(inner, d)}
+             "qkv": {"kernel": (d, 3, d), "bias": (3, d)}, "proj": dense(d, d), "linear_fc1": dense(d, inner),
+             "linear_fc2": dense(inner, d)}
     return {"patch_embed": dense(config.patch_dim, d), "pos_embed": (config.num_position_embeddings, d),
             "blocks": [block] * config.depth, "merger": merger(d),
             "deepstack_mergers": [merger(merged)] * len(config.deepstack_visual_indexes)}

@@ -18,6 +18,9 @@ from jaxserve.layers.norms import rms_normalize
 from jaxserve.models.qwen2_5_vit import QUERY_BLOCK, linear
 from jaxserve.models.qwen3_vit import layer_norm
 
+SHARDING_RULES = ((r"^layers/.*/(q_proj|k_proj|v_proj|fc1)/", "columns"),
+                  (r"^layers/.*/(out_proj|fc2)/kernel$", "rows"), (r".", "replicated"))  # as qwen2_5_vit's
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
