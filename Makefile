@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 $(AOT_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[test,bench,aot]"
+	$(PY) -m pip install -q -e ".[test,bench,aot,router]"
 	touch $(AOT_STAMP)
 
 # the CPU build's targets run on the CPU (after make test the venv also holds the [aot] extra's compilers, which

@@ -102,6 +102,10 @@ class LLM:
         return render_chat(self.llm_engine.tokenizer, split_images(messages)[0], add_generation_prompt,
                            chat_template)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the cached prefixes (vLLM's); False while requests are unfinished."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         progress = None

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.engine.kv_events import KVEventsConfig
 from jaxserve.layers.paged_kv import KV_CACHE_DTYPES
 from jaxserve.loading.awq import check_quantization
 from jaxserve.loading.dummy import LOAD_FORMATS
@@ -90,6 +91,8 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offloading_dir: str | None = None
     kv_offloading_disk_size: float = 64.0
+    # vLLM's kv_events_config (`engine/kv_events.py`): prefix-cache events over ZMQ for KV-aware routers
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # bytes each device gives the KV pools (vLLM's kv_cache_memory_bytes); default: from gpu_memory_utilization on
     # an accelerator, enough for every slot on a CPU
     kv_cache_memory_bytes: int | None = None
@@ -209,6 +212,8 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{field} {message}, got {getattr(self, field)!r}")
         SpeculativeConfig.parse(self.speculative_config)  # its checks; resolve() parses it with the platform's defaults
+        if self.kv_events is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config needs prefix caching (its events are the prefix cache's)")
         for modality, limit in (self.limit_mm_per_prompt or {}).items():
             if modality != "image":
                 raise ValueError(f"limit_mm_per_prompt: modality {modality!r} is not supported (jaxserve takes images)")
@@ -255,6 +260,14 @@ class EngineConfig:
             smallest_prefill_bucket=self.smallest_prefill_bucket or (16 if platform == "cpu" else 64),
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
             quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed `kv_events_config` when its events are enabled."""
+        config = self.kv_events_config
+        if config is not None and not isinstance(config, KVEventsConfig):
+            config = KVEventsConfig.parse(config)
+        return config if config is not None and config.enable_kv_cache_events else None
 
     @property
     def state_checkpoint_interval(self) -> int:

@@ -29,6 +29,7 @@ from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
+from jaxserve.engine.kv_events import KVEventLog, KVEventsConfig
 from jaxserve.engine.kv_plan import check_plan
 from jaxserve.engine.kv_transfer import attach_kv_tiers
 from jaxserve.engine.model_runner import ModelRunner
@@ -62,6 +63,18 @@ def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
         raise ValueError(f"speculative method {spec.method!r} is not supported for the image model "
                          f"{target.model_type!r} (n-gram speculation is)")
 
+
+
+def make_publisher(config: KVEventsConfig, page_size: int, data_parallel_rank: int = 0):
+    """The publisher `config` names (None for "null"); ValueError when pyzmq or msgspec are missing."""
+    if config.publisher == "null":
+        return None
+    try:
+        from jaxserve.engine.kv_event_publisher import ZmqEventPublisher
+    except ImportError as error:
+        raise ValueError(f"kv_events_config needs pyzmq and msgspec: pip install 'jaxserve[router]' ({error})") \
+            from None
+    return ZmqEventPublisher(config, page_size, data_parallel_rank)
 
 
 class LLMEngine:
@@ -100,9 +113,12 @@ class LLMEngine:
                         for index, group in enumerate(plan.window_groups, 1))
         states = (StateCheckpoints(plan.state_checkpoints, self.engine_config.state_checkpoint_interval,
                                    plan.page_size) if plan.state_checkpoints else None)
+        events = self.engine_config.kv_events
         self.page_manager = PageManager(plan.num_pages, plan.page_size, self.engine_config.enable_prefix_caching,
                                         tiers=attach_kv_tiers(self.engine_config, runner), windows=windows,
-                                        states=states)
+                                        states=states, events=KVEventLog() if events is not None else None)
+        self.kv_events = (make_publisher(events, plan.page_size, self.engine_config.data_parallel_rank)
+                          if events is not None else None)
         encoder_cache = (EncoderCacheManager.for_model(self.engine_config.max_num_batched_tokens,
                                                        runner.encoder.vision.processor.max_tokens())
                          if runner.encoder is not None else None)
@@ -218,6 +234,10 @@ class LLMEngine:
             stored = self.page_manager.tiers.take_pending()
             if stored:
                 self.runner.transfers.store(stored)
+        if self.page_manager.events is not None:  # the step's prefix-cache changes, for KV-aware routers
+            events = self.page_manager.events.take()
+            if self.kv_events is not None:
+                self.kv_events.publish(events)
         outputs = self.outputs.outputs(touched)
         self._stats = self._snapshot()
         self._iteration = IterationStats(tuple(self.outputs.first_token_latencies),
@@ -273,11 +293,21 @@ class LLMEngine:
                         self.scheduler.finish(seq, "abort")
                 changed.add(payload)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix page (vLLM's; KV-aware routers hear `AllBlocksCleared`); False, doing nothing,
+        while requests are unfinished."""
+        if self.scheduler.seqs:
+            return False
+        self.page_manager.reset_prefix_cache()
+        return True
+
     def shutdown(self) -> None:
         """Flushes the KV tiers (every page stored so far reaches host memory and the disk tier's files) and stops
         their threads. The engine may not step afterwards."""
         if self.runner.transfers is not None:
             self.runner.transfers.close()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def _snapshot(self) -> SchedulerStats:
         manager, spec, plan = self.page_manager, self.runner.spec_counters, self.runner.kv_plan

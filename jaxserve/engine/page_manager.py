@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from jaxserve.engine.kv_events import KVEventLog
 from jaxserve.engine.kv_tiers import KVTiers, TierPage
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.sequence import Sequence
@@ -83,7 +84,7 @@ class CachedPage:
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
                  hash_fn: PageHash = page_key, tiers: KVTiers | None = None, windows: tuple[WindowManager, ...] = (),
-                 states: StateCheckpoints | None = None):
+                 states: StateCheckpoints | None = None, events: KVEventLog | None = None):
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -91,6 +92,7 @@ class PageManager:
         self.tiers = tiers
         self.windows = windows  # the sliding-window groups' managers (none: every layer reads this group's pages)
         self.states = states  # the state-keeping layers' checkpoints (a hybrid model under prefix caching)
+        self.events = events  # KV cache events: pages registered and dropped (`kv_events.py`)
         self.cached: dict[int, CachedPage] = {}  # page -> its registration
         self.page_of_key: dict[bytes, int] = {}
         self._serials = itertools.count()
@@ -210,6 +212,8 @@ class PageManager:
             tokens = seq.key_tokens(index * self.page_size, (index + 1) * self.page_size)
             page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, tier_page.key, tokens, index, serials[-1] if serials else None))
+            if serials[-1] is not None and page in self.cached and self.cached[page].serial == serials[-1]:
+                self._note_stored(seq, index, tier_page.key, keys[-1] if keys else None)
             keys.append(tier_page.key)
             restores.append((page, tier_page))
         return restores
@@ -257,10 +261,12 @@ class PageManager:
             keys.append(key)
             page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, key, tokens, index, parent_serial))
-            if self.tiers is not None and serials[-1] is not None and self.cached.get(page) is not None \
+            if serials[-1] is not None and self.cached.get(page) is not None \
                     and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
-                end = (index + 1) * self.page_size
-                self.tiers.note_registered(page, key, seq.key_tokens(0, end), end)
+                self._note_stored(seq, index, key, keys[-2] if index else None)
+                if self.tiers is not None:
+                    end = (index + 1) * self.page_size
+                    self.tiers.note_registered(page, key, seq.key_tokens(0, end), end)
             for window in self.windows:
                 window.register(seq.seq_id, index, serials[-1])
             if self.states is not None:
@@ -311,7 +317,14 @@ class PageManager:
     def _release(self, page: int) -> None:
         self.pool.release(page, cached=page in self.cached)
 
+    def _note_stored(self, seq: Sequence, index: int, key: bytes, parent_key: bytes | None) -> None:
+        if self.events is not None:
+            size = self.page_size
+            self.events.stored(key, parent_key, tuple(seq.token_ids[index * size:(index + 1) * size]), seq.lora)
+
     def reset_prefix_cache(self) -> None:
+        if self.events is not None:
+            self.events.cleared()
         self.cached.clear()
         self.page_of_key.clear()
         for window in self.windows:
@@ -323,5 +336,7 @@ class PageManager:
         entry = self.cached.pop(page, None)
         if entry is not None:
             del self.page_of_key[entry.key]
+            if self.events is not None:
+                self.events.removed(entry.key)
             if self.states is not None:
                 self.states.forget(entry.serial)
