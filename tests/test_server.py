@@ -515,3 +515,25 @@ def test_metrics_count_this_traffic(server):
     while "Avg generation throughput" not in server.log():
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.1)
+
+
+@slow
+def test_render_gives_the_prompt_tokens_a_request_runs_with(server):
+    """vLLM's render endpoints (vllm-router asks them for the tokens it routes by): the token ids of each prompt,
+    as the completion or chat request itself reports them, without running it."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        completion = {"model": MODEL, "prompt": ["The capital of France is", "Hello there"], "max_tokens": 1,
+                      "temperature": 0, "return_token_ids": True}
+        rendered = http.post(COMPLETIONS + "/render", json=completion)
+        assert rendered.status_code == 200, rendered.text
+        ran = http.post(COMPLETIONS, json=completion).json()
+        assert [entry["token_ids"] for entry in rendered.json()] == [
+            choice["prompt_token_ids"] for choice in ran["choices"]]
+        assert rendered.json()[0]["sampling_params"]["max_tokens"] == 1
+        chat = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."}, *GOOD_MESSAGES],
+                "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+        rendered = http.post(CHAT + "/render", json=chat)
+        assert rendered.status_code == 200, rendered.text
+        assert rendered.json()["token_ids"] == http.post(CHAT, json=chat).json()["prompt_token_ids"]
+        bad = http.post(CHAT + "/render", json={**chat, "messages": []})
+        assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]

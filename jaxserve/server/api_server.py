@@ -33,6 +33,7 @@ from jaxserve.server.protocol import DetokenizeRequest, TokenizeRequest, normali
 from jaxserve.server.serving import ServingContext, now
 from jaxserve.server.serving_chat import create_chat_completion
 from jaxserve.server.serving_completion import create_completion
+from jaxserve.server.serving_render import render_chat, render_completion
 from jaxserve.server.serving_responses import create_response, stored_response_missing
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,14 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> list[dict]:
+        return await render_completion(ctx, request)
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(request: Request) -> dict:
+        return await render_chat(ctx, request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

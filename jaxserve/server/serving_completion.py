@@ -12,13 +12,13 @@ chunk) and `token_ids`.
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
-from jaxserve.sampling_params import RequestOutputKind
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
@@ -27,8 +27,10 @@ from jaxserve.server.serving import (ServingContext, engine_failures, invalid, n
                                      sorted_top, stop_reason, usage, usage_counts)
 
 
-async def create_completion(ctx: ServingContext, raw_request: Request) -> Response:
-    request = await read_json(raw_request, CompletionRequest)
+async def prepare_completion(ctx: ServingContext, request: CompletionRequest) -> tuple[list, list[list[int]],
+                                                                                      SamplingParams, Any]:
+    """Checks `request` and tokenizes its prompts: (prompts, their token ids, sampling params, LoRA request);
+    APIError (4xx, 503) naming what is wrong."""
     lora_request = ctx.check_model(request.model)
     llm_engine = ctx.ready_engine()
     try:
@@ -43,9 +45,15 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
                                          request.engine_prompt_logprobs)
     except ValueError as err:
         raise invalid(err) from None
-    request_id = new_id("cmpl", raw_request)
     await ctx.compile_grammar(params)
     await ctx.read_adapter(lora_request)
+    return prompts, token_lists, params, lora_request
+
+
+async def create_completion(ctx: ServingContext, raw_request: Request) -> Response:
+    request = await read_json(raw_request, CompletionRequest)
+    prompts, token_lists, params, lora_request = await prepare_completion(ctx, request)
+    request_id = new_id("cmpl", raw_request)
     submission = ctx.submit(request_id, token_lists, params, request.priority, lora_request)
     echoes = [p if isinstance(p, str) else ctx.decode(p) for p in prompts] if request.echo else None
     if request.stream:
