@@ -1,0 +1,115 @@
+"""vllm-router (the `[router]` extra) in front of real `jaxserve serve` processes, one of them data-parallel over two
+devices, each publishing its KV cache events (`--kv-events-config`): the router's `kv_aware` policy sends a prompt
+to the worker whose events say it holds the prompt's pages (seen in `usage.prompt_tokens_details.cached_tokens`),
+answers equal a worker's own, chats render through the workers' render endpoints, and a killed worker's share goes
+to the other."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from jaxserve.bench import client
+from tests.test_kv_events import BlockStored, replay
+from tests.test_router_servers import WORKER, start
+from tests.test_server_process import free_port
+
+ROUTER = Path(sys.executable).with_name("vllm-router")
+DEADLINE = 60  # seconds for a worker to have published its events (a bound against hanging, not a latency check)
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (a data-parallel worker publishes on port + replica)."""
+    while True:
+        first = free_port()
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_published(replay_endpoints: list[str], token_ids: list[int]) -> None:
+    """Waits until one of a worker's replicas has published the first page of `token_ids` as stored (read back
+    through its replay socket: what its PUB socket has sent the router too)."""
+    deadline = time.monotonic() + DEADLINE
+    while not any(event.token_ids == token_ids[:8] for endpoint in replay_endpoints
+                  for _, batch in replay(endpoint, 0) for event in batch.events if isinstance(event, BlockStored)):
+        assert time.monotonic() < deadline, "the worker never published the prompt's pages"
+        time.sleep(0.05)
+
+
+def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_path):
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    events, replays = [free_ports(2), free_port()], [free_ports(2), free_port()]
+    logs = [tmp_path / "worker0.log", tmp_path / "worker1.log"]
+    workers = [start(["serve", "--model", tiny_llama_dir, "--port", url.rsplit(":", 1)[1], *WORKER, *extra,
+                      "--kv-events-config", json.dumps({
+                          "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
+                          "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})], log)
+               for url, port, replay_port, log, extra in zip(urls, events, replays, logs,
+                                                             (["--data-parallel-size", "2"], []))]
+    router, front = f"http://127.0.0.1:{free_port()}", None
+    try:
+        for url, process in zip(urls, workers):
+            client.wait_for_server(url, 180, process)
+        # the data-parallel worker's replicas publish on consecutive ports: one source of two ranks
+        sources = [f"{urls[0]}=tcp://127.0.0.1:{events[0]},tcp://127.0.0.1:{events[0] + 1}",
+                   f"{urls[1]}=tcp://127.0.0.1:{events[1]}"]
+        with open(tmp_path / "router.log", "w") as log:
+            front = subprocess.Popen(
+                [str(ROUTER), "--worker-urls", *urls, "--policy", "kv_aware", "--port", router.rsplit(":", 1)[1],
+                 "--prometheus-port", str(free_port()), "--kv-event-block-size", "8", "--kv-event-model",
+                 tiny_llama_dir, "--health-check-interval-secs", "1",
+                 *(f"--kv-event-source={s}" for s in sources)],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DEADLINE
+        while not is_healthy(router):  # its /health answers 200 with an empty body once a worker is healthy
+            assert front.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
+            time.sleep(0.2)
+        with httpx.Client(timeout=60) as http:
+            # (no return_token_ids: vllm-router 0.1.17 routes such a request without its prefix credit)
+            body = {"model": tiny_llama_dir, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            prompts = [list(range(5 + offset, 60 + offset)) for offset in (0, 100)]  # 55 tokens: 6 pages each
+            direct = [http.post(url + "/v1/completions", json={**body, "prompt": prompt}).json()
+                      for url, prompt in zip(urls, prompts)]  # prompt i is cached on worker i only
+            published = [[f"tcp://127.0.0.1:{replays[0]}", f"tcp://127.0.0.1:{replays[0] + 1}"],
+                         [f"tcp://127.0.0.1:{replays[1]}"]]
+            for index, prompt in enumerate(prompts):
+                wait_published(published[index], prompt)  # the router has read them at the same time
+                routed = http.post(router + "/v1/completions", json={**body, "prompt": prompt}).json()
+                assert routed["choices"][0]["text"] == direct[index]["choices"][0]["text"]
+                assert routed["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # its 6 full pages
+            chat = http.post(router + "/v1/chat/completions", json={
+                "model": tiny_llama_dir, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4})
+            assert chat.status_code == 200, chat.text
+
+            workers[1].kill()
+            workers[1].wait()
+            for offset in range(4):  # each gets an answer from the live worker
+                answer = http.post(router + "/v1/completions", json={**body, "prompt": [7 + offset] * 9})
+                assert answer.status_code == 200, answer.text
+    finally:
+        for process in [*workers, *([front] if front else [])]:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=60)
