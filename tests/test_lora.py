@@ -31,14 +31,15 @@ ADAPTERS = {
 }
 
 
-def save_peft_adapter(base: str, path: str, seed: int, **lora_config) -> str:
-    """A PEFT LoRA adapter of `base` with random A and B (large enough to change greedy tokens), saved to `path`."""
+def save_peft_adapter(base: str, path: str, seed: int, model_class=None, **lora_config) -> str:
+    """A PEFT LoRA adapter of `base` with random A and B (large enough to change greedy tokens), saved to `path`;
+    `model_class`: transformers' class of `base` (default: AutoModelForCausalLM)."""
     import peft
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = (model_class or transformers.AutoModelForCausalLM).from_pretrained(base, dtype=torch.float32)
     adapted = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora_config))
     with torch.no_grad():
         for name, param in adapted.named_parameters():

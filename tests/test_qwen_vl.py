@@ -201,18 +201,10 @@ def test_lora_adapters_of_the_language_model_serve_images(model_dir, hf, tmp_pat
     import torch
 
     from jaxserve import LoRARequest
+    from tests.test_lora import save_peft_adapter
 
     def save(path: str, targets: list[str]) -> str:
-        torch.manual_seed(0)
-        model = type(hf[0]).from_pretrained(model_dir, dtype=torch.float32)
-        adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                             target_modules=targets))
-        with torch.no_grad():
-            for name, param in adapted.named_parameters():
-                if "lora_" in name:
-                    param.normal_(0.0, 0.3)
-        adapted.save_pretrained(path)
-        return path
+        return save_peft_adapter(model_dir, path, 0, type(hf[0]), r=4, lora_alpha=8, target_modules=targets)
 
     adapter = save(str(tmp_path / "attention"), ["q_proj", "v_proj", "o_proj"])
     image = drawn_image(200, 120, seed=6)
