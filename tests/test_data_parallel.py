@@ -116,6 +116,26 @@ def test_cache_aware_keys_an_adapters_prompts_by_the_adapter(tiny_llama_dir, tmp
 
     serve_app(engine, check, MODEL)
 
+def test_a_router_pins_a_request_to_a_replica_by_vllms_header(tiny_llama_dir):
+    """`X-data-parallel-rank` (vllm-router's data-parallel mode): the request runs on that replica whatever the
+    load-balance method would pick; a replica the server lacks, or a rank that is not a number, is a 400."""
+    engine = replicas(tiny_llama_dir, "cache_aware")
+    prompt = random_prompts(1, 500, 24, 24, seed=14)[0]
+
+    async def check(http: httpx.AsyncClient) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        for rank in (1, 1, 0):
+            answer = await http.post("/v1/completions", json=body, headers={"X-data-parallel-rank": str(rank)})
+            assert answer.status_code == 200, answer.text
+        assert served_by((await http.get("/metrics")).text) == {"0": 1.0, "1": 2.0}  # cache_aware alone: all on 1
+        for rank, message in (("2", "not a replica of this server (0..1)"), ("x", "must be an integer")):
+            answer = await http.post("/v1/chat/completions", headers={"X-data-parallel-rank": rank}, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
+
+    serve_app(engine, check, MODEL)
+
+
 def test_a_full_replica_is_skipped_and_all_full_is_a_503(tiny_llama_dir):
     from jaxserve.server.async_engine import ServerOverloaded
 

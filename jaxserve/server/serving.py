@@ -114,11 +114,19 @@ class ServingContext:
             raise unavailable(str(err)) from None
 
     def submit(self, request_id: str, prompts: list[list[int] | dict], params: SamplingParams,
-               priority: int = 0, lora_request: LoRARequest | None = None) -> Submission:
-        """Queues the prompts; 400 for invalid input (a bad adapter too), 503 (+ Retry-After) when full or
-        unavailable."""
+               priority: int = 0, lora_request: LoRARequest | None = None,
+               data_parallel_rank: int | None = None) -> Submission:
+        """Queues the prompts, on replica `data_parallel_rank` if given (a router's pick: vLLM's
+        `X-data-parallel-rank`); 400 for invalid input (a bad adapter, a replica the server lacks), 503
+        (+ Retry-After) when full or unavailable."""
+        engine = self.async_engine
+        if data_parallel_rank is not None:
+            if not 0 <= data_parallel_rank < len(engine.replicas):
+                raise bad_request(f"X-data-parallel-rank {data_parallel_rank} is not a replica of this server "
+                                  f"(0..{len(engine.replicas) - 1})")
+            engine = engine.replicas[data_parallel_rank]
         try:
-            return self.async_engine.submit(request_id, prompts, params, priority, lora_request)
+            return engine.submit(request_id, prompts, params, priority, lora_request)
         except ValueError as err:
             raise invalid(err) from None
         except ServerOverloaded as err:
@@ -181,6 +189,17 @@ class ServingContext:
 def new_id(prefix: str, raw_request: Request) -> str:
     """The request's id: `{prefix}-{X-Request-Id header}` if the client sent one (as vLLM), else a random one."""
     return f"{prefix}-{raw_request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+
+def data_parallel_rank(raw_request: Request) -> int | None:
+    """vLLM's `X-data-parallel-rank` header: the replica a router pins the request to (None: the server picks)."""
+    value = raw_request.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise bad_request(f"X-data-parallel-rank must be an integer, got {value!r}") from None
 
 
 def now() -> int:

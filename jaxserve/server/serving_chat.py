@@ -21,8 +21,8 @@ from jaxserve.lora.request import LoRARequest
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.tools import ToolPlan, ToolStream, plan_tools
-from jaxserve.server.serving import (ServingContext, engine_failures, invalid, new_id, now, request_failed,
-                                     sorted_top, stop_reason, usage, usage_counts)
+from jaxserve.server.serving import (ServingContext, data_parallel_rank, engine_failures, invalid, new_id, now,
+                                     request_failed, sorted_top, stop_reason, usage, usage_counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,8 @@ async def create_chat_completion(ctx: ServingContext, raw_request: Request) -> R
     request = await read_json(raw_request, ChatCompletionRequest)
     chat = await prepare_chat(ctx, request)
     request_id = new_id("chatcmpl", raw_request)
-    submission = ctx.submit(request_id, [chat.submitted], chat.params, request.priority, chat.lora_request)
+    submission = ctx.submit(request_id, [chat.submitted], chat.params, request.priority, chat.lora_request,
+                            data_parallel_rank(raw_request))
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, chat.params.n, chat.tools,
                                            chat.prompt_ids))

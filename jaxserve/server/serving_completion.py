@@ -23,8 +23,8 @@ from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.protocol import OPENAI_MAX_TOKENS, CompletionRequest
-from jaxserve.server.serving import (ServingContext, engine_failures, invalid, new_id, now, request_failed,
-                                     sorted_top, stop_reason, usage, usage_counts)
+from jaxserve.server.serving import (ServingContext, data_parallel_rank, engine_failures, invalid, new_id, now,
+                                     request_failed, sorted_top, stop_reason, usage, usage_counts)
 
 
 async def prepare_completion(ctx: ServingContext, request: CompletionRequest) -> tuple[list, list[list[int]],
@@ -54,7 +54,8 @@ async def create_completion(ctx: ServingContext, raw_request: Request) -> Respon
     request = await read_json(raw_request, CompletionRequest)
     prompts, token_lists, params, lora_request = await prepare_completion(ctx, request)
     request_id = new_id("cmpl", raw_request)
-    submission = ctx.submit(request_id, token_lists, params, request.priority, lora_request)
+    submission = ctx.submit(request_id, token_lists, params, request.priority, lora_request,
+                            data_parallel_rank(raw_request))
     echoes = [p if isinstance(p, str) else ctx.decode(p) for p in prompts] if request.echo else None
     if request.stream:
         return EventStreamResponse(_stream(ctx, request, request_id, submission, params.n, echoes))

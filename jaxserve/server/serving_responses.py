@@ -20,7 +20,8 @@ from jaxserve.server.async_engine import RequestFailed, Submission
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.http_utils import EventStreamResponse, read_json, sse, unless_disconnected
 from jaxserve.server.responses_protocol import ResponsesRequest
-from jaxserve.server.serving import ServingContext, engine_failures, invalid, new_id, request_failed
+from jaxserve.server.serving import (ServingContext, data_parallel_rank, engine_failures, invalid, new_id,
+                                     request_failed)
 from jaxserve.server.serving_chat import prepare_chat
 from jaxserve.server.tools import ToolPlan, ToolStream
 
@@ -33,7 +34,8 @@ async def create_response(ctx: ServingContext, raw_request: Request) -> Response
         raise invalid(err) from None
     chat = await prepare_chat(ctx, chat_request)
     response_id = new_id("resp", raw_request)
-    submission = ctx.submit(response_id, [chat.submitted], chat.params, request.priority, chat.lora_request)
+    submission = ctx.submit(response_id, [chat.submitted], chat.params, request.priority, chat.lora_request,
+                            data_parallel_rank(raw_request))
     shell = ResponseShell(ctx.model_name, request, response_id, len(chat.prompt_ids))
     if request.stream:
         return EventStreamResponse(_stream(shell, submission, chat.tools))
