@@ -1,25 +1,22 @@
-"""Routing across servers: `jaxserve router` and vllm-router side by side, and what a router adds.
+"""Routing across servers with vllm-router, and what the router adds.
 
-Policies (`--policies`): `jaxserve router`'s (`cache_aware`, `round_robin`, `shortest_queue`) and vllm-router's
-(`vllm-router:cache_aware`; `vllm-router:kv_aware`, whose workers publish their KV cache events). For each, two
-fresh `python -m jaxserve serve` workers and the router in front of them. `--num-conversations` chats, each with
+Policies (`--policies`, vllm-router's): `cache_aware`, `round_robin`, `power_of_two`, and `kv_aware`, whose
+workers publish their KV cache events. For each, two fresh `python -m jaxserve serve` workers and the router in
+front of them. `--num-conversations` chats, each with
 its own system document (about `--doc-tokens` tokens of the prompt file's texts) and `--turns` user turns (the
 prompt file's questions); a turn is the whole conversation so far (document, earlier questions and the answers
 the server gave) plus the next question, streamed, greedy,
 `--output-len` tokens (EOS ignored). `--concurrency` conversations run at a time, each one turn after another.
 Reported per policy: the prefix-cache hit rate of the later turns (turn 2 and on) from the answers'
-`usage.prompt_tokens_details.cached_tokens` and from the workers' own counters, their TTFT p50/p90, how often a
-later turn landed on the worker of its previous turn (`jaxserve router` only: it names the worker in a header),
-the requests each worker served, and the router process's CPU seconds per request.
+`usage.prompt_tokens_details.cached_tokens` and from the workers' own counters, their TTFT p50/p90, the requests
+each worker served, and the router process's CPU seconds per request.
 
 Overhead (`--overhead-requests`): one worker and a router in front of it; short distinct chats, one at a time,
 alternately straight to the worker and through the router. Reported: TTFT p50 and the time per streamed chunk
 (p50 of the gaps) both ways, and their differences.
 
     python benchmarks/routing.py                                   # 16 conversations x 4 turns, both parts
-    python benchmarks/routing.py --policies cache_aware round_robin shortest_queue --overhead-requests 0
-    python benchmarks/routing.py --policies cache_aware vllm-router:cache_aware vllm-router:kv_aware \
-        --overhead-requests 0
+    python benchmarks/routing.py --policies cache_aware kv_aware round_robin --overhead-requests 0
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ from jaxserve.bench.metrics import percentile
 from benchmarks.run_default_suite import free_port, stop_server
 
 NAME = "routing"
-POLICIES = ("cache_aware", "round_robin", "shortest_queue", "vllm-router:cache_aware", "vllm-router:kv_aware")
+POLICIES = ("cache_aware", "kv_aware", "round_robin", "power_of_two")
 BLOCK_SIZE = 16  # the workers' page size, which vllm-router's kv_aware must be told
 WORKER = ["--max-model-len", "2048", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
           "--log-stats-interval", "0"]
@@ -83,7 +80,7 @@ class Servers:
         self.workers = [f"http://127.0.0.1:{free_port()}" for _ in range(num_workers)]
         self.router = f"http://127.0.0.1:{free_port()}"
         self.commands = []
-        events = [free_port() for _ in self.workers] if policy == "vllm-router:kv_aware" else []
+        events = [free_port() for _ in self.workers] if policy == "kv_aware" else []
         try:
             for index, url in enumerate(self.workers):
                 flags = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint":
@@ -91,17 +88,12 @@ class Servers:
                 self._start([sys.executable, "-m", "jaxserve", "serve", "--port", url.rsplit(":", 1)[1], *WORKER,
                              "--block-size", str(BLOCK_SIZE), *flags], f"worker{index}")
                 client.wait_for_server(url, timeout_s, self.processes[-1])
-            port = self.router.rsplit(":", 1)[1]
-            if policy.startswith("vllm-router:"):
-                model = client.served_model(self.workers[0])
-                kv = [f"--kv-event-source={url}=tcp://127.0.0.1:{event}" for url, event in zip(self.workers, events)]
-                self._start([str(Path(sys.executable).with_name("vllm-router")), "--worker-urls", *self.workers,
-                             "--policy", policy.split(":")[1], "--port", port, "--prometheus-port", str(free_port()),
-                             *(["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model, *kv]
-                               if events else [])], "router")
-            else:
-                self._start([sys.executable, "-m", "jaxserve", "router", "--worker-urls", *self.workers, "--policy",
-                             policy, "--port", port], "router")
+            model = client.served_model(self.workers[0])
+            kv = [f"--kv-event-source={url}=tcp://127.0.0.1:{event}" for url, event in zip(self.workers, events)]
+            self._start([str(Path(sys.executable).with_name("vllm-router")), "--worker-urls", *self.workers,
+                         "--policy", policy, "--port", self.router.rsplit(":", 1)[1], "--prometheus-port",
+                         str(free_port()), *(["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model, *kv]
+                                             if events else [])], "router")
             wait_healthy(self.router, 60, self.processes[-1])
         except BaseException:
             self.stop()
@@ -169,7 +161,7 @@ async def run_conversations(base_url: str, model: str, chats: list[tuple[str, li
                     result = await client.send_request(session, base_url + client.CHAT, client.CHAT, body, 0, 0.0)
                     rows.append({"conversation": index, "turn": turn, "success": result.success,
                                  "error": result.error, "ttft": result.ttft, "prompt_len": result.prompt_len,
-                                 "cached_tokens": result.cached_tokens, "worker": result.served_by,
+                                 "cached_tokens": result.cached_tokens,
                                  "itl": result.itl})
                     messages.append({"role": "assistant", "content": result.generated_text})
 
@@ -179,8 +171,6 @@ async def run_conversations(base_url: str, model: str, chats: list[tuple[str, li
 
 def policy_figures(rows: list[dict[str, Any]], before: list[dict], after: list[dict]) -> dict[str, Any]:
     later = [r for r in rows if r["turn"] > 1 and r["success"]]
-    previous = {(r["conversation"], r["turn"]): r["worker"] for r in rows}
-    same = [r["worker"] == previous.get((r["conversation"], r["turn"] - 1)) for r in later if r["worker"]]
     queries = sum(a["jaxserve:prefix_cache_queries_total"] - b["jaxserve:prefix_cache_queries_total"]
                   for a, b in zip(after, before))
     hits = sum(a["jaxserve:prefix_cache_hits_total"] - b["jaxserve:prefix_cache_hits_total"]
@@ -191,7 +181,6 @@ def policy_figures(rows: list[dict[str, Any]], before: list[dict], after: list[d
                                          / max(1, sum(r["prompt_len"] for r in later)), 3),
             "worker_hit_rate": round(hits / max(1.0, queries), 3),
             "later_ttft_ms": {f"p{p}": round(1000 * percentile(ttft, p), 1) for p in (50, 90)},
-            "same_worker_as_previous_turn": round(sum(same) / len(same), 3) if same else None,
             "served_per_worker": [int(a["jaxserve:request_success_total"] - b["jaxserve:request_success_total"])
                                   for a, b in zip(after, before)]}
 
@@ -262,10 +251,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if policies:
         print(common.format_table(
             ["policy", "later-turn hit rate (usage)", "worker hit rate", "later TTFT p50/p90 ms",
-             "same worker as previous turn", "served per worker", "router CPU ms/request", "failed"],
+             "served per worker", "router CPU ms/request", "failed"],
             [[policy, f["later_turn_hit_rate"], f["worker_hit_rate"],
-              f"{f['later_ttft_ms']['p50']}/{f['later_ttft_ms']['p90']}", f["same_worker_as_previous_turn"],
-              f["served_per_worker"], f["router_cpu_ms_per_request"], f["failed"]]
+              f"{f['later_ttft_ms']['p50']}/{f['later_ttft_ms']['p90']}", f["served_per_worker"],
+              f["router_cpu_ms_per_request"], f["failed"]]
              for policy, f in ((p, r["figures"]) for p, r in policies.items())]))
     overhead = run_overhead(args) if args.overhead_requests else None
     if overhead is not None:

@@ -1,6 +1,6 @@
 """The `jaxserve` command: `jaxserve demo` (one chat answer with the default model), `jaxserve serve` (the
-OpenAI-compatible server), `jaxserve router` (one front for several servers), `jaxserve bench` (serve | throughput |
-latency) and `jaxserve compile` (every start-up step compiled for a GPU or TPU that is not attached)."""
+OpenAI-compatible server), `jaxserve bench` (serve | throughput | latency) and `jaxserve compile` (every start-up
+step compiled for a GPU or TPU that is not attached). Several servers go behind vllm-router (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -50,11 +50,9 @@ def main(argv: list[str] | None = None) -> None:
 
     commands = {"demo": demo, "bench": bench_main, "compile": compile_main}
     try:
-        from jaxserve.router import router_main
         from jaxserve.server import serve_main
 
         commands["serve"] = serve_main
-        commands["router"] = router_main
     except ImportError:
         pass
     if not argv or argv[0] not in commands:

@@ -14,10 +14,13 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -25,7 +28,25 @@ from jaxserve.bench import client, datasets, serve
 from jaxserve.bench.offline import latency_main, throughput_main
 from jaxserve.bench.report import load_tokenizer
 from tests.default_server import free_port
-from tests.test_router import ThreadServer
+
+
+class ThreadServer:
+    """A uvicorn server in a thread, on `port`."""
+
+    def __init__(self, app: FastAPI, port: int, lifespan: str = "off"):
+        self.port = port
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
+                                                    lifespan=lifespan))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the fake worker did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]

@@ -17,11 +17,19 @@ import httpx
 
 from jaxserve.bench import client
 from tests.test_kv_events import BlockStored, replay
-from tests.test_router_servers import WORKER, start
 from tests.test_server_process import free_port
 
+REPO = Path(__file__).resolve().parents[1]
 ROUTER = Path(sys.executable).with_name("vllm-router")
 DEADLINE = 60  # seconds for a worker to have published its events (a bound against hanging, not a latency check)
+WORKER = ["--max-num-seqs", "4", "--max-model-len", "512", "--max-num-batched-tokens", "128", "--block-size", "8",
+          "--log-stats-interval", "0"]
+
+
+def start(command: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "jaxserve", *command], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 def free_ports(count: int) -> int:

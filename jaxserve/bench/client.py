@@ -156,7 +156,6 @@ async def send_request(session: Any, url: str, endpoint: str, body: dict[str, An
                     text = await response.text(errors="replace")
                     result.error = f"HTTP {response.status}: {text[:300]}"
                     return result
-                result.served_by = response.headers.get("x-jaxserve-worker", "")
                 await read_events(response.content, endpoint, result, sent, clock)
         except asyncio.TimeoutError:
             result.error = "TimeoutError: no whole answer within the request timeout"

@@ -42,7 +42,6 @@ class RequestResult:
     error: str = ""
     cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (usage.prompt_tokens_details)
     generated_text: str = ""
-    served_by: str = ""  # a router's x-jaxserve-worker answer header: the worker that served it
     retries: int = 0  # sends again on a fresh connection after a reused one closed under it (`client.py`)
 
 

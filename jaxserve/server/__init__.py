@@ -31,7 +31,7 @@ def serve_main(argv: list[str]) -> None:
         parser.error(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1 and args.nnodes > 1:
         parser.error("--data-parallel-size > 1 is not supported with --nnodes > 1 yet (run one server per host "
-                     "behind `jaxserve router`)")
+                     "behind vllm-router)")
     try:
         hosts = multihost(args)
     except ValueError as err:

@@ -1,3 +1,0 @@
-from jaxserve.router import router_main
-
-router_main()
