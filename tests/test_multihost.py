@@ -204,12 +204,12 @@ def test_three_hosts_serve_images_as_one_device(tmp_path):
     from jaxserve import LLM, SamplingParams
     from tests.vision_models import drawn_image, save_tiny_qwen2_5_vl
 
-    model = save_tiny_qwen2_5_vl(str(tmp_path / "vl"), hidden_size=96, intermediate_size=192, num_attention_heads=6,
-                                 num_key_value_heads=3)
+    model = save_tiny_qwen2_5_vl(str(tmp_path / "vl"), max_pixels=28 * 28 * 16, hidden_size=96, intermediate_size=192,
+                                 num_attention_heads=6, num_key_value_heads=3)  # images of up to 64 patches
     chats = []
     for seed in (1, 2):
         png = io.BytesIO()
-        drawn_image(200, 120, seed=seed).save(png, "PNG")
+        drawn_image(112, 112, seed=seed).save(png, "PNG")
         url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
         chats.append([{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                    {"type": "image_url", "image_url": {"url": url}}]}])
