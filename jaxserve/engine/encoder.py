@@ -49,10 +49,6 @@ class EncoderCache:
         for mm_hash in mm_hashes:
             self._entries.pop(mm_hash, None)
 
-    @property
-    def rows(self) -> int:
-        return sum(len(entry) for entry in self._entries.values())
-
 
 class Encoder:
     def __init__(self, vision: VisionModel, mesh, hidden_size: int, dtype, max_num_batched_tokens: int,

@@ -111,6 +111,8 @@ class ZmqEventPublisher:
             self._queue.put_nowait(batch)
         except queue.Full:
             self.num_dropped += 1
+            logger.warning("kv events: the queue of %d batches is full, a batch was dropped (%d so far); "
+                           "subscribers' replay cannot recover it", self._queue.maxsize, self.num_dropped)
 
     def flush(self) -> None:
         """Waits until every queued batch is sent."""

@@ -212,7 +212,7 @@ class PageManager:
             tokens = seq.key_tokens(index * self.page_size, (index + 1) * self.page_size)
             page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, tier_page.key, tokens, index, serials[-1] if serials else None))
-            if serials[-1] is not None and page in self.cached and self.cached[page].serial == serials[-1]:
+            if self._newly_cached(page, serials[-1]):
                 self._note_stored(seq, index, tier_page.key, keys[-1] if keys else None)
             keys.append(tier_page.key)
             restores.append((page, tier_page))
@@ -261,8 +261,7 @@ class PageManager:
             keys.append(key)
             page = self._tables[seq.seq_id][index]
             serials.append(self._register(page, key, tokens, index, parent_serial))
-            if serials[-1] is not None and self.cached.get(page) is not None \
-                    and self.cached[page].serial == serials[-1]:  # newly cached here, not found cached already
+            if self._newly_cached(page, serials[-1]):
                 self._note_stored(seq, index, key, keys[-2] if index else None)
                 if self.tiers is not None:
                     end = (index + 1) * self.page_size
@@ -316,6 +315,10 @@ class PageManager:
 
     def _release(self, page: int) -> None:
         self.pool.release(page, cached=page in self.cached)
+
+    def _newly_cached(self, page: int, serial: int | None) -> bool:
+        """Whether registration `serial` cached `page` itself (not found cached already elsewhere)."""
+        return serial is not None and page in self.cached and self.cached[page].serial == serial
 
     def _note_stored(self, seq: Sequence, index: int, key: bytes, parent_key: bytes | None) -> None:
         if self.events is not None:
