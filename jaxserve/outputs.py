@@ -60,3 +60,6 @@ class RequestOutput:
     # SamplingParams(prompt_logprobs=k): per prompt token, {token_id: Logprob} of that token and the top k given the
     # tokens before it (None for the first); set once the whole prompt is scored (a DELTA output: only the first)
     prompt_logprobs: PromptLogprobs | None = None
+    # prefill/decode disaggregation (`engine/kv_connector.py`): where a prefill worker left the prompt's KV for the
+    # decode worker (set on the final output of a request that asked `do_remote_decode` and ended by length)
+    kv_transfer_params: dict | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 MAX_LOGPROBS = 20  # top-k logprobs returned per token at most (vLLM's default max_logprobs)
 
@@ -60,6 +61,8 @@ class SamplingParams:
     whether outputs are cumulative, deltas, or only the final one. ttft_slo_ms / tpot_slo_ms: the request's
     latency targets (time to first token; mean time per output token after it), in milliseconds, overriding the
     engine's --ttft-slo-ms / --tpot-slo-ms; counted for goodput under any policy, scheduled by under "slo".
+    extra_args: vLLM's, for what an integration passes through (`kv_transfer_params`: prefill/decode
+    disaggregation, `engine/kv_connector.py`).
     """
 
     n: int = 1
@@ -84,6 +87,7 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +144,8 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
                 fail(field, "must be a number of milliseconds > 0")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            fail("extra_args", "must be a dict")
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.engine.kv_connector import KVTransferConfig
 from jaxserve.engine.kv_events import KVEventsConfig
 from jaxserve.layers.paged_kv import KV_CACHE_DTYPES
 from jaxserve.loading.awq import check_quantization
@@ -93,6 +94,8 @@ class EngineConfig:
     kv_offloading_disk_size: float = 64.0
     # vLLM's kv_events_config (`engine/kv_events.py`): prefix-cache events over ZMQ for KV-aware routers
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    # vLLM's kv_transfer_config (`engine/kv_connector.py`): prefill/decode disaggregation, this worker's role
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     # bytes each device gives the KV pools (vLLM's kv_cache_memory_bytes); default: from gpu_memory_utilization on
     # an accelerator, enough for every slot on a CPU
     kv_cache_memory_bytes: int | None = None
@@ -214,6 +217,7 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)  # its checks; resolve() parses it with the platform's defaults
         if self.kv_events is not None and not self.enable_prefix_caching:
             raise ValueError("kv_events_config needs prefix caching (its events are the prefix cache's)")
+        _ = self.kv_transfer  # its checks
         for modality, limit in (self.limit_mm_per_prompt or {}).items():
             if modality != "image":
                 raise ValueError(f"limit_mm_per_prompt: modality {modality!r} is not supported (jaxserve takes images)")
@@ -260,6 +264,12 @@ class EngineConfig:
             smallest_prefill_bucket=self.smallest_prefill_bucket or (16 if platform == "cpu" else 64),
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load
             quantization=check_quantization(self.model, self.quantization, self.tensor_parallel_size))
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The parsed `kv_transfer_config` (None: no prefill/decode disaggregation)."""
+        config = self.kv_transfer_config
+        return config if config is None or isinstance(config, KVTransferConfig) else KVTransferConfig.parse(config)
 
     @property
     def kv_events(self) -> KVEventsConfig | None:

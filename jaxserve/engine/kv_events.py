@@ -44,16 +44,22 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, text: str | dict) -> KVEventsConfig:
         """From the flag's JSON (or a dict); ValueError naming an unknown field or a bad value."""
-        try:
-            fields = json.loads(text) if isinstance(text, str) else dict(text)
-        except ValueError as error:
-            raise ValueError(f"--kv-events-config is not valid JSON ({error})") from None
-        if not isinstance(fields, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        unknown = sorted(set(fields) - {field.name for field in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"--kv-events-config has unknown fields {unknown}")
-        return cls(**fields)
+        return config_from_json(cls, text, "--kv-events-config")
+
+
+def config_from_json(cls: type, text: str | dict, flag: str) -> Any:
+    """A frozen config dataclass from a flag's JSON object (or a dict); ValueError naming bad JSON or an unknown
+    field (the class checks its values)."""
+    try:
+        fields = json.loads(text) if isinstance(text, str) else dict(text)
+    except ValueError as error:
+        raise ValueError(f"{flag} is not valid JSON ({error})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    unknown = sorted(set(fields) - {field.name for field in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{flag} has unknown fields {unknown}")
+    return cls(**fields)
 
 
 class StoredPage(NamedTuple):

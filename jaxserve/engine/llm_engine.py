@@ -29,6 +29,8 @@ from jaxserve.distributed.tensor_parallel import make_mesh, replica_devices
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.input_processor import InputProcessor, PromptType, check_priority
+from jaxserve.engine.jax_transfer_connector import attach_connector
+from jaxserve.engine.kv_connector import transfer_kind
 from jaxserve.engine.kv_events import KVEventLog, KVEventsConfig
 from jaxserve.engine.kv_plan import check_plan
 from jaxserve.engine.kv_transfer import attach_kv_tiers
@@ -37,6 +39,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.runner_steps import measure_step_costs
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.state_checkpoints import StateCheckpoints
 from jaxserve.engine.stats import IterationStats, SchedulerStats, fragmentation, pools_usage
 from jaxserve.engine.window_manager import WindowManager
@@ -53,6 +56,7 @@ from jaxserve.structured_output.grammar import token_bitmask
 
 logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "PromptType"]
+PULL_POLL_SECONDS = 0.002  # a stepping thread with only pulls to wait for looks again this often
 
 
 def check_image_model(target: ModelConfig, config: EngineConfig) -> None:
@@ -117,6 +121,7 @@ class LLMEngine:
         self.page_manager = PageManager(plan.num_pages, plan.page_size, self.engine_config.enable_prefix_caching,
                                         tiers=attach_kv_tiers(self.engine_config, runner), windows=windows,
                                         states=states, events=KVEventLog() if events is not None else None)
+        self.connector = attach_connector(self.engine_config, runner, self.model.name)
         self.kv_events = (make_publisher(events, plan.page_size, self.engine_config.data_parallel_rank)
                           if events is not None else None)
         encoder_cache = (EncoderCacheManager.for_model(self.engine_config.max_num_batched_tokens,
@@ -131,11 +136,11 @@ class LLMEngine:
         self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
                                      detokenizer_process, self.adapters,
                                      self.model.vision.processor if self.model.vision is not None else None)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, self.scheduler.cut_output,
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, Sequence.cut_output,
                                        self.inputs.release, detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._new_commands = threading.Event()
-        self._prompt_tokens = self._steps = 0
+        self._prompt_tokens = self._steps = self._prompt_tokens_computed = 0
         self._stats = self._snapshot()
         self._iteration = IterationStats()
         self._in_flight: InFlightStep | None = None  # async scheduling: the dispatched step not yet read
@@ -169,6 +174,10 @@ class LLMEngine:
         problem. Returns the request id."""
         request = self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority, arrival_time,
                                            lora_request)
+        kv_transfer_params = (request.params.extra_args or {}).get("kv_transfer_params")
+        request.kv_transfer = transfer_kind(kv_transfer_params, self.engine_config.kv_transfer)
+        if request.kv_transfer == "pull":
+            request.remote_prefill = self.connector.check(request, kv_transfer_params)
         self._commands.put(("add", request))
         self._new_commands.set()
         return request.request_id
@@ -178,11 +187,18 @@ class LLMEngine:
         self._new_commands.set()
 
     def wait_for_requests(self, timeout: float | None = None) -> bool:
-        """Blocks an idle stepping thread until a request or abort arrives (or `timeout`); True if work is pending."""
+        """Blocks an idle stepping thread until a request or abort arrives (or `timeout`); True if work is pending.
+        While the only work is pages being pulled, it waits a little before saying so (their arrival is polled)."""
         if self.has_unfinished_requests():
+            if self._only_pulling():
+                self._new_commands.wait(PULL_POLL_SECONDS)
             return True
         self._new_commands.wait(timeout)
         return self.has_unfinished_requests()
+
+    def _only_pulling(self) -> bool:
+        return (self.connector is not None and self.connector.num_pulling > 0 and not self.scheduler.seqs
+                and self._in_flight is None and self._commands.empty())
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.inputs.tokenize(prompt)
@@ -218,6 +234,8 @@ class LLMEngine:
         self.phases.start()
         self.outputs.start_step()
         touched = self._apply_commands()
+        if self.connector is not None:
+            self._schedule_pulled()
         touched |= self.outputs.read_texts()  # a detokenizer process's texts, and stop strings, of earlier steps
         scheduler_output = self.scheduler.schedule()
         self.phases.lap("schedule")
@@ -240,8 +258,9 @@ class LLMEngine:
                 self.kv_events.publish(events)
         outputs = self.outputs.outputs(touched)
         self._stats = self._snapshot()
-        self._iteration = IterationStats(tuple(self.outputs.first_token_latencies),
-                                         tuple(self.outputs.inter_token_latencies))
+        self._iteration = IterationStats(
+            tuple(self.outputs.first_token_latencies), tuple(self.outputs.inter_token_latencies),
+            self.connector.take_pull_seconds() if self.connector is not None else ())
         self.phases.lap("postprocess")
         return outputs
 
@@ -251,9 +270,23 @@ class LLMEngine:
             request = self.outputs.requests[new.request_id]
             request.first_scheduled_time = request.first_scheduled_time or now
         step = self.runner.dispatch(scheduler_output)
+        seqs = self.scheduler.seqs
+        self._prompt_tokens_computed += sum(max(0, min(chunk.start + chunk.num_tokens,
+                                                       seqs[chunk.seq_id].num_prompt_tokens) - chunk.start)
+                                            for chunk in scheduler_output.prefills)
+        if self.connector is not None:  # the prompts to send that this step computes, in its pages
+            self.connector.after_dispatch(scheduler_output, self.scheduler.seqs, self.outputs.requests,
+                                          self.page_manager.page_table)
         self._steps += 1
         self.scheduler.update_after_dispatch(scheduler_output)
         return step
+
+    def _schedule_pulled(self) -> None:
+        """Hands the scheduler the requests whose pulls ended (with their pages, or to compute their prompts)."""
+        for request, received in self.connector.take_pulled():
+            for seq in request.seqs:
+                seq.received = received
+                self.scheduler.add(seq)
 
     def _collect(self, step: InFlightStep) -> set[str]:
         """Reads a dispatched step's tokens: the scheduler applies them, the output processor their text."""
@@ -285,9 +318,14 @@ class LLMEngine:
             if command == "add":
                 self.outputs.add(payload)
                 self._prompt_tokens += len(payload.prompt_token_ids)
+                if payload.remote_prefill is not None:  # scheduled once its pages are in (`_schedule_pulled`)
+                    self.connector.pull(payload, payload.remote_prefill)
+                    continue
                 for seq in payload.seqs:
                     self.scheduler.add(seq)
             elif command == "abort" and payload in self.outputs.requests:
+                if self.connector is not None:
+                    self.connector.cancel(payload)
                 for seq in self.outputs.requests[payload].seqs:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "abort")
@@ -308,6 +346,8 @@ class LLMEngine:
             self.runner.transfers.close()
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.connector is not None:
+            self.connector.close()
 
     def _snapshot(self) -> SchedulerStats:
         manager, spec, plan = self.page_manager, self.runner.spec_counters, self.runner.kv_plan
@@ -315,7 +355,8 @@ class LLMEngine:
             num_running_seqs=self.scheduler.num_running, num_waiting_seqs=self.scheduler.num_waiting,
             kv_cache_usage=manager.usage, prefix_cache_queries=manager.num_prefix_queries,
             prefix_cache_hits=manager.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self._prompt_tokens, generation_tokens=self.outputs.num_generation_tokens,
+            prompt_tokens=self._prompt_tokens, prompt_tokens_computed=self._prompt_tokens_computed,
+            generation_tokens=self.outputs.num_generation_tokens,
             request_success=tuple(sorted(self.outputs.finished_reasons.items())), num_steps=self._steps,
             kv_cache_capacity_tokens=plan.capacity_tokens, kv_cache_dtype=self.engine_config.kv_cache_dtype,
             kv_cache_storage_dtype=self.runner.kv_storage_dtype, spec_decode_num_drafts=spec.num_drafts,
@@ -330,7 +371,8 @@ class LLMEngine:
                               for kind, checked in self.outputs.slo_checked.items()),
             **(manager.tiers.stats(self.runner.transfers) if manager.tiers is not None else {}),
             **(self._lora_stats() if self.adapters is not None else {}),
-            **(self.runner.encoder.stats() if self.runner.encoder is not None else {}))
+            **(self.runner.encoder.stats() if self.runner.encoder is not None else {}),
+            **(self.connector.stats() if self.connector is not None else {}))
 
     def _lora_stats(self) -> dict:
         slots = self.scheduler.adapter_slots

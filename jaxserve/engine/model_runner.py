@@ -5,8 +5,8 @@ the jitted steps, and turning a scheduler output (plain data: `engine/scheduler_
 The narrow interface the host loop uses (after JetStream's engine_api):
 
 * `dispatch(scheduler_output)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state
-  of newly admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`),
-  and launches it without waiting — its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its
+  of newly admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`)
+  and those a decode worker pulled (`connector`, `engine/jax_transfer_connector.py`), and launches it without waiting — its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its
   decode batch (one per batch bucket) — returning an `InFlightStep` whose sampled tokens are still on the device.
   Decode rows read their input token from the device's `SlotState`, so the next step may be dispatched before
   this one's tokens reach the host (async scheduling). Under speculative decoding the decode batch is a verify
@@ -134,6 +134,7 @@ class ModelRunner:
         if self.lora_stack is not None:
             self.steps.add([self._lora_step()])
         self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
+        self.connector = None  # prefill/decode disaggregation's pages in and out (`attach_connector`)
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         log_kv_plan(self.kv_plan, config, engine_config.kv_cache_dtype, self.kv_storage_dtype, self.backend,
                     self.tp.size)
@@ -149,6 +150,12 @@ class ModelRunner:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
         self.transfers = KVTransfers(self, tiers)
         self.steps.add(self.transfers.steps())
+
+    def attach_connector(self, connector) -> None:
+        """Sends and receives pages of prefill/decode disaggregation from now on (`jax_transfer_connector.py`;
+        before warm-up: its steps compile there)."""
+        self.connector = connector
+        self.steps.add(connector.steps())
 
     def jit_forward(self, step_fn: Callable, **options) -> Callable:
         """A forward step of the target jitted over the mesh: params and pool sharded, pool and slot state donated."""
@@ -206,6 +213,8 @@ class ModelRunner:
             self.steps.run("lora", SlotWeights(np.int32(slot), adapter.serving))
         if scheduler_output.restores:
             self.transfers.restore(list(scheduler_output.restores))
+        if scheduler_output.receives:
+            self.connector.receive(scheduler_output.receives)
         for new in scheduler_output.new_seqs:
             self._reset_penalties(new)
         by_sequence = (self.model_config.rope_length_rule or ("",))[0] == "sequence"

@@ -41,6 +41,9 @@ class Request:
         # prompt_logprobs: per prompt token so far (None for the first), complete once it has len(prompt) entries
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self._sent_prompt_logprobs = False
+        self.kv_transfer: str | None = None  # "send" or "pull": its part in a KV transfer (`kv_connector.py`)
+        self.kv_transfer_params: dict | None = None  # a prefill worker's: where the decode worker pulls from
+        self.remote_prefill = None  # a decode worker's `RemotePrefill`: what it pulls before scheduling the request
 
     @property
     def finished(self) -> bool:
@@ -96,7 +99,9 @@ class Request:
                                  self.last_token_time, self.finished_time)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, metrics,
                              num_cached_tokens=max(0, *(seq.num_prompt_cached_tokens for seq in self.seqs)),
-                             prompt_logprobs=self._prompt_logprobs(delta))
+                             prompt_logprobs=self._prompt_logprobs(delta),
+                             kv_transfer_params=self.kv_transfer_params if finished and all(
+                                 seq.finish_reason == "length" for seq in self.seqs) else None)
 
     def _completion(self, index: int, delta: bool) -> CompletionOutput | None:
         seq, detok = self.seqs[index], self.detokenizers[index]

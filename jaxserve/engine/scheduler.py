@@ -21,7 +21,7 @@ outgrows the threshold while decoding is requeued to recompute every token rotat
 does, and its drafts never cross the threshold.
 
 The scheduler owns every sequence's state: `update_after_dispatch` advances a dispatched step's sequences,
-`update_from_output` applies the tokens a step sampled (as vLLM v1's), `finish` and `cut_output` serve the output
+`update_from_output` applies the tokens a step sampled (as vLLM v1's), `finish` serves the output
 processor's stop strings, and `sent` records what the runner has of each. What it hands the runner is plain data
 (`scheduler_output.py`); the runner's tokens come back by sequence id.
 """
@@ -35,6 +35,7 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+from jaxserve.engine.kv_connector import receive_into
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prefill_limits import PrefillLimits
 from jaxserve.engine.config import EngineConfig, bucket_for
@@ -112,20 +113,6 @@ class Scheduler:
             self.drafter.forget(seq.seq_id)
         if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
             self.adapter_slots.count(seq.lora, -1)
-
-    def cut_output(self, seq: Sequence, num_output_tokens: int) -> int:
-        """Drops `seq`'s output tokens past its first `num_output_tokens` (a stop string found late ends there) and
-        their logprobs; returns how many were dropped. The caller finishes `seq` next."""
-        extra = seq.num_output_tokens - num_output_tokens
-        if extra <= 0:
-            return 0
-        if seq.logprobs is not None:  # those of the dropped tokens that have theirs
-            first = seq.num_prompt_tokens + num_output_tokens
-            for token, top in zip(seq.token_ids[first:], seq.logprobs[num_output_tokens:]):
-                seq.cumulative_logprob -= top[token]
-            del seq.logprobs[num_output_tokens:]
-        del seq.token_ids[-extra:]
-        return extra
 
     def update_after_dispatch(self, scheduler_output: SchedulerOutput) -> None:
         """Advances a dispatched step's sequences: their chunks' and decodes' KV is computed once the step runs, and
@@ -297,7 +284,9 @@ class Scheduler:
         cached_pages = manager.match_prefix(seq) if looks_up else []
         found = manager.match_tiers(seq, cached_pages) if looks_up else []
         on_device = manager.admit(seq, cached_pages)
-        seq.num_computed_tokens = seq.num_cached_tokens = on_device + len(found) * manager.page_size
+        seq.num_cached_tokens = on_device + len(found) * manager.page_size
+        # a decode worker's pulled prompt (`kv_connector.py`): all but its last token
+        seq.num_computed_tokens = max(seq.num_cached_tokens, seq.received.num_tokens if seq.received else 0)
         num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
         num_tokens = self.encoder_cache.chunk_tokens(seq, seq.num_computed_tokens, num_tokens)
         if not num_tokens or not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
@@ -307,6 +296,10 @@ class Scheduler:
         if looks_up:
             manager.record_lookup(seq, on_device, found)
             out.restores += manager.restore(seq, found)
+        if seq.received is not None:
+            out.receives.append(receive_into(seq.received, manager.page_table(seq.seq_id),
+                                             seq.num_cached_tokens // manager.page_size))
+            seq.received = None
         self.waiting.remove(seq)
         if seq.lora is not None:
             seq.lora_slot, load = self.adapter_slots.acquire(seq.lora)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
+from jaxserve.engine.kv_connector import Receive
 from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.sequence import Sequence
 from jaxserve.lora.cache import LoadedAdapter
@@ -91,6 +92,7 @@ class SchedulerOutput:
     # LoRA: adapters to write into device slots before the step's forwards, (slot, adapter)
     lora_loads: tuple[tuple[int, LoadedAdapter], ...] = ()
     encoder_frees: tuple[str, ...] = ()  # images whose embeddings the runner drops (`EncoderCacheManager`)
+    receives: tuple[Receive, ...] = ()  # prefill/decode disaggregation: pulled pages to write before the forwards
 
     @property
     def is_empty(self) -> bool:
@@ -157,7 +159,7 @@ def scheduler_output(plan: "Plan", left: tuple[int, ...], decodes: tuple[Schedul
     chunks = tuple(ScheduledChunk(c.seq.seq_id, c.start, c.num_tokens, c.is_final, c.scored, c.state_source,
                                   c.state_saves) for c in plan.prefills)
     return SchedulerOutput(left, tuple(new), tuple(cached), chunks, decodes, tuple(plan.restores),
-                           tuple(plan.lora_loads), plan.encoder_frees), updates
+                           tuple(plan.lora_loads), plan.encoder_frees, tuple(plan.receives)), updates
 
 
 def _table_diff(num_pages: int, sent_pages: int, kept_pages: int) -> tuple[bool, int]:
@@ -214,5 +216,6 @@ class Plan:
     decodes: list[Sequence]
     admitted: list[Sequence]
     restores: list[tuple[int, TierPage]] = dataclasses.field(default_factory=list)  # (device page, tier page)
+    receives: list[Receive] = dataclasses.field(default_factory=list)  # pulled pages (`kv_connector.py`)
     lora_loads: list[tuple[int, LoadedAdapter]] = dataclasses.field(default_factory=list)  # (slot, adapter)
     encoder_frees: tuple[str, ...] = ()

@@ -59,6 +59,7 @@ class Sequence:
         self.rope_by_length = False  # its tokens rotate by a length past the rope's threshold (`layers/rotary.py`)
         self.grammar = None  # constrained decoding: the sequence's llguidance matcher, advanced token by token
         self.mm: MultiModalPrompt | None = None  # its prompt's images (None: text)
+        self.received = None  # a decode worker's `ReceivedKV`: its prompt's KV pulled, for its next admission
         self._prompt_keys: list[int] | None = None  # the prompt's prefix-cache keys where images make them differ
         self.admission_order = -1
         self.cumulative_logprob = 0.0
@@ -150,3 +151,17 @@ class Sequence:
     def outgrows_rope(self, rule: tuple[str, int] | None) -> bool:
         """LongRoPE: whether its next decode would take it, computed rotated short, past the threshold."""
         return rule is not None and rule[0] == "sequence" and not self.rope_by_length and self.num_tokens > rule[1]
+
+    def cut_output(self, num_output_tokens: int) -> int:
+        """Drops the output tokens past its first `num_output_tokens` (a stop string found late ends there) and
+        their logprobs; returns how many were dropped. The caller finishes the sequence next."""
+        extra = self.num_output_tokens - num_output_tokens
+        if extra <= 0:
+            return 0
+        if self.logprobs is not None:  # those of the dropped tokens that have theirs
+            first = self.num_prompt_tokens + num_output_tokens
+            for token, top in zip(self.token_ids[first:], self.logprobs[num_output_tokens:]):
+                self.cumulative_logprob -= top[token]
+            del self.logprobs[num_output_tokens:]
+        del self.token_ids[-extra:]
+        return extra

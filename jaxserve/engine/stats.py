@@ -61,6 +61,17 @@ class SchedulerStats:
     encoder_cache_hits: int = 0
     images_encoded: int = 0
     encoder_seconds: float = 0.0
+    prompt_tokens_computed: int = 0  # prompt tokens prefill chunks computed (recomputes after preemption too)
+    # prefill/decode disaggregation (`engine/jax_transfer_connector.py`): a prefill worker's prompts sent, their pages
+    # and bytes; a decode worker's pulls, the pages, bytes and prompt tokens that arrived, and failed pulls by reason
+    kv_transfer_sends: int = 0
+    kv_transfer_pages_sent: int = 0
+    kv_transfer_bytes_sent: int = 0
+    kv_transfer_pulls: int = 0
+    kv_transfer_pages_received: int = 0
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_tokens_received: int = 0
+    kv_transfer_pull_failures: tuple[tuple[str, int], ...] = ()  # (reason: "error" or "timeout", pulls)
 
     def finished(self, reason: str) -> int:
         return dict(self.request_success).get(reason, 0)
@@ -72,6 +83,11 @@ class IterationStats:
 
     time_to_first_tokens: tuple[float, ...] = ()  # arrival to first token, for requests whose first token came
     inter_token_latencies: tuple[float, ...] = ()  # since the request's previous token, for the others
+    kv_pull_seconds: tuple[float, ...] = ()  # a decode worker's pulls that arrived, from start to arrival
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.time_to_first_tokens or self.inter_token_latencies or self.kv_pull_seconds)
 
 
 class SpecDecodeCounters:

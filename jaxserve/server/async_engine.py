@@ -325,7 +325,7 @@ class AsyncEngine:
                     continue
                 outputs = llm_engine.step()
                 iteration = llm_engine.iteration_stats()
-                if outputs or iteration.time_to_first_tokens or iteration.inter_token_latencies:
+                if outputs or not iteration.is_empty:
                     self._call_in_loop(self._dispatch, outputs, iteration)
             llm_engine.shutdown()
         except BaseException as error:  # noqa: BLE001 - fail in-flight requests instead of hanging them

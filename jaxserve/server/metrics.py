@@ -103,6 +103,10 @@ class EngineCollector(Collector):
         yield counter("images_encoded", "Images run through the vision encoder.", stats.images_encoded)
         yield counter("encoder_seconds", "Seconds spent encoding images.", stats.encoder_seconds)
         yield from tier_metrics(stats, labels, name)
+        yield counter("prompt_tokens_computed", "Prompt tokens computed by prefills (recomputes too; not those found "
+                      "in the prefix cache or received from a prefill worker).", stats.prompt_tokens_computed)
+        if stats.kv_transfer_sends or stats.kv_transfer_pulls:
+            yield from transfer_metrics(stats, labels, name)
         checked = CounterMetricFamily(PREFIX + "request_slo_checked", "Finished requests that had a latency target, "
                                       "by kind (ttft, tpot, both).", labels=labels + ["kind"])
         met = CounterMetricFamily(PREFIX + "request_slo_met", "Finished requests that met their latency target "
@@ -186,6 +190,28 @@ def tier_metrics(stats: SchedulerStats, labels: list[str], name: list[str]) -> I
         yield from (*counters.values(), used, capacity)
 
 
+def transfer_metrics(stats: SchedulerStats, labels: list[str], name: list[str]) -> Iterable[Metric]:
+    """Prefill/decode disaggregation: what a prefill worker sent and a decode worker received."""
+    for metric, doc, value in (
+            ("kv_transfer_sends", "Prompts whose KV a prefill worker offered to a decode worker.",
+             stats.kv_transfer_sends),
+            ("kv_transfer_pages_sent", "KV pages offered to decode workers.", stats.kv_transfer_pages_sent),
+            ("kv_transfer_bytes_sent", "KV bytes offered to decode workers.", stats.kv_transfer_bytes_sent),
+            ("kv_transfer_pulls", "Pulls of a prompt's KV started by a decode worker.", stats.kv_transfer_pulls),
+            ("kv_transfer_pages_received", "KV pages pulled from prefill workers.", stats.kv_transfer_pages_received),
+            ("kv_transfer_bytes_received", "KV bytes pulled from prefill workers.", stats.kv_transfer_bytes_received),
+            ("kv_transfer_tokens_received", "Prompt tokens whose KV was pulled from prefill workers.",
+             stats.kv_transfer_tokens_received)):
+        family = CounterMetricFamily(PREFIX + metric, doc, labels=labels)
+        family.add_metric(name, value)
+        yield family
+    failures = CounterMetricFamily(PREFIX + "kv_transfer_pull_failures", "Pulls that failed or timed out (the decode "
+                                   "worker computed the prompt), by reason.", labels=labels + ["reason"])
+    for reason, count in stats.kv_transfer_pull_failures:
+        failures.add_metric(name + [reason], count)
+    yield failures
+
+
 class ServerMetrics:
     """The registry of one server: gauges/counters from the engine's stats plus request-latency histograms."""
 
@@ -211,6 +237,8 @@ class ServerMetrics:
                                              REQUEST_LATENCY_BUCKETS)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                             REQUEST_LATENCY_BUCKETS)
+        self.kv_transfer_pull_time = histogram("kv_transfer_pull_seconds", "A decode worker's pull of a prompt's KV, "
+                                               "from start to arrival.", TTFT_BUCKETS)
 
     def observe_iteration(self, iteration: IterationStats, replica: int = 0) -> None:
         """One engine step's token latencies (measured in the engine, for every request whatever its output kind)."""
@@ -219,6 +247,8 @@ class ServerMetrics:
             self.time_to_first_token.labels(*labels).observe(latency)
         for latency in iteration.inter_token_latencies:
             self.inter_token_latency.labels(*labels).observe(latency)
+        for seconds in iteration.kv_pull_seconds:
+            self.kv_transfer_pull_time.labels(*labels).observe(seconds)
 
     def observe_finished(self, output: RequestOutput, num_tokens: int, replica: int = 0) -> None:
         """Called once per finished (not aborted) request; `num_tokens`: its longest completion's output tokens."""
