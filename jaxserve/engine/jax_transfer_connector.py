@@ -73,7 +73,8 @@ class JaxTransferConnector:
         self.sharding = NamedSharding(runner.mesh, spec)
         self.page_specs = page_specs(runner.kv_cache)
         client = runner.mesh.devices.flat[0].client
-        self.server = transfer.start_transfer_server(client, f"{config.kv_ip}:{config.kv_port}", [f"{config.kv_ip}:0"])
+        port = config.kv_port + runner.engine_config.data_parallel_rank if config.kv_port else 0  # a replica's own
+        self.server = transfer.start_transfer_server(client, f"{config.kv_ip}:{port}", [f"{config.kv_ip}:0"])
         self.address = self.server.address()
         self._connections: dict[str, Any] = {}
         self._connect = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")  # connect may block

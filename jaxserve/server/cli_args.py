@@ -119,6 +119,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='prefix-cache events for KV-aware routers, vLLM\'s JSON: '
                              '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
                              '(needs jaxserve[router])')
+    engine.add_argument("--kv-transfer-config", default=None,
+                        help='prefill/decode disaggregation behind vllm-router --vllm-pd-disaggregation, vLLM\'s JSON: '
+                             '\'{"kv_connector": "JaxTransferConnector", "kv_role": "kv_producer"}\' (or kv_consumer, '
+                             'kv_both; kv_ip: an address the other workers reach)')
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=ENGINE_DEFAULTS["async_scheduling"],
                         help="dispatch each engine step before reading the previous one's tokens "
@@ -231,6 +235,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_long_partial_prefills=args.max_long_partial_prefills,
                         kv_offloading_size=args.kv_offloading_size, kv_offloading_dir=args.kv_offloading_dir,
                         kv_offloading_disk_size=args.kv_offloading_disk_size, kv_events_config=args.kv_events_config,
+                        kv_transfer_config=args.kv_transfer_config,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                         mamba_block_size=args.mamba_block_size, num_state_checkpoints=args.num_state_checkpoints,

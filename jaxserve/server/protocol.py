@@ -59,6 +59,7 @@ class SamplingRequest(StrictModel):
     ttft_slo_ms: float | None = None  # latency targets (default: the server's --ttft-slo-ms / --tpot-slo-ms)
     tpot_slo_ms: float | None = None
     return_token_ids: bool | None = False  # the prompt's and each choice's token ids in the answer
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (`engine/kv_connector.py`)
     # constrained decoding: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -174,6 +175,7 @@ class SamplingRequest(StrictModel):
             guided_decoding=self.guided_decoding(),
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else None,
         )
 
 

@@ -33,7 +33,7 @@ SAMPLING_FIELDS = {"model", "prompt", "messages", "n", "temperature", "top_p", "
                    "stream_options", "logit_bias", "best_of", "suffix", "tools", "response_format", "echo",
                    "tokens", "priority", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                    "structured_outputs", "tool_choice", "parallel_tool_calls", "prompt_logprobs", "return_token_ids",
-                   "ttft_slo_ms", "tpot_slo_ms"}
+                   "ttft_slo_ms", "tpot_slo_ms", "kv_transfer_params"}
 
 
 class ServingContext:

@@ -117,6 +117,8 @@ def _full_response(ctx: ServingContext, request: ChatCompletionRequest, request_
             "choices": choices, "usage": usage([output])}
     if request.return_token_ids:
         body["prompt_token_ids"] = output.prompt_token_ids
+    if output.kv_transfer_params is not None:  # a prefill worker's, for the decode worker (vLLM's field)
+        body["kv_transfer_params"] = output.kv_transfer_params
     return body
 
 

@@ -89,8 +89,11 @@ def _full_response(ctx: ServingContext, request: CompletionRequest, request_id: 
                 choice["token_ids"] = completion.token_ids
             choices.append(choice)
     choices.sort(key=lambda choice: choice["index"])
-    return {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.model_name,
+    body = {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.model_name,
             "choices": choices, "usage": usage(outputs)}
+    if outputs[0].kv_transfer_params is not None:  # a prefill worker's, for the decode worker (vLLM's field)
+        body["kv_transfer_params"] = outputs[0].kv_transfer_params
+    return body
 
 
 async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: str, submission: Submission, n: int,
