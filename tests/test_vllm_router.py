@@ -2,7 +2,9 @@
 devices, each publishing its KV cache events (`--kv-events-config`): the router's `kv_aware` policy sends a prompt
 to the worker whose events say it holds the prompt's pages (seen in `usage.prompt_tokens_details.cached_tokens`),
 answers equal a worker's own, chats render through the workers' render endpoints, and a killed worker's share goes
-to the other."""
+to the other. The same workers (`--kv-transfer-config` kv_both) behind `vllm-router --vllm-pd-disaggregation`: the
+data-parallel one prefills, the other pulls the pages and decodes, and the answers equal a worker's own with one
+prompt token computed per request on the decode worker."""
 
 from __future__ import annotations
 
@@ -66,6 +68,42 @@ def wait_published(replay_endpoints: list[str], token_ids: list[int]) -> None:
         time.sleep(0.05)
 
 
+def metric(http: httpx.Client, url: str, name: str) -> float:
+    lines = http.get(url + "/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(f"jaxserve:{name}{{"))
+
+
+def check_pd_disaggregation(http: httpx.Client, urls: list[str], model: str, tmp_path: Path) -> None:
+    """`urls[0]` prefills and `urls[1]` decodes behind vllm-router's P/D mode; answers equal `urls[1]`'s own."""
+    router = f"http://127.0.0.1:{free_port()}"
+    with open(tmp_path / "pd_router.log", "w") as log:
+        front = subprocess.Popen([str(ROUTER), "--vllm-pd-disaggregation", "--prefill", urls[0], "--decode", urls[1],
+                                  "--policy", "round_robin", "--port", router.rsplit(":", 1)[1],
+                                  "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while not is_healthy(router):
+            assert front.poll() is None and time.monotonic() < deadline, (tmp_path / "pd_router.log").read_text()
+            time.sleep(0.2)
+        computed = metric(http, urls[1], "prompt_tokens_computed_total")
+        bodies = [("/v1/completions", {"prompt": list(range(30, 30 + length))}) for length in (9, 40, 70)]
+        bodies.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": "disaggregate me"}]}))
+        bodies = [(path, {"model": model, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **fields})
+                  for path, fields in bodies]
+        routed = [http.post(router + path, json=body) for path, body in bodies]
+        assert all(answer.status_code == 200 for answer in routed), [answer.text for answer in routed]
+        # the decode worker computed each prompt's last token and received the rest from the prefill worker
+        assert metric(http, urls[1], "prompt_tokens_computed_total") == computed + len(bodies)
+        assert metric(http, urls[1], "kv_transfer_tokens_received_total") == sum(
+            answer.json()["usage"]["prompt_tokens"] - 1 for answer in routed)
+        assert metric(http, urls[0], "kv_transfer_sends_total") == len(bodies)
+        for (path, body), answer in zip(bodies, routed):
+            assert answer.json()["choices"] == http.post(urls[1] + path, json=body).json()["choices"]
+    finally:
+        front.terminate()
+        front.wait(timeout=60)
+
+
 def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_path):
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     events, replays = [free_ports(2), free_port()], [free_ports(2), free_port()]
@@ -73,7 +111,8 @@ def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_
     workers = [start(["serve", "--model", tiny_llama_dir, "--port", url.rsplit(":", 1)[1], *WORKER, *extra,
                       "--kv-events-config", json.dumps({
                           "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
-                          "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})], log)
+                          "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}),
+                      "--kv-transfer-config", '{"kv_role": "kv_both"}'], log)
                for url, port, replay_port, log, extra in zip(urls, events, replays, logs,
                                                              (["--data-parallel-size", "2"], []))]
     router, front = f"http://127.0.0.1:{free_port()}", None
@@ -110,6 +149,7 @@ def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_
             chat = http.post(router + "/v1/chat/completions", json={
                 "model": tiny_llama_dir, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4})
             assert chat.status_code == 200, chat.text
+            check_pd_disaggregation(http, urls, tiny_llama_dir, tmp_path)
 
             workers[1].kill()
             workers[1].wait()
