@@ -30,8 +30,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common
-from benchmarks.routing import start, wait_healthy
-from benchmarks.run_default_suite import free_port, stop_server
+from benchmarks.routing import Processes, wait_healthy
+from benchmarks.run_default_suite import free_port
 from jaxserve.bench import client
 from jaxserve.bench.metrics import percentile
 
@@ -45,32 +45,23 @@ class Setup:
     """Two workers (each with its `roles`' --kv-transfer-config, None: plain) and vllm-router; stopped on exit."""
 
     def __init__(self, name: str, model: list[str], roles: tuple[str | None, str | None], timeout_s: float):
-        self.processes, self.commands = [], []
+        self.started = Processes()
         self.workers = [f"http://127.0.0.1:{free_port()}" for _ in roles]
         self.router = f"http://127.0.0.1:{free_port()}"
         try:
             for index, (url, role) in enumerate(zip(self.workers, roles)):
                 flags = ["--kv-transfer-config", json.dumps({"kv_role": role})] if role else []
-                self._start([sys.executable, "-m", "jaxserve", "serve", *model, "--port", url.rsplit(":", 1)[1],
-                             *WORKER, *flags], f"{name}-worker{index}")
-                client.wait_for_server(url, timeout_s, self.processes[-1])
+                self.started.start([sys.executable, "-m", "jaxserve", "serve", *model, "--port",
+                                    url.rsplit(":", 1)[1], *WORKER, *flags], f"{name}-worker{index}")
+                client.wait_for_server(url, timeout_s, self.started.processes[-1])
             fronts = (["--vllm-pd-disaggregation", "--prefill", self.workers[0], "--decode", self.workers[1]]
                       if roles[0] else ["--worker-urls", *self.workers])
-            self._start([ROUTER, *fronts, "--policy", "round_robin", "--port", self.router.rsplit(":", 1)[1],
-                         "--prometheus-port", str(free_port())], f"{name}-router")
-            wait_healthy(self.router, 60, self.processes[-1])
+            self.started.start([ROUTER, *fronts, "--policy", "round_robin", "--port", self.router.rsplit(":", 1)[1],
+                                "--prometheus-port", str(free_port())], f"{name}-router")
+            wait_healthy(self.router, 60, self.started.processes[-1])
         except BaseException:
-            self.stop()
+            self.started.stop()
             raise
-
-    def _start(self, command: list[str], name: str) -> None:
-        process, _ = start(command, name)
-        self.processes.append(process)
-        self.commands.append(" ".join(command))
-
-    def stop(self) -> None:
-        for process in reversed(self.processes):
-            stop_server(process)
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int], float]]:
@@ -140,8 +131,8 @@ def run_setup(name: str, roles: tuple, requests: list, args: argparse.Namespace)
         results = asyncio.run(run_workload(setup.router, served, requests, args.output_len))
         after = [counters(url, watched) for url in setup.workers]
     finally:
-        setup.stop()
-    return {"figures": figures(results), "commands": setup.commands,
+        setup.started.stop()
+    return {"figures": figures(results), "commands": setup.started.commands,
             "workers": [{name.split(":")[1]: round(a[name] - b[name], 3) for name in watched}
                         for a, b in zip(after, before)]}
 

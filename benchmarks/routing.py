@@ -71,35 +71,15 @@ def start(command: list[str], name: str) -> tuple[subprocess.Popen, str]:
         return subprocess.Popen(command, cwd=common.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), log.name
 
 
-class Servers:
-    """`num_workers` fresh workers and a router over them with `policy`; stopped on exit."""
+class Processes:
+    """Processes started for a run, their commands and logs; `stop` stops them all, the last started first."""
 
-    def __init__(self, num_workers: int, policy: str, timeout_s: float):
+    def __init__(self):
         self.processes: list[subprocess.Popen] = []
         self.logs: list[str] = []
-        self.workers = [f"http://127.0.0.1:{free_port()}" for _ in range(num_workers)]
-        self.router = f"http://127.0.0.1:{free_port()}"
-        self.commands = []
-        events = [free_port() for _ in self.workers] if policy == "kv_aware" else []
-        try:
-            for index, url in enumerate(self.workers):
-                flags = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint":
-                                                           f"tcp://127.0.0.1:{events[index]}"})] if events else []
-                self._start([sys.executable, "-m", "jaxserve", "serve", "--port", url.rsplit(":", 1)[1], *WORKER,
-                             "--block-size", str(BLOCK_SIZE), *flags], f"worker{index}")
-                client.wait_for_server(url, timeout_s, self.processes[-1])
-            model = client.served_model(self.workers[0])
-            kv = [f"--kv-event-source={url}=tcp://127.0.0.1:{event}" for url, event in zip(self.workers, events)]
-            self._start([str(Path(sys.executable).with_name("vllm-router")), "--worker-urls", *self.workers,
-                         "--policy", policy, "--port", self.router.rsplit(":", 1)[1], "--prometheus-port",
-                         str(free_port()), *(["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model, *kv]
-                                             if events else [])], "router")
-            wait_healthy(self.router, 60, self.processes[-1])
-        except BaseException:
-            self.stop()
-            raise
+        self.commands: list[str] = []
 
-    def _start(self, command: list[str], name: str) -> None:
+    def start(self, command: list[str], name: str) -> None:
         process, log = start(command, name)
         self.processes.append(process)
         self.logs.append(log)
@@ -108,6 +88,33 @@ class Servers:
     def stop(self) -> None:
         for process in reversed(self.processes):
             stop_server(process)
+
+
+class Servers:
+    """`num_workers` fresh workers and a router over them with `policy`; stopped on exit."""
+
+    def __init__(self, num_workers: int, policy: str, timeout_s: float):
+        self.started = Processes()
+        self.workers = [f"http://127.0.0.1:{free_port()}" for _ in range(num_workers)]
+        self.router = f"http://127.0.0.1:{free_port()}"
+        events = [free_port() for _ in self.workers] if policy == "kv_aware" else []
+        try:
+            for index, url in enumerate(self.workers):
+                flags = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint":
+                                                           f"tcp://127.0.0.1:{events[index]}"})] if events else []
+                self.started.start([sys.executable, "-m", "jaxserve", "serve", "--port", url.rsplit(":", 1)[1],
+                                    *WORKER, "--block-size", str(BLOCK_SIZE), *flags], f"worker{index}")
+                client.wait_for_server(url, timeout_s, self.started.processes[-1])
+            model = client.served_model(self.workers[0])
+            kv = [f"--kv-event-source={url}=tcp://127.0.0.1:{event}" for url, event in zip(self.workers, events)]
+            self.started.start([str(Path(sys.executable).with_name("vllm-router")), "--worker-urls", *self.workers,
+                                "--policy", policy, "--port", self.router.rsplit(":", 1)[1], "--prometheus-port",
+                                str(free_port()), *(["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model",
+                                                     model, *kv] if events else [])], "router")
+            wait_healthy(self.router, 60, self.started.processes[-1])
+        except BaseException:
+            self.started.stop()
+            raise
 
 
 def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen) -> None:
@@ -190,15 +197,15 @@ def run_policy(policy: str, chats: list[tuple[str, list[str]]], args: argparse.N
     try:
         model = client.served_model(servers.workers[0])
         before = [worker_counters(url) for url in servers.workers]
-        router_cpu = cpu_seconds(servers.processes[-1].pid)
+        router_cpu = cpu_seconds(servers.started.processes[-1].pid)
         rows = asyncio.run(run_conversations(servers.router, model, chats, args))
-        router_cpu = cpu_seconds(servers.processes[-1].pid) - router_cpu
+        router_cpu = cpu_seconds(servers.started.processes[-1].pid) - router_cpu
         after = [worker_counters(url) for url in servers.workers]
     finally:
-        servers.stop()
+        servers.started.stop()
     figures = policy_figures(rows, before, after)
     figures["router_cpu_ms_per_request"] = round(1000 * router_cpu / max(1, len(rows)), 2)
-    return {"figures": figures, "rows": rows, "commands": servers.commands}
+    return {"figures": figures, "rows": rows, "commands": servers.started.commands}
 
 
 def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +228,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
 
         asyncio.run(go())
     finally:
-        servers.stop()
+        servers.started.stop()
     figures = {}
     for way, done in results.items():
         ok = [r for r in done if r.success]
@@ -231,7 +238,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     figures["added"] = {"ttft_ms_p50": round(figures["router"]["ttft_ms_p50"] - figures["direct"]["ttft_ms_p50"], 2),
                         "chunk_gap_ms_p50": round(figures["router"]["chunk_gap_ms_p50"]
                                                   - figures["direct"]["chunk_gap_ms_p50"], 3)}
-    return {"figures": figures, "commands": servers.commands}
+    return {"figures": figures, "commands": servers.started.commands}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -105,6 +105,20 @@ def test_the_kv_tiers_copies_compile(config_dirs, target):
     assert_compiles_and_fits(result)
 
 
+@pytest.mark.parametrize("target, options", [("v6e-4", dict(tensor_parallel_size=2, dtype="bfloat16")),
+                                             ("h200", dict(kv_cache_dtype="fp8"))])
+def test_the_pd_transfers_compile_and_report_their_pages(config_dirs, target, options):
+    """Prefill/decode disaggregation's gather and scatter in device memory (bfloat16 pages split over two TPU cores;
+    an fp8 pool with its scales on a GPU), and the page layout the report gives."""
+    config = EngineConfig(model=config_dirs["llama"], kv_transfer_config={"kv_role": "kv_both"}, **{**SMALL, **options})
+    result = compile_engine(config, target, {"kv_send", "kv_receive"})
+    assert {step.name for step in result.steps} == {"kv_send", "kv_receive"}
+    assert_compiles_and_fits(result)
+    layout = result.plan.kv_transfer
+    assert layout["split"] == "PartitionSpec(None, None, 'tp')" and layout["buckets"][0] == 4
+    assert len(layout["pages"]) == (2 if "kv_cache_dtype" in options else 1)  # values, and an fp8 pool's scales
+
+
 def test_a_draft_model_compiles_from_its_config_alone(config_dirs):
     config = EngineConfig(model=config_dirs["llama"], kv_cache_dtype="fp8",
                           speculative_config={"model": config_dirs["llama"], "num_speculative_tokens": 2}, **SMALL)

@@ -99,6 +99,11 @@ def check_pd_disaggregation(http: httpx.Client, urls: list[str], model: str, tmp
         assert metric(http, urls[0], "kv_transfer_sends_total") == len(bodies)
         for (path, body), answer in zip(bodies, routed):
             assert answer.json()["choices"] == http.post(urls[1] + path, json=body).json()["choices"]
+        params = http.post(urls[0] + path, json={**body, "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": True}}).json()["kv_transfer_params"]
+        refused = http.post(urls[1] + path, json={**body, "kv_transfer_params": {**params, "layout": {
+            **params["layout"], "page_size": 16}}})
+        assert refused.status_code == 400 and "page_size 16 differs from this worker's 8" in refused.text
     finally:
         front.terminate()
         front.wait(timeout=60)

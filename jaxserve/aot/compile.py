@@ -21,6 +21,7 @@ import time
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.aot.abstract import AbstractAllocator, abstract_weights, device_bytes
 from jaxserve.aot.targets import Target, compiling_for, target
@@ -28,7 +29,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_plan import KVPlan, check_plan
+from jaxserve.engine.jax_transfer_connector import page_sharding, transfer_steps
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
+from jaxserve.engine.kv_transfer import page_specs, transfer_buckets
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_registry import StepRegistry, compile_threads, shape_key
@@ -73,6 +76,7 @@ class EnginePlan:
     kv_cache_tokens: int
     problem: str | None = None  # why the plan does not fit before any step is compiled
     kv_plan: KVPlan | None = None  # the KV cache groups and their pages (None: the weights alone do not fit)
+    kv_transfer: dict[str, Any] | None = None  # --kv-transfer-config: the pages P/D moves (`transfer_layout`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +151,10 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
         if config.kv_tiers:  # their copies between the pool and host memory are steps too (no disk is touched)
             runner.attach_tiers(KVTiers(HostTier(int((config.kv_offloading_size or 0) * 2**30)), None,
                                         config.page_size, page_key))
+        transfer = None
+        if config.kv_transfer is not None:  # prefill/decode disaggregation's gather and scatter (no server starts)
+            runner.steps.add(transfer_steps(runner))
+            transfer = transfer_layout(runner)
         kv_bytes = device_bytes(runner.kv_cache)
         problem = None
         try:
@@ -155,7 +163,16 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
             problem = f"{error} ({gib(weights)} of weights leave too little of {gib(usable)})"
         return EnginePlan(**base, resident_bytes=device_bytes(runner.resident_state()), kv_cache_bytes=kv_bytes,
                           kv_cache_tokens=runner.kv_plan.capacity_tokens, problem=problem,
-                          kv_plan=runner.kv_plan), runner
+                          kv_plan=runner.kv_plan, kv_transfer=transfer), runner
+
+
+def transfer_layout(runner: ModelRunner) -> dict[str, Any]:
+    """What a P/D transfer moves per page (each leaf kind's dtype and `[2 * layers, heads, page_size(, head_dim)]`),
+    its bytes over all devices, how the pages are split over them, and the page counts compiled."""
+    specs = page_specs(runner.kv_cache)
+    return {"pages": [[dtype, list(shape)] for dtype, shape in specs],
+            "page_bytes": sum(math.prod(shape) * jnp.dtype(dtype).itemsize for dtype, shape in specs),
+            "split": str(page_sharding(runner).spec), "buckets": list(transfer_buckets(runner.engine_config))}
 
 
 def compile_steps(steps: StepRegistry, target_name: str, resident_bytes: int, names: set[str] | None = None,

@@ -35,6 +35,9 @@ def memory_plan(result: CompileResult) -> str:
         f"page size {config.page_size}), resident {gib(plan.resident_bytes)}, peak of the largest step "
         f"{gib(result.peak_bytes)}: {'fits' if result.fits else 'DOES NOT FIT'}",
         *kv_group_lines(plan.kv_plan),
+        *([f"  KV transfer (P/D): per page {', '.join(f'{d}{s}' for d, s in plan.kv_transfer['pages'])} = "
+           f"{plan.kv_transfer['page_bytes'] / 2**10:.1f} KiB over all devices, split {plan.kv_transfer['split']}; "
+           f"page counts {plan.kv_transfer['buckets']}"] if plan.kv_transfer else []),
         f"compile seconds on this machine: {sum(step.seconds for step in result.steps):.1f} for "
         f"{len(result.steps)} shapes one at a time, {result.wall_seconds:.1f} from first to last on its threads",
     ])
@@ -86,6 +89,7 @@ def result_json(result: CompileResult) -> dict[str, Any]:
         "state_slots": plan.kv_plan.state_slots if plan.kv_plan else 0,
         "state_checkpoints": plan.kv_plan.state_checkpoints if plan.kv_plan else 0,
         "state_bytes": plan.kv_plan.state_bytes if plan.kv_plan else 0,
+        "kv_transfer": plan.kv_transfer,
         "peak_bytes_per_device": result.peak_bytes,
         "fits": result.fits,
         "ok": result.ok,

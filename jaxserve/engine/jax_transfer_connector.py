@@ -61,6 +61,34 @@ def kv_layout(runner: RunnerState, model: str) -> dict[str, Any]:
             "tensor_parallel_size": runner.tp.size}
 
 
+def page_sharding(runner: RunnerState) -> NamedSharding:
+    """Pages stacked `[pages, leaves, heads, ...]` in device memory, split like the pool: by head, or whole (a
+    latent pool)."""
+    return NamedSharding(runner.mesh, KV_PAGES if runner.model_config.mla is None else REPLICATED)
+
+
+def transfer_steps(runner: RunnerState) -> list[Step]:
+    """`kv_send` (pages gathered out of the pool) and `kv_receive` (written into it, the pool donated), one shape
+    per bucket of page counts (`kv_transfer.transfer_buckets`)."""
+    replicated = NamedSharding(runner.mesh, REPLICATED)
+    kv_in = kv_cache_shardings(runner.backend, runner.model_config)
+    specs, sharding = page_specs(runner.kv_cache), page_sharding(runner)
+    buckets = transfer_buckets(runner.engine_config)
+    kinds = (sharding,) * len(specs)
+    send = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
+    receive = jax.jit(functools.partial(restore_step, None), in_shardings=(kv_in, RestoreInputs(replicated, kinds)),
+                      out_shardings=(None, (kv_in,)), donate_argnums=(0,))
+
+    def receive_examples():
+        for bucket in buckets:
+            arrays = [np.zeros((bucket, *shape), numpy_dtype(dtype)) for dtype, shape in specs]
+            yield RestoreInputs(np.zeros(bucket, np.int32), tuple(runner.allocator.put(arrays, sharding)))
+
+    state = lambda: (runner.kv_cache,)  # noqa: E731
+    return [Step("kv_send", send, state, assign(runner), lambda: (StoreInputs(np.zeros(b, np.int32)) for b in buckets)),
+            Step("kv_receive", receive, state, assign(runner, "kv_cache"), receive_examples)]
+
+
 class JaxTransferConnector:
     def __init__(self, config: KVTransferConfig, runner: RunnerState, model: str):
         self.config = config
@@ -68,9 +96,7 @@ class JaxTransferConnector:
         self.layout = kv_layout(runner, model)
         self.buckets = transfer_buckets(runner.engine_config)
         self.engine_id = config.engine_id or uuid.uuid4().hex
-        # pages stacked [pages, leaves, heads, ...] in device memory, split like the pool: by head, or whole (latent)
-        spec = KV_PAGES if runner.model_config.mla is None else REPLICATED
-        self.sharding = NamedSharding(runner.mesh, spec)
+        self.sharding = page_sharding(runner)
         self.page_specs = page_specs(runner.kv_cache)
         client = runner.mesh.devices.flat[0].client
         port = config.kv_port + runner.engine_config.data_parallel_rank if config.kv_port else 0  # a replica's own
@@ -86,25 +112,7 @@ class JaxTransferConnector:
         logger.info("KV transfer: %s (%s) at %s", config.kv_connector, config.kv_role, self.address)
 
     def steps(self) -> list[Step]:
-        runner = self.runner
-        replicated = NamedSharding(runner.mesh, REPLICATED)
-        kv_in = kv_cache_shardings(runner.backend, runner.model_config)
-        kinds = (self.sharding,) * len(self.page_specs)
-        send = jax.jit(store_step, in_shardings=(kv_in, replicated), out_shardings=(kinds, ()))
-        receive = jax.jit(functools.partial(restore_step, None), in_shardings=(kv_in, RestoreInputs(replicated, kinds)),
-                          out_shardings=(None, (kv_in,)), donate_argnums=(0,))
-        state = lambda: (runner.kv_cache,)  # noqa: E731
-        return [Step("kv_send", send, state, assign(runner), self._send_examples),
-                Step("kv_receive", receive, state, assign(runner, "kv_cache"), self._receive_examples)]
-
-    def _send_examples(self):
-        for bucket in self.buckets:
-            yield StoreInputs(np.zeros(bucket, np.int32))
-
-    def _receive_examples(self):
-        for bucket in self.buckets:
-            arrays = [np.zeros((bucket, *shape), numpy_dtype(dtype)) for dtype, shape in self.page_specs]
-            yield RestoreInputs(np.zeros(bucket, np.int32), tuple(self.runner.allocator.put(arrays, self.sharding)))
+        return transfer_steps(self.runner)
 
     # -- the prefill worker ------------------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@ The narrow interface the host loop uses (after JetStream's engine_api):
 
 * `dispatch(scheduler_output)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state
   of newly admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`)
-  and those a decode worker pulled (`connector`, `engine/jax_transfer_connector.py`), and launches it without waiting — its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its
-  decode batch (one per batch bucket) — returning an `InFlightStep` whose sampled tokens are still on the device.
+  and those a decode worker pulled (`connector`, `engine/jax_transfer_connector.py`), and launches it without
+  waiting — its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its decode batch (one per
+  batch bucket) — returning an `InFlightStep` whose sampled tokens are still on the device.
   Decode rows read their input token from the device's `SlotState`, so the next step may be dispatched before
   this one's tokens reach the host (async scheduling). Under speculative decoding the decode batch is a verify
   call over each row's latest token and its drafts (the runner's `Speculator`, `engine/speculator.py`).
