@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.aot.cli import compile_main
-from jaxserve.aot.compile import compile_engine, compile_steps
+from jaxserve.aot.compile import compile_engine, compile_steps, plan_engine
 from jaxserve.aot.report import group_json
 from jaxserve.aot.targets import CompilerMissing, TARGETS, target_devices
 from jaxserve.engine.config import EngineConfig
@@ -109,13 +109,16 @@ def test_the_kv_tiers_copies_compile(config_dirs, target):
                                              ("h200", dict(kv_cache_dtype="fp8"))])
 def test_the_pd_transfers_compile_and_report_their_pages(config_dirs, target, options):
     """Prefill/decode disaggregation's gather and scatter in device memory (bfloat16 pages split over two TPU cores;
-    an fp8 pool with its scales on a GPU), and the page layout the report gives."""
+    an fp8 pool with its scales on a GPU), the page layout the report gives, and the device memory the KV plan
+    leaves for pages in transit (`kv_buffer_size`: without it Llama-3-8B's longest send did not fit an H200)."""
     config = EngineConfig(model=config_dirs["llama"], kv_transfer_config={"kv_role": "kv_both"}, **{**SMALL, **options})
     result = compile_engine(config, target, {"kv_send", "kv_receive"})
+    plain, _ = plan_engine(EngineConfig(model=config_dirs["llama"], **{**SMALL, **options}), target)
+    assert abs(plain.kv_cache_bytes - result.plan.kv_cache_bytes - 1e9) <= result.plan.kv_transfer["page_bytes"]
     assert {step.name for step in result.steps} == {"kv_send", "kv_receive"}
     assert_compiles_and_fits(result)
     layout = result.plan.kv_transfer
-    assert layout["split"] == "PartitionSpec(None, None, 'tp')" and layout["buckets"][0] == 4
+    assert layout["split"] == "P(None, None, 'model')" and layout["buckets"][0] == 4  # split by head
     assert len(layout["pages"]) == (2 if "kv_cache_dtype" in options else 1)  # values, and an fp8 pool's scales
 
 

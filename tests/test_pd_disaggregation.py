@@ -85,6 +85,20 @@ def test_a_failed_or_expired_pull_is_computed_here(workers, tiny_llama_dir):
     short.llm_engine.shutdown()
 
 
+def test_a_request_aborted_while_its_pages_are_pulled_ends_as_aborted(workers):
+    producer, consumer = workers
+    prompt = random_prompts(1, 500, 20, 20, seed=4)[0]
+    engine = consumer.llm_engine
+    engine.add_request("pulling", {"prompt_token_ids": prompt},
+                       greedy(4, {**prefill(producer, [prompt])[0], "remote_port": free_port()}))  # never arrives
+    engine.step()
+    assert engine.connector.num_pulling == 1 and engine.wait_for_requests(0)
+    engine.abort_request("pulling")
+    (output,) = engine.step()
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert engine.connector.num_pulling == 0 and not engine.has_unfinished_requests()
+
+
 def test_mismatched_workers_and_roles_are_refused(workers, tiny_llama_dir):
     producer, consumer = workers
     prompt = random_prompts(1, 500, 30, 30, seed=3)[0]
@@ -109,5 +123,7 @@ def test_the_config_is_checked():
         EngineConfig(kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
     with pytest.raises(ValueError, match="unknown fields"):
         EngineConfig(kv_transfer_config={"kv_role": "kv_both", "kv_buffer_size": 1})
+    with pytest.raises(ValueError, match="kv_buffer_size must be a number of bytes"):
+        EngineConfig(kv_transfer_config={"kv_buffer_size": -1})
     with pytest.raises(ValueError, match="pull_timeout_s must be a number of seconds"):
         EngineConfig(kv_transfer_config={"kv_connector_extra_config": {"pull_timeout_s": 0}})

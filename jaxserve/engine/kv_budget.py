@@ -21,18 +21,29 @@ SAMPLER_COPIES = 10
 
 
 def kv_budget_bytes(memory_stats: dict | None, platform: str, config: ModelConfig,
-                    engine_config: EngineConfig, encoder_bytes: int = 0) -> int | None:
+                    engine_config: EngineConfig, encoder_bytes: int = 0, transfer_bytes: int = 0) -> int | None:
     """Bytes each device gives its KV pools (every device of the mesh holds the same share, so one device's
     `memory_stats` decide, taken with the weights in place): `kv_cache_memory_bytes` when set, else vLLM's
     `gpu_memory_utilization` on an accelerator; None on a CPU, whose pool is sized by its slots. An image model's
     largest encode call may hold `encoder_bytes` of temporaries (one step runs at a time: the larger reserve
-    serves both)."""
+    serves both); prefill/decode disaggregation's pages in transit (`transfer_reserve`) stay between steps."""
     if engine_config.kv_cache_memory_bytes is not None:
         return engine_config.kv_cache_memory_bytes
     if "bytes_limit" not in (memory_stats or {}):
         return None
     return accelerator_kv_bytes(memory_stats, engine_config.gpu_memory_utilization, allocator_fraction(platform),
-                                max(activation_bytes(config, engine_config), encoder_bytes))
+                                max(activation_bytes(config, engine_config), encoder_bytes) + transfer_bytes)
+
+
+def transfer_reserve(engine_config: EngineConfig, page_bytes_per_device: int) -> int:
+    """Bytes per device left for prefill/decode disaggregation's pages in transit (a prefill worker's gathered
+    copies until they are pulled, a decode worker's pulled pages until their request is admitted): the config's
+    `kv_buffer_size`, and no less than the largest transfer (a longest prompt's pages, padded to a power of two)."""
+    transfer = engine_config.kv_transfer
+    if transfer is None:
+        return 0
+    largest = 1 << (engine_config.pages_per_seq - 1).bit_length()
+    return max(int(transfer.kv_buffer_size), largest * page_bytes_per_device)
 
 
 def allocator_fraction(platform: str) -> float:

@@ -29,15 +29,18 @@ EXTRA_CONFIG = {"abort_timeout_s": 480.0, "pull_timeout_s": 60.0}  # vLLM's abor
 @dataclasses.dataclass(frozen=True)
 class KVTransferConfig:
     """vLLM's `KVTransferConfig`: the connector, this worker's role, where its transfer server listens (port 0: any
-    free port; the address travels in `kv_transfer_params`, so it must be one the decode workers reach), and in
-    `kv_connector_extra_config` how long unpulled pages are kept (`abort_timeout_s`) and how long a decode worker
-    waits for a pull before computing the prompt itself (`pull_timeout_s`)."""
+    free port; the address travels in `kv_transfer_params`, so it must be one the decode workers reach), the bytes of
+    each device's memory the KV plan leaves for pages in transit (`kv_buffer_size`, vLLM's field and default; at
+    least one longest prompt's pages), and in `kv_connector_extra_config` how long unpulled pages are kept
+    (`abort_timeout_s`) and how long a decode worker waits for a pull before computing the prompt itself
+    (`pull_timeout_s`)."""
 
     kv_connector: str = "JaxTransferConnector"
     kv_role: str = "kv_both"
     kv_ip: str = "127.0.0.1"
     kv_port: int = 0
     engine_id: str | None = None
+    kv_buffer_size: float = 1e9
     kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,10 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config kv_role must be one of {list(ROLES)}, got {self.kv_role!r}")
         if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_transfer_config kv_port must be a port number, got {self.kv_port!r}")
+        if isinstance(self.kv_buffer_size, bool) or not isinstance(self.kv_buffer_size, (int, float)) \
+                or not self.kv_buffer_size >= 0:
+            raise ValueError(f"kv_transfer_config kv_buffer_size must be a number of bytes >= 0, "
+                             f"got {self.kv_buffer_size!r}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
             raise ValueError(f"kv_transfer_config kv_ip must be a host address, got {self.kv_ip!r}")
         extra = self.kv_connector_extra_config

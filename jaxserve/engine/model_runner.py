@@ -46,7 +46,7 @@ from jaxserve.engine import runner_steps
 from jaxserve.engine.allocator import Allocator, DeviceAllocator
 from jaxserve.engine.config import EngineConfig, bucket_for
 from jaxserve.engine.input_batch import InputBatch
-from jaxserve.engine.kv_budget import kv_budget_bytes
+from jaxserve.engine.kv_budget import kv_budget_bytes, page_bytes, transfer_reserve
 from jaxserve.engine.kv_plan import (empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
                                      plan_kv_cache)
 from jaxserve.engine.kv_tiers import KVTiers
@@ -118,7 +118,10 @@ class ModelRunner:
             device = self.mesh.local_devices[0]
             budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
                                      config, engine_config,
-                                     self.encoder.activation_bytes() if self.encoder is not None else 0)
+                                     self.encoder.activation_bytes() if self.encoder is not None else 0,
+                                     transfer_reserve(engine_config, page_bytes(
+                                         config, self.tp, self.backend, engine_config.page_size, self.dtype)
+                                         // self.tp.size))
         speculator = self.speculator  # a proposer's own pool has group 0's pages
         self.kv_plan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
                                      speculator.pool_page_bytes if speculator is not None else 0)
