@@ -122,7 +122,7 @@ def test_the_config_is_checked():
     with pytest.raises(ValueError, match="kv_connector must be one of"):
         EngineConfig(kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
     with pytest.raises(ValueError, match="unknown fields"):
-        EngineConfig(kv_transfer_config={"kv_role": "kv_both", "kv_buffer_size": 1})
+        EngineConfig(kv_transfer_config={"kv_role": "kv_both", "kv_parallel_size": 2})
     with pytest.raises(ValueError, match="kv_buffer_size must be a number of bytes"):
         EngineConfig(kv_transfer_config={"kv_buffer_size": -1})
     with pytest.raises(ValueError, match="pull_timeout_s must be a number of seconds"):
