@@ -9,7 +9,8 @@ the server gave) plus the next question, streamed, greedy,
 `--output-len` tokens (EOS ignored). `--concurrency` conversations run at a time, each one turn after another.
 Reported per policy: the prefix-cache hit rate of the later turns (turn 2 and on) from the answers'
 `usage.prompt_tokens_details.cached_tokens` and from the workers' own counters, their TTFT p50/p90, the requests
-each worker served, and the router process's CPU seconds per request.
+each worker served, and the router process's CPU seconds per request. `--num-kv-pages` gives each worker fewer
+pages than the conversations need, so caches evict (where exact KV events should beat the router's own guess).
 
 Overhead (`--overhead-requests`): one worker and a router in front of it; short distinct chats, one at a time,
 alternately straight to the worker and through the router. Reported: TTFT p50 and the time per streamed chunk
@@ -17,6 +18,7 @@ alternately straight to the worker and through the router. Reported: TTFT p50 an
 
     python benchmarks/routing.py                                   # 16 conversations x 4 turns, both parts
     python benchmarks/routing.py --policies cache_aware kv_aware round_robin --overhead-requests 0
+    python benchmarks/routing.py --policies cache_aware kv_aware --overhead-requests 0 --num-kv-pages 400
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Processes:
 class Servers:
     """`num_workers` fresh workers and a router over them with `policy`; stopped on exit."""
 
-    def __init__(self, num_workers: int, policy: str, timeout_s: float):
+    def __init__(self, num_workers: int, policy: str, timeout_s: float, worker_flags: Sequence[str] = ()):
         self.started = Processes()
         self.workers = [f"http://127.0.0.1:{free_port()}" for _ in range(num_workers)]
         self.router = f"http://127.0.0.1:{free_port()}"
@@ -103,7 +105,8 @@ class Servers:
                 flags = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint":
                                                            f"tcp://127.0.0.1:{events[index]}"})] if events else []
                 self.started.start([sys.executable, "-m", "jaxserve", "serve", "--port", url.rsplit(":", 1)[1],
-                                    *WORKER, "--block-size", str(BLOCK_SIZE), *flags], f"worker{index}")
+                                    *WORKER, *worker_flags, "--block-size", str(BLOCK_SIZE), *flags],
+                                   f"worker{index}")
                 client.wait_for_server(url, timeout_s, self.started.processes[-1])
             model = client.served_model(self.workers[0])
             kv = [f"--kv-event-source={url}=tcp://127.0.0.1:{event}" for url, event in zip(self.workers, events)]
@@ -193,7 +196,8 @@ def policy_figures(rows: list[dict[str, Any]], before: list[dict], after: list[d
 
 
 def run_policy(policy: str, chats: list[tuple[str, list[str]]], args: argparse.Namespace) -> dict[str, Any]:
-    servers = Servers(2, policy, args.server_timeout)
+    servers = Servers(2, policy, args.server_timeout,
+                      ["--num-kv-pages", str(args.num_kv_pages)] if args.num_kv_pages else [])
     try:
         model = client.served_model(servers.workers[0])
         before = [worker_counters(url) for url in servers.workers]
@@ -251,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
     parser.add_argument("--overhead-requests", type=int, default=40, help="0: skip the router-overhead part")
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds a worker may take to start")
+    parser.add_argument("--num-kv-pages", type=int, default=None,
+                        help="each worker's KV pages (of 16 tokens): fewer than the conversations need evicts")
     common.add_common_args(parser)
     argv, args = common.start(parser, argv)
     chats = conversations(args, common.load_tokenizer(None))
@@ -271,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    for way in ("direct", "router")]
                                   + [["router - direct", f["added"]["ttft_ms_p50"], f["added"]["chunk_gap_ms_p50"],
                                       ""]]))
-    payload = {"policies": policies, "overhead": overhead, "worker_flags": WORKER,
+    payload = {"policies": policies, "overhead": overhead, "worker_flags": WORKER, "num_kv_pages": args.num_kv_pages,
                "load_average_after": common.load_average()}
     path = common.write_result(NAME, payload, args.result_file, argv, machine=common.machine_info(include_jax=False))
     print(f"result: {path}")
