@@ -30,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common
-from benchmarks.routing import Processes, wait_healthy
+from benchmarks.routing import Processes, wait_healthy, worker_counters
 from benchmarks.run_default_suite import free_port
 from jaxserve.bench import client
 from jaxserve.bench.metrics import percentile
@@ -108,17 +108,6 @@ def figures(results: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    import httpx
-
-    values = dict.fromkeys(names, 0.0)
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        name = line.split("{")[0]
-        if name in values:
-            values[name] += float(line.split()[-1])
-    return values
-
-
 def run_setup(name: str, roles: tuple, requests: list, args: argparse.Namespace) -> dict[str, Any]:
     model = ["--model", args.model] if args.model else []
     setup = Setup(name, model, roles, args.server_timeout)
@@ -127,9 +116,9 @@ def run_setup(name: str, roles: tuple, requests: list, args: argparse.Namespace)
     try:
         served = client.served_model(setup.workers[0])
         asyncio.run(run_workload(setup.router, served, requests[:2], 4))  # warm the path (not counted)
-        before = [counters(url, watched) for url in setup.workers]
+        before = [worker_counters(url, watched) for url in setup.workers]
         results = asyncio.run(run_workload(setup.router, served, requests, args.output_len))
-        after = [counters(url, watched) for url in setup.workers]
+        after = [worker_counters(url, watched) for url in setup.workers]
     finally:
         setup.started.stop()
     return {"figures": figures(results), "commands": setup.started.commands,

@@ -142,11 +142,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def worker_counters(url: str) -> dict[str, float]:
+def worker_counters(url: str, wanted: Sequence[str] = ("jaxserve:prefix_cache_queries_total",
+                                                       "jaxserve:prefix_cache_hits_total",
+                                                       "jaxserve:request_success_total")) -> dict[str, float]:
+    """A worker's metrics named `wanted`, each summed over its labels."""
     import httpx
 
-    wanted = ("jaxserve:prefix_cache_queries_total", "jaxserve:prefix_cache_hits_total",
-              "jaxserve:request_success_total")
     counters = dict.fromkeys(wanted, 0.0)
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         name = line.split("{")[0]

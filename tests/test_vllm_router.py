@@ -4,7 +4,8 @@ to the worker whose events say it holds the prompt's pages (seen in `usage.promp
 answers equal a worker's own, chats render through the workers' render endpoints, and a killed worker's share goes
 to the other. The same workers (`--kv-transfer-config` kv_both) behind `vllm-router --vllm-pd-disaggregation`: the
 data-parallel one prefills, the other pulls the pages and decodes, and the answers equal a worker's own with one
-prompt token computed per request on the decode worker."""
+prompt token computed per request on the decode worker. And vllm-router's DP-aware mode
+(`--intra-node-data-parallel-size 2`) places requests on the data-parallel worker's replicas by its header."""
 
 from __future__ import annotations
 
@@ -69,22 +70,51 @@ def wait_published(replay_endpoints: list[str], token_ids: list[int]) -> None:
 
 
 def metric(http: httpx.Client, url: str, name: str) -> float:
+    """The sum of a worker's samples whose name and labels start with `name` (over its replicas)."""
     lines = http.get(url + "/metrics").text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(f"jaxserve:{name}{{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(f"jaxserve:{name}" if "{" in name else f"jaxserve:{name}{{"))
+
+
+def start_router(flags: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    """A vllm-router with `flags` on a free port, once healthy (its /health answers 200 once a worker is)."""
+    router = f"http://127.0.0.1:{free_port()}"
+    with open(log_path, "w") as log:
+        front = subprocess.Popen([str(ROUTER), *flags, "--port", router.rsplit(":", 1)[1], "--prometheus-port",
+                                  str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + DEADLINE
+    while not is_healthy(router):
+        if front.poll() is not None or time.monotonic() > deadline:
+            front.kill()
+            raise AssertionError(log_path.read_text()[-2000:])
+        time.sleep(0.2)
+    return front, router
+
+
+def check_intra_node_data_parallel(http: httpx.Client, url: str, model: str, tmp_path: Path) -> None:
+    """vllm-router's DP-aware mode over a `--data-parallel-size 2` worker: its `X-data-parallel-rank` header
+    places requests on both replicas, round robin."""
+    front, router = start_router(["--worker-urls", url, "--intra-node-data-parallel-size", "2", "--api-key", "k",
+                                  "--policy", "round_robin"], tmp_path / "dp_router.log")
+    try:
+        served = [metric(http, url, f'request_success_total{{finished_reason="length",model_name="{model}",'
+                                    f'replica="{replica}"') for replica in (0, 1)]
+        for offset in range(4):
+            answer = http.post(router + "/v1/completions", json={"model": model, "prompt": [9 + offset] * 5,
+                                                                 "max_tokens": 2, "ignore_eos": True})
+            assert answer.status_code == 200, answer.text
+        assert [metric(http, url, f'request_success_total{{finished_reason="length",model_name="{model}",'
+                                  f'replica="{replica}"') - before for replica, before in enumerate(served)] == [2, 2]
+    finally:
+        front.terminate()
+        front.wait(timeout=60)
 
 
 def check_pd_disaggregation(http: httpx.Client, urls: list[str], model: str, tmp_path: Path) -> None:
     """`urls[0]` prefills and `urls[1]` decodes behind vllm-router's P/D mode; answers equal `urls[1]`'s own."""
-    router = f"http://127.0.0.1:{free_port()}"
-    with open(tmp_path / "pd_router.log", "w") as log:
-        front = subprocess.Popen([str(ROUTER), "--vllm-pd-disaggregation", "--prefill", urls[0], "--decode", urls[1],
-                                  "--policy", "round_robin", "--port", router.rsplit(":", 1)[1],
-                                  "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+    front, router = start_router(["--vllm-pd-disaggregation", "--prefill", urls[0], "--decode", urls[1],
+                                  "--policy", "round_robin"], tmp_path / "pd_router.log")
     try:
-        deadline = time.monotonic() + DEADLINE
-        while not is_healthy(router):
-            assert front.poll() is None and time.monotonic() < deadline, (tmp_path / "pd_router.log").read_text()
-            time.sleep(0.2)
         computed = metric(http, urls[1], "prompt_tokens_computed_total")
         bodies = [("/v1/completions", {"prompt": list(range(30, 30 + length))}) for length in (9, 40, 70)]
         bodies.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": "disaggregate me"}]}))
@@ -120,24 +150,16 @@ def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_
                       "--kv-transfer-config", '{"kv_role": "kv_both"}'], log)
                for url, port, replay_port, log, extra in zip(urls, events, replays, logs,
                                                              (["--data-parallel-size", "2"], []))]
-    router, front = f"http://127.0.0.1:{free_port()}", None
+    front = None
     try:
         for url, process in zip(urls, workers):
             client.wait_for_server(url, 180, process)
         # the data-parallel worker's replicas publish on consecutive ports: one source of two ranks
         sources = [f"{urls[0]}=tcp://127.0.0.1:{events[0]},tcp://127.0.0.1:{events[0] + 1}",
                    f"{urls[1]}=tcp://127.0.0.1:{events[1]}"]
-        with open(tmp_path / "router.log", "w") as log:
-            front = subprocess.Popen(
-                [str(ROUTER), "--worker-urls", *urls, "--policy", "kv_aware", "--port", router.rsplit(":", 1)[1],
-                 "--prometheus-port", str(free_port()), "--kv-event-block-size", "8", "--kv-event-model",
-                 tiny_llama_dir, "--health-check-interval-secs", "1",
-                 *(f"--kv-event-source={s}" for s in sources)],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + DEADLINE
-        while not is_healthy(router):  # its /health answers 200 with an empty body once a worker is healthy
-            assert front.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
-            time.sleep(0.2)
+        front, router = start_router(["--worker-urls", *urls, "--policy", "kv_aware", "--kv-event-block-size", "8",
+                                      "--kv-event-model", tiny_llama_dir, "--health-check-interval-secs", "1",
+                                      *(f"--kv-event-source={s}" for s in sources)], tmp_path / "router.log")
         with httpx.Client(timeout=60) as http:
             # (no return_token_ids: vllm-router 0.1.17 routes such a request without its prefix credit)
             body = {"model": tiny_llama_dir, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -155,6 +177,7 @@ def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_
                 "model": tiny_llama_dir, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4})
             assert chat.status_code == 200, chat.text
             check_pd_disaggregation(http, urls, tiny_llama_dir, tmp_path)
+            check_intra_node_data_parallel(http, urls[0], tiny_llama_dir, tmp_path)
 
             workers[1].kill()
             workers[1].wait()
