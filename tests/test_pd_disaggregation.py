@@ -93,10 +93,12 @@ def test_a_request_aborted_while_its_pages_are_pulled_ends_as_aborted(workers):
                        greedy(4, {**prefill(producer, [prompt])[0], "remote_port": free_port()}))  # never arrives
     engine.step()
     assert engine.connector.num_pulling == 1 and engine.wait_for_requests(0)
+    _, arrays = engine.connector._pulls["pulling"].pulled.result(timeout=60)
     engine.abort_request("pulling")
     (output,) = engine.step()
     assert output.finished and output.outputs[0].finish_reason == "abort"
     assert engine.connector.num_pulling == 0 and not engine.has_unfinished_requests()
+    assert all(array.is_ready() for array in arrays)  # failed: their device memory is released
 
 
 def test_mismatched_workers_and_roles_are_refused(workers, tiny_llama_dir):

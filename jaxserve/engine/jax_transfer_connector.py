@@ -8,10 +8,12 @@ the device side of `kv_connector.py`.
   after `abort_timeout_s`). The gather is a copy, so the request's pages go back to the pool when it finishes; the
   copy holds device memory outside the pool until it is pulled or dropped.
 * A decode worker pulls them into device memory with its pool's sharding while the request waits outside the
-  scheduler (a thread connects, jax moves the bytes); once they have arrived the request is admitted with them
+  scheduler (a thread connects, one connection per pull; jax moves the bytes); once they have arrived the request is admitted with them
   (`Sequence.received`) and the step that admits it writes them into its newly allocated pages (`kv_receive`, the
   tiers' scatter) before its forwards. A pull that fails (the prefill worker died) or outlasts `pull_timeout_s`
-  (the pages expired, or never came) is logged and counted, and the request computes its prompt here instead.
+  (the pages expired, or never came) is logged and counted, and the request computes its prompt here instead; a
+  pull still arriving when it times out or its request is aborted is failed on its connection, which releases the
+  device memory its arrays hold.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class _Pull(NamedTuple):
     request: Any  # the engine's `Request`, waiting outside the scheduler
     remote: RemotePrefill
     started: float
-    arrays: concurrent.futures.Future  # of the pulled arrays (their bytes may still be arriving)
+    pulled: concurrent.futures.Future  # of (its connection, the pulled arrays, whose bytes may still be arriving)
 
 
 def kv_layout(runner: RunnerState, model: str) -> dict[str, Any]:
@@ -59,6 +61,16 @@ def kv_layout(runner: RunnerState, model: str) -> dict[str, Any]:
     return {"model": model, "model_config": model_config, "page_size": runner.engine_config.page_size,
             "pages": [[dtype, list(shape)] for dtype, shape in page_specs(runner.kv_cache)],
             "tensor_parallel_size": runner.tp.size}
+
+
+def _fail(pull: _Pull) -> None:
+    """Fails a pull still arriving (on its own connection), so jax releases the device memory its arrays hold."""
+    try:
+        connection, arrays = pull.pulled.result(timeout=60)  # the connect thread has started it by then
+    except Exception:  # noqa: BLE001 - it never started: nothing is held
+        return
+    if not all(array.is_ready() for array in arrays):
+        connection._poison_connection()  # the only way jax offers (a private method of jax 0.10's connection)
 
 
 def page_sharding(runner: RunnerState) -> NamedSharding:
@@ -102,7 +114,6 @@ class JaxTransferConnector:
         port = config.kv_port + runner.engine_config.data_parallel_rank if config.kv_port else 0  # a replica's own
         self.server = transfer.start_transfer_server(client, f"{config.kv_ip}:{port}", [f"{config.kv_ip}:0"])
         self.address = self.server.address()
-        self._connections: dict[str, Any] = {}
         self._connect = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")  # connect may block
         self._pulls: dict[str, _Pull] = {}
         self.num_sends = self.pages_sent = self.bytes_sent = 0
@@ -165,15 +176,17 @@ class JaxTransferConnector:
         self._pulls[request.request_id] = _Pull(request, remote, time.monotonic(), future)
         self.num_pulls += 1
 
-    def _start_pull(self, address: str, transfer_id: int, shapes: list) -> list[jax.Array]:
-        connection = self._connections.get(address)
-        if connection is None:
-            connection = self._connections[address] = self.server.connect(address)
-        return connection.pull(transfer_id, shapes)
+    def _start_pull(self, address: str, transfer_id: int, shapes: list) -> tuple[Any, list[jax.Array]]:
+        """A connection of its own (so a pull that never arrives can be failed alone) and the pull started on it."""
+        connection = self.server.connect(address)
+        return connection, connection.pull(transfer_id, shapes)
 
     def cancel(self, request_id: str) -> bool:
         """Forgets a waiting request's pull (an abort); False if it has none."""
-        return self._pulls.pop(request_id, None) is not None
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            _fail(pull)
+        return pull is not None
 
     @property
     def num_pulling(self) -> int:
@@ -193,13 +206,13 @@ class JaxTransferConnector:
 
     def _outcome(self, pull: _Pull, now: float) -> ReceivedKV | None | bool:
         """What arrived (None: the pull failed or timed out; False: still arriving)."""
-        remote, future = pull.remote, pull.arrays
+        remote, future = pull.remote, pull.pulled
         error, arrays = None, None
         if future.done():
             error = future.exception()
-            if error is None and all(array.is_ready() for array in future.result()):
+            if error is None and all(array.is_ready() for array in future.result()[1]):
                 try:
-                    arrays = jax.block_until_ready(future.result())  # raises a failed pull's error
+                    arrays = jax.block_until_ready(future.result()[1])  # raises a failed pull's error
                 except Exception as failed:  # noqa: BLE001 - any failure of the remote side
                     error = failed
         if error is not None:
@@ -218,6 +231,7 @@ class JaxTransferConnector:
         logger.warning("KV transfer: no pages from %s:%d after %.0fs, computing the prompt here", remote.host,
                        remote.port, now - pull.started)
         self.pull_failures["timeout"] += 1
+        _fail(pull)
         return None
 
     def receive(self, receives: tuple[Receive, ...]) -> None:
