@@ -26,7 +26,7 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jaxserve.engine.kv_plan import kv_cache_shardings
 from jaxserve.engine.kv_tiers import numpy_dtype
 from jaxserve.engine.kv_transfer import RestoreInputs, StoreInputs, page_specs, restore_step, store_step, \
     transfer_buckets
+from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_registry import RunnerState, Step, assign
 from jaxserve.layers.paged_kv import KV_PAGES
 
@@ -102,6 +103,8 @@ def transfer_steps(runner: RunnerState) -> list[Step]:
 
 
 class JaxTransferConnector:
+    """One worker's transfer server, its sends (prefill) and its pulls in flight (decode), with their counters."""
+
     def __init__(self, config: KVTransferConfig, runner: RunnerState, model: str):
         self.config = config
         self.runner = runner
@@ -114,7 +117,9 @@ class JaxTransferConnector:
         port = config.kv_port + runner.engine_config.data_parallel_rank if config.kv_port else 0  # a replica's own
         self.server = transfer.start_transfer_server(client, f"{config.kv_ip}:{port}", [f"{config.kv_ip}:0"])
         self.address = self.server.address()
-        self._connect = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")  # connect may block
+        # connections and pulls start off the stepping thread (jax 0.10's CPU transfer server returns at once;
+        # nothing promises that of every platform's)
+        self._connect = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self._pulls: dict[str, _Pull] = {}
         self.num_sends = self.pages_sent = self.bytes_sent = 0
         self.num_pulls = self.pages_received = self.bytes_received = self.tokens_received = 0
@@ -147,7 +152,8 @@ class JaxTransferConnector:
         return producer_params(self.address, self.engine_id, transfer_id, pages, num_tokens, bucket,
                                prompt_digest(prompt_token_ids, adapter), self.layout)
 
-    def after_dispatch(self, scheduler_output, seqs: dict, requests: dict, tables) -> None:
+    def after_dispatch(self, scheduler_output: SchedulerOutput, seqs: dict[int, Any], requests: dict[str, Any],
+                       tables: Callable[[int], list[int]]) -> None:
         """Sends the prompts of the `do_remote_decode` requests whose last prompt token this dispatched step
         computes (their first completion's; `tables(seq_id)`: its pages)."""
         for chunk in scheduler_output.prefills:
