@@ -35,15 +35,12 @@ def kv_budget_bytes(memory_stats: dict | None, platform: str, config: ModelConfi
                                 max(activation_bytes(config, engine_config), encoder_bytes) + transfer_bytes)
 
 
-def transfer_reserve(engine_config: EngineConfig, page_bytes_per_device: int) -> int:
+def transfer_reserve(engine_config: EngineConfig, largest_transfer_bytes: int) -> int:
     """Bytes per device left for prefill/decode disaggregation's pages in transit (a prefill worker's gathered
     copies until they are pulled, a decode worker's pulled pages until their request is admitted): the config's
-    `kv_buffer_size`, and no less than the largest transfer (a longest prompt's pages, padded to a power of two)."""
+    `kv_buffer_size`, and no less than the largest transfer's per device."""
     transfer = engine_config.kv_transfer
-    if transfer is None:
-        return 0
-    largest = 1 << (engine_config.pages_per_seq - 1).bit_length()
-    return max(int(transfer.kv_buffer_size), largest * page_bytes_per_device)
+    return 0 if transfer is None else max(int(transfer.kv_buffer_size), largest_transfer_bytes)
 
 
 def allocator_fraction(platform: str) -> float:

@@ -275,8 +275,7 @@ class LLMEngine:
                                                        seqs[chunk.seq_id].num_prompt_tokens) - chunk.start)
                                             for chunk in scheduler_output.prefills)
         if self.connector is not None:  # the prompts to send that this step computes, in its pages
-            self.connector.after_dispatch(scheduler_output, self.scheduler.seqs, self.outputs.requests,
-                                          self.page_manager.page_table)
+            self.connector.after_dispatch(scheduler_output, seqs, self.outputs.requests, self.page_manager.page_table)
         self._steps += 1
         self.scheduler.update_after_dispatch(scheduler_output)
         return step

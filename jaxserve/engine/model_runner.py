@@ -50,7 +50,7 @@ from jaxserve.engine.kv_budget import kv_budget_bytes, page_bytes, transfer_rese
 from jaxserve.engine.kv_plan import (empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
                                      plan_kv_cache)
 from jaxserve.engine.kv_tiers import KVTiers
-from jaxserve.engine.kv_transfer import KVTransfers
+from jaxserve.engine.kv_transfer import KVTransfers, transfer_buckets
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
 from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from jaxserve.engine.speculator import Speculator
@@ -119,9 +119,7 @@ class ModelRunner:
             budget = kv_budget_bytes(self.allocator.memory_stats(device, self.resident_state()), device.platform,
                                      config, engine_config,
                                      self.encoder.activation_bytes() if self.encoder is not None else 0,
-                                     transfer_reserve(engine_config, page_bytes(
-                                         config, self.tp, self.backend, engine_config.page_size, self.dtype)
-                                         // self.tp.size))
+                                     transfer_reserve(engine_config, self._largest_transfer_bytes()))
         speculator = self.speculator  # a proposer's own pool has group 0's pages
         self.kv_plan = plan_kv_cache(config, engine_config, self.tp, self.backend, self.dtype, budget,
                                      speculator.pool_page_bytes if speculator is not None else 0)
@@ -154,6 +152,12 @@ class ModelRunner:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
         self.transfers = KVTransfers(self, tiers)
         self.steps.add(self.transfers.steps())
+
+    def _largest_transfer_bytes(self) -> int:
+        """Per device, the pages a prefill/decode transfer of a longest prompt moves (padded to its bucket)."""
+        ec = self.engine_config
+        pages = bucket_for(ec.pages_per_seq, transfer_buckets(ec))
+        return pages * page_bytes(self.model_config, self.tp, self.backend, ec.page_size, self.dtype) // self.tp.size
 
     def attach_connector(self, connector) -> None:
         """Sends and receives pages of prefill/decode disaggregation from now on (`jax_transfer_connector.py`;
