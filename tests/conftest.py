@@ -8,7 +8,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # four host devices, so tensor-parallel tests run in this process; one-device engines use the first only
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+# XLA's LLVM at -O0 without its expensive passes: compiling the tiny models' steps is most of the suite's time,
+# and their run time hardly counts (docs/testing.md)
+for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+    if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# jax's persistent cache keeps every compile in a test run, not only those over the engine's 0.5 s
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # jax's persistent compilation cache: a fresh folder per test run (inherited by the servers and hosts tests start),
 # so no entry of an earlier or killed run is read
 if "JAXSERVE_CACHE_ROOT" not in os.environ:

@@ -20,6 +20,7 @@ conftest's `release_executables` now clears jax's caches after each test file: t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +31,7 @@ from pathlib import Path
 
 def main() -> int:
     tests = Path(__file__).parent
-    files = sorted(tests.glob("test_*.py"), key=lambda path: (-path.stat().st_size, path.name))  # longest first
+    files = ordered_files(tests)
     root = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
     # CPU only (as conftest sets it): with the [aot] extra's CUDA plugin and libtpu installed, jax would try both
     env = {**os.environ, "JAXSERVE_CACHE_ROOT": root, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -38,10 +39,19 @@ def main() -> int:
         subprocess.check_call([sys.executable, "-c", "from jaxserve.loading import load_model; load_model()"],
                               env=env, cwd=tests.parent)
         return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                                "--dist", "loadfile", "--max-worker-restart", "0", "-o", "faulthandler_timeout=600",
+                                "--dist", "loadfile", "--no-loadscope-reorder", "-p", "tests.suite_budget",
+                                "--max-worker-restart", "0", "-o", "faulthandler_timeout=600",
                                 *(f"tests/{path.name}" for path in files), *sys.argv[1:]], env=env, cwd=tests.parent)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def ordered_files(tests: Path) -> list[Path]:
+    """The test files, longest first by their last measured time (tests/suite_durations.json); files it does not
+    know yet go first, largest first."""
+    known = json.loads((tests / "suite_durations.json").read_text())
+    return sorted(tests.glob("test_*.py"),
+                  key=lambda path: (f"tests/{path.name}" in known, -known.get(f"tests/{path.name}", path.stat().st_size)))
 
 
 if __name__ == "__main__":

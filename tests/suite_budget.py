@@ -1,0 +1,93 @@
+"""The suite's time budget: a pytest plugin that tests/run_suite.py loads (`-p suite_budget`). In the controlling
+process it adds up each test's setup, call and teardown time per test and per file, and at the end prints the suite's
+wall time, the slowest tests, every file's total and when each worker finished (the idle tail); it fails the run when a
+file's tests together take longer than FILE_BUDGET_S, unless ALLOWED names the file with a reason and a larger limit.
+`--suite-durations PATH` also writes the files' totals as JSON, which tests/suite_durations.json keeps for
+run_suite's ordering. Inside xdist's workers it does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+import pytest
+
+FILE_BUDGET_S = 180.0
+# file: (its limit in seconds, why it needs more than FILE_BUDGET_S)
+ALLOWED: dict[str, tuple[float, str]] = {}
+SLOWEST = 60
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--suite-durations", default=None, metavar="PATH",
+                     help="write each test file's total seconds to PATH (JSON)")
+    parser.addoption("--suite-budget", default="on", choices=("on", "off"),
+                     help="fail test files over their time budget (off: only report)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        config.pluginmanager.register(SuiteBudget(config), "suite_budget_report")
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+class SuiteBudget:
+    """What the controller hears of each test, and the report made of it."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.started = time.monotonic()
+        self.tests: dict[str, float] = defaultdict(float)
+        self.files: dict[str, float] = defaultdict(float)
+        self.file_worker: dict[str, str] = {}
+        self.workers_down: dict[str, float] = {}
+        self.over: list[tuple[str, float, float]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.tests[report.nodeid] += report.duration
+        self.files[file_of(report.nodeid)] += report.duration
+        node = getattr(report, "node", None)
+        if node is not None:
+            self.file_worker[file_of(report.nodeid)] = node.gateway.id
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        self.workers_down[node.gateway.id] = time.monotonic() - self.started
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        path = self.config.getoption("suite_durations")
+        if path:
+            with open(path, "w") as out:
+                json.dump({name: round(seconds, 1) for name, seconds in sorted(self.files.items())}, out, indent=1)
+        for name, seconds in self.files.items():
+            limit = ALLOWED.get(name, (FILE_BUDGET_S, ""))[0]
+            if seconds > limit:
+                self.over.append((name, seconds, limit))
+        if self.over and self.config.getoption("suite_budget") == "on" and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        write = terminalreporter.write_line
+        terminalreporter.section("suite time")
+        write(f"wall {time.monotonic() - self.started:.0f} s; tests together {sum(self.tests.values()):.0f} s")
+        for worker, at in sorted(self.workers_down.items()):
+            busy = sum(s for name, s in self.files.items() if self.file_worker.get(name) == worker)
+            write(f"worker {worker}: done at {at:.0f} s, tests {busy:.0f} s")
+        write(f"slowest {SLOWEST} tests (setup + call + teardown):")
+        for nodeid, seconds in sorted(self.tests.items(), key=lambda item: -item[1])[:SLOWEST]:
+            write(f"  {seconds:7.1f} s  {nodeid}")
+        write("files:")
+        for name, seconds in sorted(self.files.items(), key=lambda item: -item[1]):
+            limit = ALLOWED.get(name, (FILE_BUDGET_S, ""))[0]
+            write(f"  {seconds:7.1f} s  {name}  [{self.file_worker.get(name, '-')}]"
+                  + ("  OVER ITS BUDGET" if seconds > limit else ""))
+        for name, seconds, limit in self.over:
+            terminalreporter.write_line(
+                f"{name}: its tests took {seconds:.0f} s together, over its budget of {limit:.0f} s "
+                f"(tests/suite_budget.py): make them smaller, or allow it there with a reason", red=True)
