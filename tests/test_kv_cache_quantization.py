@@ -195,7 +195,7 @@ def test_page_budget_counts_the_quantized_page_and_shows_it(tiny_llama_dir, monk
     monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", budget)
     with caplog.at_level(logging.INFO, logger="jaxserve.engine.kv_plan"):
         llm = LLM(tiny_llama_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_model_len=256,
-                  page_size=8, max_num_batched_tokens=64, warmup=False, decode_batch_buckets=(1,))
+                  page_size=8, max_num_batched_tokens=64, warmup=False)
     runner = llm.llm_engine.runner
     head_dim, itemsize = 16, {"float32": 4, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1}[storage]
     token_bytes = head_dim * itemsize + (4 if kv_cache_dtype != "auto" else 0)
