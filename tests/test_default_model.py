@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, warmup=False)  # compiles as used
+    return LLM(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, warmup=False,  # compiles as used
+               smallest_prefill_bucket=128, decode_batch_buckets=(4,))  # one prefill, one decode bucket
 
 
 @pytest.fixture(scope="module")

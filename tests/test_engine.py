@@ -75,7 +75,7 @@ def test_preemption_gives_identical_outputs(llm, tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(16, 500, 10, 60, seed=6)]
     small = LLM(tiny_llama_dir, max_num_seqs=16, max_model_len=256, page_size=16, num_kv_pages=41,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64, smallest_prefill_bucket=64, decode_batch_buckets=(16,), warmup=False)
     constrained = token_ids(small.generate(prompts, params, use_tqdm=False))
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert small.llm_engine.page_manager.num_free_pages == 40
@@ -85,12 +85,12 @@ def test_preemption_gives_identical_outputs(llm, tiny_llama_dir):
 def test_prefix_caching_hits_and_matches_uncached(tiny_llama_dir):
     prefix = random_prompts(1, 500, 200, 200, seed=7)[0]
     prompts = [{"prompt_token_ids": prefix + tail} for tail in random_prompts(6, 500, 3, 20, seed=8)]
-    cached = LLM(tiny_llama_dir, **ENGINE_OPTIONS)
+    cached = LLM(tiny_llama_dir, warmup=False, **ENGINE_OPTIONS)  # the fixture's shapes: cache hits
     first = token_ids(cached.generate(prompts[:1], GREEDY))
     rest = token_ids(cached.generate(prompts[1:], GREEDY, use_tqdm=False))
     manager = cached.llm_engine.page_manager
     assert manager.num_prefix_hits >= 5 * 192
-    uncached = LLM(tiny_llama_dir, enable_prefix_caching=False, **ENGINE_OPTIONS)
+    uncached = LLM(tiny_llama_dir, enable_prefix_caching=False, warmup=False, **ENGINE_OPTIONS)
     assert first + rest == token_ids(uncached.generate(prompts, GREEDY, use_tqdm=False))
     assert uncached.llm_engine.page_manager.num_prefix_hits == 0
     # after unrelated traffic, a request gives what a fresh engine gives
@@ -251,8 +251,8 @@ def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 40, seed=16)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for family in ("gemma2",):  # sliding window (16), GQA and the attention soft-cap through both kernels
-        options = dict(ENGINE_OPTIONS, max_num_seqs=4, decode_batch_buckets=(4,),
-                       max_model_len=64)
+        options = dict(ENGINE_OPTIONS, max_num_seqs=4, decode_batch_buckets=(4,), smallest_prefill_bucket=64,
+                       max_model_len=64, warmup=False)
         xla = LLM(tiny_model_dirs[family], attention_backend="xla", **options)
         pallas = LLM(tiny_model_dirs[family], attention_backend="pallas-interpret", **options)
         assert pallas.llm_engine.runner.kv_cache[0].k.shape[0] == 2  # heads-major pool layout for the kernels
@@ -263,7 +263,7 @@ def test_pallas_interpret_backend_gives_identical_greedy_outputs(llm, tiny_model
 @pytest.mark.parametrize("aging_seconds, expected", [(1e6, ["p0", "p1", "p5"]), (1e-9, ["p5", "p0", "p1"])])
 def test_priority_scheduling_with_aging(tiny_llama_dir, aging_seconds, expected):
     llm = LLM(tiny_llama_dir, max_num_seqs=1, max_model_len=64, page_size=8, max_num_batched_tokens=16,
-              scheduling_policy="priority", priority_aging_seconds=aging_seconds)
+              scheduling_policy="priority", priority_aging_seconds=aging_seconds, warmup=False)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for name, priority in (("p5", 5), ("p0", 0), ("p1", 1)):  # arrival order p5, p0, p1
         llm.llm_engine.add_request(name, {"prompt_token_ids": [3, 4, 5]}, params, priority=priority)

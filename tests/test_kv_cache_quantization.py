@@ -137,7 +137,8 @@ def test_xla_path_converts_per_block_never_the_whole_pool(kv_cache_dtype):
 
 # -- the engine with quantized pages ----------------------------------------------------------------------------
 
-SMALL = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=64, warmup=False)
+SMALL = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=64, smallest_prefill_bucket=64,
+             warmup=False)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
@@ -166,7 +167,7 @@ def test_preemption_prefix_caching_and_two_devices_with_quantized_pages(tiny_lla
     shared = random_prompts(1, 500, 64, 64, seed=7)[0]
     prompts += [{"prompt_token_ids": shared + tail} for tail in random_prompts(3, 500, 3, 9, seed=8)]
     options = dict(max_num_seqs=8, max_model_len=256, page_size=16, max_num_batched_tokens=64, warmup=False,
-                   kv_cache_dtype=kv_cache_dtype)
+                   smallest_prefill_bucket=64, decode_batch_buckets=(8,), kv_cache_dtype=kv_cache_dtype)
     reference = token_ids(LLM(tiny_llama_dir, enable_prefix_caching=False, **options).generate(
         prompts, params, use_tqdm=False))
     constrained = LLM(tiny_llama_dir, tensor_parallel_size=2, num_kv_pages=24, **options)

@@ -156,7 +156,8 @@ def test_expert_parallel_and_tensor_parallel_on_four_devices_match_one_device(ti
     partial sums; sinks split with the heads; scales split like their kernels)."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 500, 5, 40, seed=14)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    options = dict(max_num_seqs=4, max_model_len=128, page_size=8, max_num_batched_tokens=64, warmup=False)
+    options = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=64, warmup=False,
+                   smallest_prefill_bucket=64, decode_batch_buckets=(4,))  # one prefill and one decode shape
 
     def run(family, **extra):
         llm = LLM(tiny_model_dirs[family], **options, **extra)

@@ -12,7 +12,7 @@ PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=seed, max_tokens=16, ignore_eos=True)
           for seed in range(len(PROMPTS))]
-SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, warmup=False)
+SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, warmup=False, decode_batch_buckets=(4,))
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -57,7 +57,8 @@ def test_preemption_and_prefix_caching_on_two_devices_match_one_device(tiny_llam
     prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 500, 10, 60, seed=6)]
     shared = random_prompts(1, 500, 64, 64, seed=7)[0]
     prompts += [{"prompt_token_ids": shared + tail} for tail in random_prompts(3, 500, 3, 9, seed=8)]
-    options = dict(max_num_seqs=8, max_model_len=256, page_size=16, max_num_batched_tokens=64, warmup=False)
+    options = dict(max_num_seqs=8, max_model_len=256, page_size=16, max_num_batched_tokens=64, warmup=False,
+                   smallest_prefill_bucket=64, decode_batch_buckets=(8,))
     reference = token_ids(LLM(tiny_llama_dir, **options).generate(prompts, params, use_tqdm=False))
     constrained = LLM(tiny_llama_dir, tensor_parallel_size=2, num_kv_pages=24, **options)
     assert token_ids(constrained.generate(prompts, params, use_tqdm=False)) == reference
@@ -69,7 +70,7 @@ def test_replicated_kv_heads_and_pallas_kernels_under_shard_map(tiny_llama_dir):
     """4 devices for 2 KV heads (vLLM's rule: each KV head on two devices), Pallas kernels in interpret mode."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 5, 40, seed=9)]
     options = dict(attention_backend="pallas-interpret", max_num_seqs=4, max_model_len=128,
-                   max_num_batched_tokens=32, warmup=False)
+                   max_num_batched_tokens=32, smallest_prefill_bucket=32, decode_batch_buckets=(4,), warmup=False)
     reference = token_ids(LLM(tiny_llama_dir, **options).generate(prompts, GREEDY, use_tqdm=False))
     four = LLM(tiny_llama_dir, tensor_parallel_size=4, **options)
     k_pool = four.llm_engine.runner.kv_cache[0].k
