@@ -320,12 +320,65 @@ def test_chat_payload_and_chunks():
 # -- every script end to end on a tiny model -----------------------------------------------------------------
 
 
+# One process imports the heavy third-party libraries the scripts share (numpy, jax, transformers, ...) once, then
+# forks a fresh child per script that runs it as `python benchmarks/SCRIPT --help` would: argv, sys.path[0] the
+# script's folder, `__main__`, none of the repository's modules imported yet, stdout and stderr to files of its own,
+# its exit status the script's. (Whether a script's folder on sys.path shadows a library's module is
+# test_benchmark_scripts_shadow_no_module_a_library_imports'.)
+HELP_DRIVER = r"""
+import json, os, runpy, sys, traceback
+for name in ("numpy", "jax", "jax.numpy", "flax", "transformers", "aiohttp", "safetensors"):
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+repo, out_dir, scripts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+codes = {}
+for index, script in enumerate(scripts):
+    path = os.path.join(repo, "benchmarks", script)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for fd, suffix in ((1, "out"), (2, "err")):
+                os.dup2(os.open(os.path.join(out_dir, f"{index}.{suffix}"), os.O_WRONLY | os.O_CREAT), fd)
+            sys.argv = [path, "--help"]
+            sys.path[0] = os.path.dirname(path)
+            try:
+                runpy.run_path(path, run_name="__main__")
+                code = 0
+            except SystemExit as stop:
+                code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    codes[script] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(codes))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_outputs(tmp_path_factory):
+    """script -> (exit status, stdout, stderr) of its --help."""
+    out_dir = tmp_path_factory.mktemp("help")
+    run = subprocess.run([sys.executable, "-c", HELP_DRIVER, str(REPO), str(out_dir), json.dumps(SCRIPTS)],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    codes = json.loads(run.stdout.splitlines()[-1])
+    return {script: (codes[script], (out_dir / f"{index}.out").read_text(), (out_dir / f"{index}.err").read_text())
+            for index, script in enumerate(SCRIPTS)}
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help(script):
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True,
-                         text=True, timeout=120, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "usage:" in out.stdout
+def test_help(script, help_outputs):
+    returncode, stdout, stderr = help_outputs[script]
+    assert returncode == 0, stderr
+    assert "usage:" in stdout
 
 
 def test_throughput_smoke(tiny_llama_dir, tmp_path):
