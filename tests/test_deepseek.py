@@ -62,7 +62,7 @@ def test_engine_greedy_equals_transformers_over_the_latent_cache(deepseek_dir):
     prompts = random_prompts(4, 500, 20, 60, seed=12) + [shared + tail for tail in random_prompts(2, 500, 2, 9, 13)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(deepseek_dir, max_num_seqs=6, max_model_len=128, page_size=8, num_kv_pages=28,
-              max_num_batched_tokens=32, warmup=False)
+              max_num_batched_tokens=32, smallest_prefill_bucket=32, decode_batch_buckets=(6,), warmup=False)
     ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                               use_tqdm=False)]
     engine = llm.llm_engine
@@ -88,7 +88,8 @@ def test_decompressed_attention_matches_transformers(deepseek_dir, monkeypatch):
     monkeypatch.setattr(mla, "DECOMPRESS_MIN_TOKENS", {"cpu": 2})
     assert_matches_transformers(deepseek_dir, "decompressed")
     prompts = random_prompts(2, 500, 20, 40, seed=21)
-    llm = LLM(deepseek_dir, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, warmup=False)
+    llm = LLM(deepseek_dir, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16, decode_batch_buckets=(2,),
+              warmup=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek_dir, dtype=torch.float32).eval()
@@ -107,7 +108,8 @@ def test_tensor_and_expert_parallel_on_four_devices_match_one_device(deepseek_di
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run(**options):
-        llm = LLM(deepseek_dir, max_num_seqs=4, max_model_len=128, warmup=False, quantization="int8", **options)
+        llm = LLM(deepseek_dir, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, smallest_prefill_bucket=64,
+                  decode_batch_buckets=(4,), warmup=False, quantization="int8", **options)
         tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         return tokens, llm.llm_engine.runner.params["layers_1"]["attn"]
 
@@ -137,7 +139,7 @@ def test_the_pallas_backends_attend_over_the_latent_pool_with_their_kernels(tmp_
         expected = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     llm = LLM(path, attention_backend=backend, tensor_parallel_size=2, max_num_seqs=2, max_model_len=64,
-              warmup=False)
+              max_num_batched_tokens=32, smallest_prefill_bucket=32, decode_batch_buckets=(2,), warmup=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outs] == expected
@@ -157,7 +159,7 @@ def test_host_and_disk_tiers_keep_latent_pages_on_two_devices(deepseek_dir, tmp_
         expected = [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=6, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, -6:].tolist() for p in prompts]
     llm = LLM(deepseek_dir, **OPTIONS, tensor_parallel_size=2, kv_offloading_size=0.05,
-              kv_offloading_dir=str(tmp_path))
+              kv_offloading_dir=str(tmp_path), smallest_prefill_bucket=32, decode_batch_buckets=(2,), warmup=False)
     for _ in range(2):  # the second round finds the prompts in the tiers
         assert [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.llm_engine.runner.transfers.pages_restored > 0
@@ -257,7 +259,8 @@ def test_a_block_scaled_fp8_checkpoint_serves_its_linears_in_fp8(tmp_path, deeps
 
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=5)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(fp8_dir, max_model_len=128, tensor_parallel_size=4, enable_expert_parallel=True, warmup=False)
+    llm = LLM(fp8_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, smallest_prefill_bucket=64,
+              decode_batch_buckets=(4,), tensor_parallel_size=4, enable_expert_parallel=True, warmup=False)
     tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     served = llm.llm_engine.runner.params["layers_1"]
     assert served["mlp"]["experts"]["gate_up_proj"]["kernel"].dtype == FP8
@@ -325,8 +328,9 @@ def test_minimax_m2_matches_transformers_on_one_and_two_devices(tmp_path):
     assert_matches_transformers(path, "minimax_m2")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    two = [out.outputs[0].token_ids for out in LLM(path, max_model_len=128, warmup=False, tensor_parallel_size=2)
-           .generate(prompts, params, use_tqdm=False)]
+    two = [out.outputs[0].token_ids for out in LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                                                   smallest_prefill_bucket=64, decode_batch_buckets=(4,), warmup=False,
+                                                   tensor_parallel_size=2).generate(prompts, params, use_tqdm=False)]
     with torch.no_grad():
         assert two == [model.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=8, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, -8:].tolist() for p in prompts]

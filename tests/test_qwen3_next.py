@@ -56,7 +56,7 @@ def test_greedy_equals_transformers_under_chunked_prefill_preemption_and_batchin
     pages."""
     prompts = random_prompts(5, 500, 20, 90, seed=7)
     llm = LLM(model_dirs[family], max_num_seqs=4, max_model_len=160, page_size=8, num_kv_pages=24,
-              max_num_batched_tokens=16, warmup=False)
+              max_num_batched_tokens=16, decode_batch_buckets=(4,), warmup=False)
     assert greedy(llm, prompts) == transformers_greedy(model_dirs[family], prompts)
     engine = llm.llm_engine
     assert engine.stats().num_preemptions > 0
@@ -72,7 +72,7 @@ def test_heads_and_states_split_over_two_devices(model_dirs):
     """Tensor parallelism: each device keeps one key head, its two value heads, their channels and states."""
     prompts = random_prompts(3, 500, 10, 70, seed=8)
     llm = LLM(model_dirs["qwen3_next"], max_num_seqs=4, max_model_len=128, tensor_parallel_size=2,
-              max_num_batched_tokens=32, warmup=False)
+              max_num_batched_tokens=32, smallest_prefill_bucket=32, decode_batch_buckets=(4,), warmup=False)
     assert greedy(llm, prompts) == transformers_greedy(model_dirs["qwen3_next"], prompts)
     recurrent = llm.llm_engine.runner.kv_cache[0].recurrent
     assert {shard.data.shape for shard in recurrent.addressable_shards} == {(4, 2, 16, 8)}
@@ -112,7 +112,8 @@ def test_an_image_and_text_checkpoint_serves_text_and_images(tmp_path):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 500, 5, 30, seed=9)]
     prompts.append({"prompt_token_ids": [5, 6, first, first + 2, first + 1, 7, 8],
                     "multi_modal_data": {"image": image}})
-    llm = LLM(path, max_num_seqs=3, max_model_len=64, page_size=8, max_num_batched_tokens=16, warmup=False)
+    llm = LLM(path, max_num_seqs=3, max_model_len=64, page_size=8, max_num_batched_tokens=16,
+              decode_batch_buckets=(3,), warmup=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     features = processor(images=[image], return_tensors="pt")
@@ -145,7 +146,8 @@ def test_speculation_rolls_the_state_back_to_the_last_accepted_token(model_dirs)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "disable_by_batch_size": None}
     llm = LLM(path, max_num_seqs=4, max_model_len=160, page_size=8, num_kv_pages=36, max_num_batched_tokens=32,
-              mamba_block_size=64, warmup=False, speculative_config=spec)
+              smallest_prefill_bucket=32, decode_batch_buckets=(4,), mamba_block_size=64, warmup=False,
+              speculative_config=spec)
     assert engine_greedy(llm, prompts, 24) == hf_greedy(path, prompts, 24)
     stats = llm.llm_engine.stats()
     assert stats.num_preemptions > 0 and 0 < stats.spec_decode_accepted_per_pos[0]
@@ -168,7 +170,7 @@ def test_prefix_hits_start_from_the_state_kept_where_they_end(model_dirs):
     shared = random_prompts(1, 500, 150, 150, seed=11)[0]
     prompts = [shared + tail for tail in random_prompts(3, 500, 3, 20, seed=13)] + random_prompts(2, 500, 20, 90, 7)
     llm = LLM(path, max_num_seqs=4, max_model_len=256, page_size=8, num_kv_pages=36, max_num_batched_tokens=48,
-              mamba_block_size=64, warmup=False)
+              smallest_prefill_bucket=64, decode_batch_buckets=(4,), mamba_block_size=64, warmup=False)
     greedy(llm, prompts[:1])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
