@@ -22,6 +22,15 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINE_OPTIONS = ["--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
 PAGE_SIZE = 16  # the engine's default, which ENGINE_OPTIONS keep
 STARTUP_TIMEOUT = 400  # seconds
+# fewer compiled shapes at start-up (one decode bucket, prefill buckets from 32): `jaxserve serve` has no flags for
+# these, so the server's script wraps the flags' EngineConfig (`engine_shapes_prelude`)
+SHAPES = dict(decode_batch_buckets=(8,), smallest_prefill_bucket=32)
+
+
+def engine_shapes_prelude(shapes: dict) -> str:
+    """Python that, run before `jaxserve.cli.main()`, replaces `shapes`' fields of the EngineConfig the flags make."""
+    return ("import dataclasses\nfrom jaxserve.server import cli_args\n_engine_config = cli_args.engine_config\n"
+            f"cli_args.engine_config = lambda args: dataclasses.replace(_engine_config(args), **{shapes!r})\n")
 
 
 def free_port() -> int:
@@ -60,7 +69,8 @@ def running_server(log_dir: Path) -> Iterator[ServerProcess]:
     port = free_port()
     log_path = log_dir / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *ENGINE_OPTIONS,
+    script = f"{engine_shapes_prelude(SHAPES)}from jaxserve.cli import main\nmain()\n"
+    command = [sys.executable, "-c", script, "serve", "--port", str(port), *ENGINE_OPTIONS,
                "--log-stats-interval", "2", "--shutdown-timeout", "10", "--enable-auto-tool-choice",
                "--tool-call-parser", "hermes"]
     with open(log_path, "wb") as log_file:
