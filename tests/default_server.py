@@ -22,9 +22,10 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINE_OPTIONS = ["--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
 PAGE_SIZE = 16  # the engine's default, which ENGINE_OPTIONS keep
 STARTUP_TIMEOUT = 400  # seconds
-# fewer compiled shapes at start-up (one decode bucket, prefill buckets from 32): `jaxserve serve` has no flags for
-# these, so the server's script wraps the flags' EngineConfig (`engine_shapes_prelude`)
-SHAPES = dict(decode_batch_buckets=(8,), smallest_prefill_bucket=32)
+# fewer compiled shapes at start-up: decode buckets 1 and 8 (a request alone and a full batch still run different
+# shapes, as test_100_concurrent_seeded_requests needs), prefill buckets from 32 (packed chunks of 32 kept);
+# `jaxserve serve` has no flags for these, so the server's script wraps the flags' EngineConfig
+SHAPES = dict(decode_batch_buckets=(1, 8), smallest_prefill_bucket=32)
 
 
 def engine_shapes_prelude(shapes: dict) -> str:
