@@ -22,10 +22,6 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINE_OPTIONS = ["--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
 PAGE_SIZE = 16  # the engine's default, which ENGINE_OPTIONS keep
 STARTUP_TIMEOUT = 400  # seconds
-# fewer compiled shapes at start-up: decode buckets 1 and 8 (a request alone and a full batch still run different
-# shapes, as test_100_concurrent_seeded_requests needs), prefill buckets from 32 (packed chunks of 32 kept);
-# `jaxserve serve` has no flags for these, so the server's script wraps the flags' EngineConfig
-SHAPES = dict(decode_batch_buckets=(1, 8), smallest_prefill_bucket=32)
 
 
 def engine_shapes_prelude(shapes: dict) -> str:
@@ -70,8 +66,7 @@ def running_server(log_dir: Path) -> Iterator[ServerProcess]:
     port = free_port()
     log_path = log_dir / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    script = f"{engine_shapes_prelude(SHAPES)}from jaxserve.cli import main\nmain()\n"
-    command = [sys.executable, "-c", script, "serve", "--port", str(port), *ENGINE_OPTIONS,
+    command = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *ENGINE_OPTIONS,
                "--log-stats-interval", "2", "--shutdown-timeout", "10", "--enable-auto-tool-choice",
                "--tool-call-parser", "hermes"]
     with open(log_path, "wb") as log_file:
