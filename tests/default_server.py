@@ -24,6 +24,12 @@ PAGE_SIZE = 16  # the engine's default, which ENGINE_OPTIONS keep
 STARTUP_TIMEOUT = 400  # seconds
 
 
+def engine_shapes_prelude(shapes: dict) -> str:
+    """Python that, run before `jaxserve.cli.main()`, replaces `shapes`' fields of the EngineConfig the flags make."""
+    return ("import dataclasses\nfrom jaxserve.server import cli_args\n_engine_config = cli_args.engine_config\n"
+            f"cli_args.engine_config = lambda args: dataclasses.replace(_engine_config(args), **{shapes!r})\n")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -12,7 +12,9 @@ from tests.conftest import random_prompts, serve_app
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig
 
-ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, page_size=8)
+# one decode bucket and one prefill chunk shape, compiled when first used: routing and replicas are the point here
+ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, page_size=8, warmup=False,
+              decode_batch_buckets=(4,), smallest_prefill_bucket=64)
 MODEL = "tiny"
 
 

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import save_tiny_model
+from tests.default_server import engine_shapes_prelude
 from tests.test_server_process import EXIT_TIMEOUT, REPO, free_port, wait_healthy
 
 RANKS = 3
@@ -42,6 +43,13 @@ ModelRunner.dispatch = never_dispatch
 """
 
 
+# One compiled shape per step kind (decode rows 4, prefill chunks of 32 tokens), in every rank and in the one-device
+# references alike: the claims are about the hosts agreeing, not about bucketing. `jaxserve serve` has no flags for
+# these, so every rank's script wraps the flags' EngineConfig.
+SHAPES = dict(decode_batch_buckets=(4,), smallest_prefill_bucket=32)
+FEW_SHAPES = engine_shapes_prelude(SHAPES)
+
+
 SAMPLED = dict(temperature=0.8, seed=7, presence_penalty=0.5)
 REGEX = "[a-z]{2,5}( [a-z]{2,5}){1,3}"  # constrained: each step's sampler waits for its row's token mask
 
@@ -59,7 +67,7 @@ def one_device(three_head_model) -> dict[str, list]:
     from jaxserve import LLM, SamplingParams
     from jaxserve.sampling_params import GuidedDecodingParams
 
-    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
+    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, **SHAPES)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     sampled = llm.generate(PROMPTS[0], SamplingParams(**SAMPLED, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -86,7 +94,7 @@ class Cluster:
         env |= {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         self.processes = []
         for rank in range(RANKS):
-            script = f"{leader_prelude if rank == 0 else ''}\nfrom jaxserve.cli import main\nmain()\n"
+            script = f"{FEW_SHAPES}{leader_prelude if rank == 0 else ''}\nfrom jaxserve.cli import main\nmain()\n"
             command = [sys.executable, "-c", script, "serve", "--model", model, "--port", str(self.port),
                        "--tensor-parallel-size", str(RANKS), "--nnodes", str(RANKS), "--node-rank", str(rank),
                        "--dist-init-addr", address, *OPTIONS, *flags]
@@ -178,8 +186,8 @@ def test_three_hosts_serve_lora_adapters_as_one_device(start_cluster, three_head
                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
              for seed, name in enumerate(("a", "b"))]
     turns = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("b", PROMPTS[0]), ("a", PROMPTS[1])]
-    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, enable_lora=True,
-              max_loras=1, max_lora_rank=4)
+    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, **SHAPES,
+              enable_lora=True, max_loras=1, max_lora_rank=4)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     adapters = {"a": LoRARequest("a", 1, paths[0]), "b": LoRARequest("b", 2, paths[1])}
     expected = [llm.generate(prompt, greedy, lora_request=adapters.get(name), use_tqdm=False)[0].outputs[0].text
@@ -213,7 +221,7 @@ def test_three_hosts_serve_images_as_one_device(tmp_path):
         url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
         chats.append([{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                    {"type": "image_url", "image_url": {"url": url}}]}])
-    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)
+    llm = LLM(model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, **SHAPES)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [output.outputs[0].token_ids for output in llm.chat(chats, greedy, use_tqdm=False)]
     assert expected[0] != expected[1], "the images change nothing: the test proves nothing"

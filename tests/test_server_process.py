@@ -21,9 +21,14 @@ from typing import Callable
 import httpx
 import pytest
 
+from tests.default_server import engine_shapes_prelude
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_OPTIONS = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "32",
                 "--log-stats-interval", "0", "--shutdown-timeout", "10"]
+# one compiled shape per step kind (warmed up at start: the drain after SIGTERM must not wait on a compile): these
+# tests are about how the process ends, not about bucketing
+SHAPES = dict(decode_batch_buckets=(4,), smallest_prefill_bucket=32)
 START_TIMEOUT = 400  # seconds: load + compile on a busy 2-core machine
 EXIT_TIMEOUT = 60
 
@@ -103,7 +108,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.model = model_dir
-        script = f"{prelude}\nfrom jaxserve.cli import main\nmain()\n"
+        script = f"{engine_shapes_prelude(SHAPES)}{prelude}\nfrom jaxserve.cli import main\nmain()\n"
         command = [sys.executable, "-c", script, "serve", "--model", model_dir, "--port", str(self.port),
                    *TINY_OPTIONS, *extra_args]
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}

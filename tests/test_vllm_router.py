@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from jaxserve.bench import client
+from tests.default_server import engine_shapes_prelude
 from tests.test_kv_events import BlockStored, replay
 from tests.test_server_process import free_port
 
@@ -27,11 +28,14 @@ ROUTER = Path(sys.executable).with_name("vllm-router")
 DEADLINE = 60  # seconds for a worker to have published its events (a bound against hanging, not a latency check)
 WORKER = ["--max-num-seqs", "4", "--max-model-len", "512", "--max-num-batched-tokens", "128", "--block-size", "8",
           "--log-stats-interval", "0"]
+# one decode bucket, prefill chunks from 64 tokens, compiled when first used: routing is the point, not bucketing
+SHAPES = dict(decode_batch_buckets=(4,), smallest_prefill_bucket=64, warmup=False)
 
 
 def start(command: list[str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "jaxserve", *command], cwd=REPO, stdout=log,
+        script = f"{engine_shapes_prelude(SHAPES)}from jaxserve.cli import main\nmain()\n"
+        return subprocess.Popen([sys.executable, "-c", script, *command], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT)
 
 
