@@ -157,7 +157,8 @@ def test_engines_sharing_a_directory_never_read_a_torn_file(tmp_path):
 
 # -- the engine ------------------------------------------------------------------------------------------------
 
-OPTIONS = dict(num_kv_pages=12, page_size=16, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32)
+OPTIONS = dict(num_kv_pages=12, page_size=16, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
+               smallest_prefill_bucket=32, decode_batch_buckets=(2,))
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(5, 500, 60, 100, seed=29)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)] * 3

@@ -20,7 +20,9 @@ from tests.conftest import random_prompts, tiny_hf_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # no warm-up (each shape compiles when first run), but where compiles are counted after it
-OPTIONS = dict(max_num_seqs=8, max_model_len=128, num_kv_pages=96, enable_lora=True, max_lora_rank=16, warmup=False)
+# one prefill shape (128 tokens: the budget the 512 default gave these prompts) and one decode shape
+OPTIONS = dict(max_num_seqs=8, max_model_len=128, num_kv_pages=96, enable_lora=True, max_lora_rank=16, warmup=False,
+               max_num_batched_tokens=128, smallest_prefill_bucket=128, decode_batch_buckets=(8,))
 # name -> PEFT LoraConfig fields: attention only, every projection with rsLoRA, and per-module ranks and alphas
 ADAPTERS = {
     "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -171,7 +173,9 @@ def test_stats_name_running_and_waiting_adapters(tiny_llama_dir, adapters, refer
     snapshot (vLLM's lora_requests_info labels) says so at each step, and counts slot loads and disk reads."""
     from jaxserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(model=tiny_llama_dir, **OPTIONS, max_loras=1)
+    # the default prefill buckets: the first step admits every prompt its slot allows
+    engine = LLMEngine(model=tiny_llama_dir, **{**OPTIONS, "max_num_batched_tokens": 512, "smallest_prefill_bucket": None,
+                                                "decode_batch_buckets": None}, max_loras=1)
     assert engine.stats().max_loras == 1 and engine.stats().lora_running_adapters == ()
     engine.add_request("qv-0", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=adapters["qv"])
     engine.add_request("all-0", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=adapters["all"])

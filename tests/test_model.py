@@ -68,7 +68,7 @@ def test_engine_greedy_equals_transformers_with_chunked_prefill_prefix_caching_a
     prompts = random_prompts(5, 500, 20, 60, seed=12) + [shared + tail for tail in tails]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, max_num_seqs=8, max_model_len=128, page_size=8, num_kv_pages=30, max_num_batched_tokens=32,
-              warmup=False)
+              smallest_prefill_bucket=32, decode_batch_buckets=(8,), warmup=False)
     ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                               use_tqdm=False)]
     stats = llm.llm_engine.stats()
@@ -181,7 +181,8 @@ def test_gemma3_image_and_text_checkpoints_serve_their_text_decoder(tmp_path):
     save_tiny_tokenizer(path, text.vocab_size)
     Gemma3ImageProcessorPil(size={"height": 28, "width": 28}).save_pretrained(path)
     prompts = random_prompts(3, 500, 5, 30, seed=41)
-    llm = LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, warmup=False)
+    llm = LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=32, smallest_prefill_bucket=32,
+              decode_batch_buckets=(4,), warmup=False)
     assert llm.llm_engine.runner.model_config.model_type == "gemma3"
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ours = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
