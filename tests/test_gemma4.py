@@ -65,7 +65,7 @@ def test_greedy_equals_transformers_under_chunked_prefill_prefix_caching_and_pre
     shared = random_prompts(1, 500, 24, 24, seed=5)[0]
     prompts = [shared + tail for tail in random_prompts(2, 500, 4, 30, seed=6)] + random_prompts(3, 500, 10, 60, 7)
     llm = LLM(model_dirs[layout], max_num_seqs=4, max_model_len=128, page_size=8, num_kv_pages=20,
-              max_num_batched_tokens=16, enable_prefix_caching=True, warmup=False)
+              max_num_batched_tokens=16, enable_prefix_caching=True, decode_batch_buckets=(4,), warmup=False)
     greedy(llm, prompts[:1])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
@@ -92,6 +92,7 @@ def test_one_group_of_two_shapes_with_the_hybrid_cache_off_and_ngram_speculation
     greedy token."""
     prompts = [p * 3 for p in random_prompts(3, 500, 5, 12, seed=3)]
     llm = LLM(model_dirs["shared"], max_num_seqs=4, max_model_len=128, page_size=8, warmup=False,
+              max_num_batched_tokens=64, smallest_prefill_bucket=64, decode_batch_buckets=(4,),
               disable_hybrid_kv_cache_manager=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
     assert greedy(llm, prompts) == transformers_greedy(model_dirs["shared"], prompts)
@@ -106,7 +107,7 @@ def test_heads_and_experts_split_over_two_devices(model_dirs, layout):
     global layers' one KV head (moe) is replicated, one per device; the per-layer inputs' columns split."""
     prompts = random_prompts(3, 500, 10, 50, seed=8)
     llm = LLM(model_dirs[layout], max_num_seqs=4, max_model_len=128, tensor_parallel_size=2,
-              max_num_batched_tokens=32, warmup=False)
+              max_num_batched_tokens=32, smallest_prefill_bucket=32, decode_batch_buckets=(4,), warmup=False)
     assert greedy(llm, prompts) == transformers_greedy(model_dirs[layout], prompts)
     global_pool = llm.llm_engine.runner.kv_cache[5 if layout == "default" else 1].k
     assert global_pool.shape[0] == 2 and {shard.data.shape[0] for shard in global_pool.addressable_shards} == {1}
@@ -131,7 +132,8 @@ def test_an_image_and_text_checkpoint_serves_its_text_decoder(tmp_path):
     model.save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path, text["vocab_size"])
     prompts = random_prompts(2, 500, 5, 30, seed=9)
-    llm = LLM(path, max_num_seqs=2, max_model_len=64, page_size=8, warmup=False)
+    llm = LLM(path, max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=32, smallest_prefill_bucket=32,
+              decode_batch_buckets=(2,), warmup=False)
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
