@@ -1,6 +1,8 @@
 """Runs the test suite as `make test` does: one pytest over two worker processes (pytest-xdist, `--dist loadfile`:
 each test file runs whole on one worker, handed to whichever is free, so the two stay busy until the end; the CI
-machine has two cores, and most tests are bound by one core's compiling), the largest files first, sharing one
+machine has two cores, and most tests are bound by one core's compiling), the longest files first by their last
+measured time (tests/suite_durations.json, xdist's own reordering off), with tests/suite_budget.py's report and
+per-file budget, sharing one
 fresh folder for jax's persistent compilation cache, after the default model's store is converted (both would
 otherwise write it at once). Extra arguments go to pytest. Exits as pytest does.
 

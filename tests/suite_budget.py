@@ -16,7 +16,17 @@ import pytest
 
 FILE_BUDGET_S = 180.0
 # file: (its limit in seconds, why it needs more than FILE_BUDGET_S)
-ALLOWED: dict[str, tuple[float, str]] = {}
+# (each measured in a clean clone's `make test` at 7bec70f, docs/testing.md; the limits leave room for a slower run)
+ALLOWED: dict[str, tuple[float, str]] = {
+    "tests/test_compile_targets.py": (480.0, "336 s: each family compiled for a TPU and a GPU target, and the "
+                                             "multi-device targets, by compilers whose executables jax's "
+                                             "persistent cache cannot hold"),
+    "tests/test_benchmarks.py": (260.0, "171 s: every benchmark script end to end, each its own process"),
+    "tests/test_deepseek.py": (250.0, "167 s: four MLA families against transformers, and their latent steps "
+                                      "compiled for v6e-1, h200 and h200x8"),
+    "tests/test_server.py": (240.0, "161 s: the default model's server starts here (65 s) for the session"),
+    "tests/test_multihost.py": (230.0, "154 s: three host processes per test, each starting jax and compiling"),
+}
 SLOWEST = 60
 
 

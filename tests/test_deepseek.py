@@ -159,7 +159,7 @@ def test_host_and_disk_tiers_keep_latent_pages_on_two_devices(deepseek_dir, tmp_
         expected = [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=6, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, -6:].tolist() for p in prompts]
     llm = LLM(deepseek_dir, **OPTIONS, tensor_parallel_size=2, kv_offloading_size=0.05,
-              kv_offloading_dir=str(tmp_path), smallest_prefill_bucket=32, decode_batch_buckets=(2,), warmup=False)
+              kv_offloading_dir=str(tmp_path), warmup=False)
     for _ in range(2):  # the second round finds the prompts in the tiers
         assert [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.llm_engine.runner.transfers.pages_restored > 0
