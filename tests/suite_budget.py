@@ -53,17 +53,23 @@ class SuiteBudget:
         self.config = config
         self.started = time.monotonic()
         self.tests: dict[str, float] = defaultdict(float)
-        self.files: dict[str, float] = defaultdict(float)
         self.file_worker: dict[str, str] = {}
         self.workers_down: dict[str, float] = {}
         self.over: list[tuple[str, float, float]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.tests[report.nodeid] += report.duration
-        self.files[file_of(report.nodeid)] += report.duration
         node = getattr(report, "node", None)
         if node is not None:
             self.file_worker[file_of(report.nodeid)] = node.gateway.id
+
+    @property
+    def files(self) -> dict[str, float]:
+        """Each file's tests' seconds together."""
+        totals: dict[str, float] = defaultdict(float)
+        for nodeid, seconds in self.tests.items():
+            totals[file_of(nodeid)] += seconds
+        return totals
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:
@@ -71,11 +77,12 @@ class SuiteBudget:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        files = self.files
         path = self.config.getoption("suite_durations")
         if path:
             with open(path, "w") as out:
-                json.dump({name: round(seconds, 1) for name, seconds in sorted(self.files.items())}, out, indent=1)
-        for name, seconds in self.files.items():
+                json.dump({name: round(seconds, 1) for name, seconds in sorted(files.items())}, out, indent=1)
+        for name, seconds in files.items():
             limit = ALLOWED.get(name, (FILE_BUDGET_S, ""))[0]
             if seconds > limit:
                 self.over.append((name, seconds, limit))
@@ -83,17 +90,17 @@ class SuiteBudget:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        write = terminalreporter.write_line
+        write, files = terminalreporter.write_line, self.files
         terminalreporter.section("suite time")
         write(f"wall {time.monotonic() - self.started:.0f} s; tests together {sum(self.tests.values()):.0f} s")
         for worker, at in sorted(self.workers_down.items()):
-            busy = sum(s for name, s in self.files.items() if self.file_worker.get(name) == worker)
+            busy = sum(s for name, s in files.items() if self.file_worker.get(name) == worker)
             write(f"worker {worker}: done at {at:.0f} s, tests {busy:.0f} s")
         write(f"slowest {SLOWEST} tests (setup + call + teardown):")
         for nodeid, seconds in sorted(self.tests.items(), key=lambda item: -item[1])[:SLOWEST]:
             write(f"  {seconds:7.1f} s  {nodeid}")
         write("files:")
-        for name, seconds in sorted(self.files.items(), key=lambda item: -item[1]):
+        for name, seconds in sorted(files.items(), key=lambda item: -item[1]):
             limit = ALLOWED.get(name, (FILE_BUDGET_S, ""))[0]
             write(f"  {seconds:7.1f} s  {name}  [{self.file_worker.get(name, '-')}]"
                   + ("  OVER ITS BUDGET" if seconds > limit else ""))
