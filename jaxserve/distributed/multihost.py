@@ -33,6 +33,7 @@ import time
 from typing import Callable
 
 import jax
+from jax.experimental import multihost_utils
 
 from jaxserve.distributed.wire import Call, CallSignatures, encode_call, encode_stop
 
@@ -81,6 +82,9 @@ class MultiHost:
         jax.distributed.initialize(self.dist_init_addr, num_processes=self.nnodes, process_id=self.node_rank)
         logger.info("jax.distributed: process %d of %d, %d local and %d global devices", jax.process_index(),
                     jax.process_count(), jax.local_device_count(), jax.device_count())
+        # gloo connects the hosts at their first collective and gives up on a host 30 s late (fixed in XLA): the
+        # first happens here, where the hosts are in step, not in the engine, after a leader's server start-up
+        multihost_utils.sync_global_devices("jaxserve: hosts joined")
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
