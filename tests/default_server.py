@@ -24,10 +24,13 @@ PAGE_SIZE = 16  # the engine's default, which ENGINE_OPTIONS keep
 STARTUP_TIMEOUT = 400  # seconds
 
 
-def engine_shapes_prelude(shapes: dict) -> str:
-    """Python that, run before `jaxserve.cli.main()`, replaces `shapes`' fields of the EngineConfig the flags make."""
-    return ("import dataclasses\nfrom jaxserve.server import cli_args\n_engine_config = cli_args.engine_config\n"
-            f"cli_args.engine_config = lambda args: dataclasses.replace(_engine_config(args), **{shapes!r})\n")
+def serve_command(args: list[str], shapes: dict | None = None, prelude: str = "") -> list[str]:
+    """`jaxserve serve ARGS` as a Python process that first replaces `shapes`' fields of the EngineConfig the flags
+    make (`jaxserve serve` has no flags for the compiled shapes), then runs `prelude` (Python, in that process)."""
+    script = ("import dataclasses\nfrom jaxserve.server import cli_args\n_engine_config = cli_args.engine_config\n"
+              f"cli_args.engine_config = lambda args: dataclasses.replace(_engine_config(args), **{shapes!r})\n"
+              if shapes else "")
+    return [sys.executable, "-c", f"{script}{prelude}\nfrom jaxserve.cli import main\nmain()\n", "serve", *args]
 
 
 def free_port() -> int:
@@ -66,9 +69,8 @@ def running_server(log_dir: Path) -> Iterator[ServerProcess]:
     port = free_port()
     log_path = log_dir / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "jaxserve", "serve", "--port", str(port), *ENGINE_OPTIONS,
-               "--log-stats-interval", "2", "--shutdown-timeout", "10", "--enable-auto-tool-choice",
-               "--tool-call-parser", "hermes"]
+    command = serve_command(["--port", str(port), *ENGINE_OPTIONS, "--log-stats-interval", "2", "--shutdown-timeout",
+                             "10", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     handle = ServerProcess(port, process, log_path)

@@ -1,15 +1,15 @@
-"""Runs the test suite as `make test` does: one pytest over two worker processes (pytest-xdist, `--dist loadfile`:
-each test file runs whole on one worker, handed to whichever is free, so the two stay busy until the end; the CI
-machine has two cores, and most tests are bound by one core's compiling), the longest files first by their last
-measured time (tests/suite_durations.json, xdist's own reordering off), with tests/suite_budget.py's report and
-per-file budget, sharing one
-fresh folder for jax's persistent compilation cache, after the default model's store is converted (both would
-otherwise write it at once). Extra arguments go to pytest. Exits as pytest does.
+"""Runs the test suite as `make test` does: one pytest over two worker processes (pytest-xdist, `--dist loadfile`
+as tests/suite_scheduling.py changes it: each test file runs whole on one worker, the files sharing the default
+server together, each handed to whichever is free, so the two stay busy until the end; the CI machine has two cores, and most tests
+are bound by one core's compiling), the longest files first by their last measured time
+(tests/suite_durations.json, xdist's own reordering off), with tests/suite_budget.py's report and per-file budget,
+sharing one fresh folder for jax's persistent compilation cache, after the default model's store is converted (both
+would otherwise write it at once). Extra arguments go to pytest. Exits as pytest does.
 
 A worker that dies is not replaced (`--max-worker-restart 0`): pytest-xdist's replacement of a crashed worker under
-`--dist loadfile` can wait forever (pytest-xdist issue 784), and did, on CI, until its 90 minutes ran out. The run
-fails at once instead, naming the test the worker was running. A test that runs over ten minutes has every thread's
-stack dumped (`faulthandler_timeout`), to show where it waits.
+`--dist loadfile` can wait forever (pytest-xdist issue 784), and did, on CI, until
+its 90 minutes ran out. The run fails at once instead, naming the test the worker was running. A test that runs over
+ten minutes has every thread's stack dumped (`faulthandler_timeout`), to show where it waits.
 
 What crashed before: a process that built a few hundred engines died in XLA:CPU (a segfault
 under `compilation_cache.get_executable_and_time` or `put_executable_and_time`): first a one-process run (issue
@@ -42,6 +42,7 @@ def main() -> int:
                               env=env, cwd=tests.parent)
         return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                                 "--dist", "loadfile", "--no-loadscope-reorder", "-p", "tests.suite_budget",
+                                "-p", "tests.suite_scheduling",
                                 "--max-worker-restart", "0", "-o", "faulthandler_timeout=600",
                                 *(f"tests/{path.name}" for path in files), *sys.argv[1:]], env=env, cwd=tests.parent)
     finally:

@@ -46,6 +46,12 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def test_id(nodeid: str) -> str:
+    """`nodeid` without the `@group` xdist's loadgroup appends."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and "]" not in group else nodeid
+
+
 class SuiteBudget:
     """What the controller hears of each test, and the report made of it."""
 
@@ -58,7 +64,7 @@ class SuiteBudget:
         self.over: list[tuple[str, float, float]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.tests[report.nodeid] += report.duration
+        self.tests[test_id(report.nodeid)] += report.duration
         node = getattr(report, "node", None)
         if node is not None:
             self.file_worker[file_of(report.nodeid)] = node.gateway.id

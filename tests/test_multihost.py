@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import save_tiny_model
-from tests.default_server import engine_shapes_prelude
+from tests.default_server import serve_command
 from tests.test_server_process import EXIT_TIMEOUT, REPO, free_port, wait_healthy
 
 RANKS = 3
@@ -59,10 +59,8 @@ llm_engine.LLMEngine.__init__ = build_late
 
 
 # One compiled shape per step kind (decode rows 4, prefill chunks of 32 tokens), in every rank and in the one-device
-# references alike: the claims are about the hosts agreeing, not about bucketing. `jaxserve serve` has no flags for
-# these, so every rank's script wraps the flags' EngineConfig.
+# references alike: the claims are about the hosts agreeing, not about bucketing.
 SHAPES = dict(decode_batch_buckets=(4,), smallest_prefill_bucket=32)
-FEW_SHAPES = engine_shapes_prelude(SHAPES)
 
 
 SAMPLED = dict(temperature=0.8, seed=7, presence_penalty=0.5)
@@ -109,10 +107,9 @@ class Cluster:
         env |= {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         self.processes = []
         for rank in range(RANKS):
-            script = f"{FEW_SHAPES}{preludes.get(rank, '')}\nfrom jaxserve.cli import main\nmain()\n"
-            command = [sys.executable, "-c", script, "serve", "--model", model, "--port", str(self.port),
-                       "--tensor-parallel-size", str(RANKS), "--nnodes", str(RANKS), "--node-rank", str(rank),
-                       "--dist-init-addr", address, *OPTIONS, *flags]
+            command = serve_command(["--model", model, "--port", str(self.port), "--tensor-parallel-size",
+                                     str(RANKS), "--nnodes", str(RANKS), "--node-rank", str(rank), "--dist-init-addr",
+                                     address, *OPTIONS, *flags], SHAPES, preludes.get(rank, ""))
             with open(self.logs[rank], "wb") as log:
                 self.processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                                        stderr=subprocess.STDOUT))

@@ -21,7 +21,7 @@ from typing import Callable
 import httpx
 import pytest
 
-from tests.default_server import engine_shapes_prelude
+from tests.default_server import serve_command
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_OPTIONS = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "32",
@@ -108,9 +108,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.model = model_dir
-        script = f"{engine_shapes_prelude(SHAPES)}{prelude}\nfrom jaxserve.cli import main\nmain()\n"
-        command = [sys.executable, "-c", script, "serve", "--model", model_dir, "--port", str(self.port),
-                   *TINY_OPTIONS, *extra_args]
+        command = serve_command(["--model", model_dir, "--port", str(self.port), *TINY_OPTIONS, *extra_args], SHAPES,
+                                prelude)
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
         with open(log_path, "wb") as log_file:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from jaxserve.bench import client
-from tests.default_server import engine_shapes_prelude
+from tests.default_server import serve_command
 from tests.test_kv_events import BlockStored, replay
 from tests.test_server_process import free_port
 
@@ -32,11 +32,10 @@ WORKER = ["--max-num-seqs", "4", "--max-model-len", "512", "--max-num-batched-to
 SHAPES = dict(decode_batch_buckets=(4,), smallest_prefill_bucket=64, warmup=False)
 
 
-def start(command: list[str], log_path: Path) -> subprocess.Popen:
+def start(args: list[str], log_path: Path) -> subprocess.Popen:
+    """`jaxserve serve ARGS`, its output in `log_path`."""
     with open(log_path, "w") as log:
-        script = f"{engine_shapes_prelude(SHAPES)}from jaxserve.cli import main\nmain()\n"
-        return subprocess.Popen([sys.executable, "-c", script, *command], cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(serve_command(args, SHAPES), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
 
 def free_ports(count: int) -> int:
@@ -147,7 +146,7 @@ def test_kv_aware_vllm_router_follows_the_workers_kv_events(tiny_llama_dir, tmp_
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     events, replays = [free_ports(2), free_port()], [free_ports(2), free_port()]
     logs = [tmp_path / "worker0.log", tmp_path / "worker1.log"]
-    workers = [start(["serve", "--model", tiny_llama_dir, "--port", url.rsplit(":", 1)[1], *WORKER, *extra,
+    workers = [start(["--model", tiny_llama_dir, "--port", url.rsplit(":", 1)[1], *WORKER, *extra,
                       "--kv-events-config", json.dumps({
                           "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
                           "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}),
