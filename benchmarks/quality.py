@@ -7,7 +7,8 @@ For every mode, against the first mode (the float reference):
   so every output has that many), and the share of prompts whose tokens are all equal;
 * teacher forcing: the mean absolute difference of the log-probability the reference gave its own greedy tokens
   and the one the mode gives those same tokens after the same context (one forward over prompt + reference tokens
-  with the mode's serving params, `jaxserve.models.forward`), and the share of positions whose argmax agrees.
+  with the mode's serving params, `jaxserve.models.forward`), and the share of positions whose argmax agrees
+  (`--no-teacher-forcing` leaves it out: greedy agreement alone).
 
 A mode is a name and engine options (`LLM(**options)`); built in: `float` ({}), `int8` ({quantization: int8}),
 `int8-float-embedding` (int8 with the embedding table, and so the tied LM head, kept float), `kv-int8` and
@@ -152,6 +153,20 @@ def awq_checkpoint(model: str | None, group: int) -> str:
 INDEX = "model.safetensors.index.json"
 
 
+def teacher_forced_row(llm: Any, prompts: list[list[int]], reference: dict[str, Any]) -> dict[str, float]:
+    """The teacher-forcing figures of `llm`'s mode against `reference` (its greedy tokens, and the logprobs it gave
+    them, which the reference mode's own call records)."""
+    forced = teacher_forced_logprobs(llm, [p + t for p, t in zip(prompts, reference["tokens"])],
+                                     [len(p) for p in prompts])
+    if "logprobs" not in reference:
+        reference["logprobs"] = [lp for lp, _ in forced]
+    diffs = [abs(a - b) for (lp, _), ref in zip(forced, reference["logprobs"]) for a, b in zip(lp, ref)]
+    agree = [int(a == b) for (_, argmax), ref in zip(forced, reference["tokens"]) for a, b in zip(argmax, ref)]
+    return {"mean_abs_logprob_diff": statistics.mean(diffs), "max_abs_logprob_diff": max(diffs),
+            "teacher_forced_argmax_agreement": statistics.mean(agree),
+            "mean_reference_logprob": statistics.mean(lp for lps in reference["logprobs"] for lp in lps)}
+
+
 def build_engine(options: dict[str, Any], mode_options: dict[str, Any]):
     from jaxserve import LLM
     from jaxserve.layers import quant_dense
@@ -176,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS_FILE))
+    parser.add_argument("--teacher-forcing", action=argparse.BooleanOptionalAction, default=True,
+                        help="also score the reference's tokens with each mode (one more forward per mode)")
     common.add_engine_args(parser, max_num_seqs=64, max_model_len=1024)
     common.add_common_args(parser)
     return parser
@@ -202,21 +219,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         if not reference:
             reference["tokens"] = tokens
-        forced = teacher_forced_logprobs(llm, [p + t for p, t in zip(prompts, reference["tokens"])],
-                                         [len(p) for p in prompts])
-        if "logprobs" not in reference:
-            reference["logprobs"] = [lp for lp, _ in forced]
         prefixes = [common_prefix(t, r) for t, r in zip(tokens, reference["tokens"])]
-        diffs = [abs(a - b) for (lp, _), ref in zip(forced, reference["logprobs"]) for a, b in zip(lp, ref)]
-        agree = [int(a == b) for (_, argmax), ref in zip(forced, reference["tokens"]) for a, b in zip(argmax, ref)]
-        rows.append({"mode": name, "options": mode_options, "mean_common_prefix": statistics.mean(prefixes),
-                     "min_common_prefix": min(prefixes), "all_equal": sum(p == args.max_tokens for p in prefixes)
-                     / len(prefixes), "mean_abs_logprob_diff": statistics.mean(diffs),
-                     "max_abs_logprob_diff": max(diffs), "teacher_forced_argmax_agreement": statistics.mean(agree),
-                     "mean_reference_logprob": statistics.mean(lp for lps in reference["logprobs"] for lp in lps),
-                     "seconds": time.perf_counter() - started})
-        print(f"{name}: mean common prefix {rows[-1]['mean_common_prefix']:.2f} / {args.max_tokens}, "
-              f"|d logprob| {rows[-1]['mean_abs_logprob_diff']:.4f}", flush=True)
+        row = {"mode": name, "options": mode_options, "mean_common_prefix": statistics.mean(prefixes),
+               "min_common_prefix": min(prefixes),
+               "all_equal": sum(p == args.max_tokens for p in prefixes) / len(prefixes)}
+        if args.teacher_forcing:
+            row |= teacher_forced_row(llm, prompts, reference)
+        rows.append({**row, "seconds": time.perf_counter() - started})
+        forced = f", |d logprob| {row['mean_abs_logprob_diff']:.4f}" if args.teacher_forcing else ""
+        print(f"{name}: mean common prefix {row['mean_common_prefix']:.2f} / {args.max_tokens}{forced}", flush=True)
         del llm
     payload = {"model": common.model_label(args.model), "dtype": args.dtype, "num_prompts": len(prompts),
                "max_tokens": args.max_tokens, "reference": modes[0][0], "rows": rows}
@@ -224,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(common.format_table(
         ["mode", "mean common prefix", "min", "all 32 equal", "mean |d logprob|", "max |d logprob|",
          "forced argmax agree"],
-        [[r["mode"], r["mean_common_prefix"], r["min_common_prefix"], r["all_equal"], r["mean_abs_logprob_diff"],
-          r["max_abs_logprob_diff"], r["teacher_forced_argmax_agreement"]] for r in rows]))
+        [[r["mode"], r["mean_common_prefix"], r["min_common_prefix"], r["all_equal"],
+          *(r.get(key, "-") for key in ("mean_abs_logprob_diff", "max_abs_logprob_diff",
+                                        "teacher_forced_argmax_agreement"))] for r in rows]))
     print(f"result: {path}")
     return payload
 

@@ -8,9 +8,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # four host devices, so tensor-parallel tests run in this process; one-device engines use the first only
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-# XLA's LLVM at -O0 without its expensive passes: compiling the tiny models' steps is most of the suite's time,
-# and their run time hardly counts (docs/testing.md)
-for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+# XLA's LLVM at -O0 without its expensive passes, and XLA:CPU's older fusion emitters, which compile faster than the
+# MLIR ones: compiling the tiny models' steps is most of the suite's time, and their run time hardly counts
+# (docs/testing.md)
+for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+             "--xla_cpu_use_fusion_emitters=false"):
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
