@@ -183,3 +183,14 @@ def test_the_layer_matches_transformers_and_carries_its_states():
         out, state = run(jnp.asarray(x[:, t:t + 1]), state, t, jnp.asarray([1, 1]))
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64])
+def test_the_unit_lower_inverse_is_the_float64_inverse(n):
+    """The chunked form's UT transform (its system's inverse from matmuls), on entries of either sign up to 1."""
+    strict = np.tril(np.random.default_rng(n).uniform(-1, 1, (3, n, n)), -1)
+    expected = np.linalg.inv(np.eye(n) + strict)
+    got = np.asarray(jax.jit(gated_delta.unit_lower_inverse)(jnp.asarray(strict, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    with pytest.raises(ValueError, match="power of two, got 3"):
+        gated_delta.unit_lower_inverse(jnp.zeros((3, 3)))

@@ -256,3 +256,41 @@ def test_the_hybrid_steps_compile_for_the_targets(tmp_path, target):
         assert temp["verify"] < temp["decode"] + stacked, temp
     assert result_json(result)["state_bytes"] == plan.state_bytes
     assert any(line.startswith(f"  state slots: {slots} slots and 8 checkpoints") for line in kv_group_lines(plan))
+
+
+# Built in a fresh process of two CPU devices: a one-device engine, deleted, then Qwen3.5 split over both. Before
+# issue 68's fix the second never finished its warm-up (the CPU triangular solve waited on XLA's intra-op threads
+# from inside them); the dimensions and the default shapes are the issue's, which hit it where smaller ones did not.
+AFTER_ANOTHER_ENGINE = """
+import gc, sys, tempfile
+import transformers
+from jaxserve import LLM, SamplingParams
+from tests.conftest import random_prompts, save_randomized_model, save_tiny_model
+from tests.test_qwen3_next import DIMS, randomize_vectors
+
+first = LLM(save_tiny_model("llama", tempfile.mkdtemp()), max_model_len=64, warmup=False)
+del first
+gc.collect()
+config = transformers.Qwen3_5TextConfig(**{**DIMS, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32,
+                                           "linear_value_head_dim": 16})
+llm = LLM(save_randomized_model("qwen3_5_text", tempfile.mkdtemp(), config, randomize_vectors), max_model_len=128,
+          tensor_parallel_size=2)
+out = llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, 500, 10, 30, seed=3)],
+                   SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+print("tokens", [len(o.outputs[0].token_ids) for o in out])
+"""
+
+
+def test_a_split_engine_starts_after_another_engine_in_its_process():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=4", "device_count=2")}
+    try:
+        run = subprocess.run([sys.executable, "-c", AFTER_ANOTHER_ENGINE], cwd=Path(__file__).parents[1], env=env,
+                             capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"not done in 150 s (ready in ~20 s when it works):\n{(error.stderr or b'')[-2000:]}")
+    assert run.returncode == 0 and "tokens [4, 4]" in run.stdout, run.stderr[-3000:]

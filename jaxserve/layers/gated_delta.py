@@ -15,6 +15,8 @@ chunks; it matches the recurrent form to float32 rounding (`tests/test_gated_del
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -66,6 +68,22 @@ def padded_blocks(length: int, chunk: int, offsets: bool) -> int:
     return -(-(length + (chunk - 1 if offsets else 0)) // chunk)
 
 
+def unit_lower_inverse(strict: jax.Array) -> jax.Array:
+    """`(I + strict)^-1` for strictly lower-triangular `strict [..., n, n]` (n a power of two), in matmuls:
+    `(I - N)(I + N^2)(I + N^4)...`, exact once `N^n = 0`. Not `solve_triangular`: on the CPU its kernel waits on
+    XLA's intra-op threads from inside them, and two devices' prefills on a two-thread pool never finish (issue 68)."""
+    n = strict.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the chunk must be a power of two, got {n}")
+    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    eye = jnp.eye(n, dtype=strict.dtype)
+    inverse, power = eye - strict, strict
+    for _ in range(n.bit_length() - 2):  # powers 2, 4, ..., n / 2
+        power = matmul(power, power)
+        inverse = matmul(inverse, eye + power)
+    return inverse
+
+
 def chunked_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
                         chunk: int = 64, l2_norm: bool = True, offsets: jax.Array | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -100,9 +118,9 @@ def chunked_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     strictly = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system = jnp.eye(chunk) + jnp.where(strictly, jnp.einsum("...ik,...jk->...ij", k_beta, k) * pairwise, 0.0)
-    values = jax.scipy.linalg.solve_triangular(system, v_beta, lower=True, unit_diagonal=True)
-    k_decayed = jax.scipy.linalg.solve_triangular(system, k_beta * jnp.exp(decay)[..., None], lower=True,
-                                                  unit_diagonal=True)
+    inverse = unit_lower_inverse(system - jnp.eye(chunk))
+    values = jnp.matmul(inverse, v_beta, precision=jax.lax.Precision.HIGHEST)
+    k_decayed = jnp.matmul(inverse, k_beta * jnp.exp(decay)[..., None], precision=jax.lax.Precision.HIGHEST)
     attention = jnp.einsum("...ik,...jk->...ij", q, k) * pairwise
     q_decayed = q * jnp.exp(decay)[..., None]
     k_to_end = k * jnp.exp(decay[..., -1:] - decay)[..., None]
