@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.suite_budget import file_of
+
 DEFAULT_SERVER_FILES = ("tests/test_server.py", "tests/test_server_clients.py")
 
 
 def unit_of(nodeid: str) -> str:
     """The unit `nodeid`'s test runs in: its file, or `default_server` for DEFAULT_SERVER_FILES."""
-    path = nodeid.split("::", 1)[0]
+    path = file_of(nodeid)
     return "default_server" if path in DEFAULT_SERVER_FILES else path
 
 
@@ -30,7 +32,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    strays = sorted({item.nodeid.split("::", 1)[0] for item in items if "default_server" in item.fixturenames}
+    strays = sorted({file_of(item.nodeid) for item in items if "default_server" in item.fixturenames}
                     - set(DEFAULT_SERVER_FILES))
     if strays:
         raise pytest.UsageError(f"{', '.join(strays)} use default_server: add them to "

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 L2_EPS = 1e-6  # transformers' (and the FLA library's) l2norm epsilon
+_matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
 def l2_normalized(x: jax.Array) -> jax.Array:
@@ -75,12 +76,11 @@ def unit_lower_inverse(strict: jax.Array) -> jax.Array:
     n = strict.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the chunk must be a power of two, got {n}")
-    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
     eye = jnp.eye(n, dtype=strict.dtype)
     inverse, power = eye - strict, strict
     for _ in range(n.bit_length() - 2):  # powers 2, 4, ..., n / 2
-        power = matmul(power, power)
-        inverse = matmul(inverse, eye + power)
+        power = _matmul(power, power)
+        inverse = _matmul(inverse, eye + power)
     return inverse
 
 
@@ -117,10 +117,10 @@ def chunked_gated_delta(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
     pairwise = jnp.where(causal, jnp.exp(jnp.where(causal, decay[..., :, None] - decay[..., None, :], 0.0)), 0.0)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     strictly = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    system = jnp.eye(chunk) + jnp.where(strictly, jnp.einsum("...ik,...jk->...ij", k_beta, k) * pairwise, 0.0)
-    inverse = unit_lower_inverse(system - jnp.eye(chunk))
-    values = jnp.matmul(inverse, v_beta, precision=jax.lax.Precision.HIGHEST)
-    k_decayed = jnp.matmul(inverse, k_beta * jnp.exp(decay)[..., None], precision=jax.lax.Precision.HIGHEST)
+    # the UT transform: the inverse of I + the chunk's strictly lower interactions
+    inverse = unit_lower_inverse(jnp.where(strictly, jnp.einsum("...ik,...jk->...ij", k_beta, k) * pairwise, 0.0))
+    values = _matmul(inverse, v_beta)
+    k_decayed = _matmul(inverse, k_beta * jnp.exp(decay)[..., None])
     attention = jnp.einsum("...ik,...jk->...ij", q, k) * pairwise
     q_decayed = q * jnp.exp(decay)[..., None]
     k_to_end = k * jnp.exp(decay[..., -1:] - decay)[..., None]
