@@ -2,8 +2,10 @@
 process it adds up each test's setup, call and teardown time per test and per file, and at the end prints the suite's
 wall time, the slowest tests, every file's total and when each worker finished (the idle tail); it fails the run when a
 file's tests together take longer than FILE_BUDGET_S, unless ALLOWED names the file with a reason and a larger limit.
-`--suite-durations PATH` also writes the files' totals as JSON, which tests/suite_durations.json keeps for
-run_suite's ordering. Inside xdist's workers it does nothing.
+The limits are for the machine that recorded tests/suite_durations.json; on a slower one they stretch by the run's
+pace (the files' seconds over their recorded seconds, at most MAX_PACE), so a file fails for growing against the
+others, not for a slower machine. `--suite-durations PATH` also writes the files' totals as JSON, which
+tests/suite_durations.json keeps for run_suite's ordering. Inside xdist's workers it does nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -27,10 +30,19 @@ ALLOWED: dict[str, tuple[float, str]] = {
     "tests/test_qwen3_next.py": (240.0, "160 s (at 5834ccb, a run ~20% slower throughout): three hybrid families "
                                         "against transformers, their steps compiled for v6e-1 and h200, and a "
                                         "split engine started in a subprocess (issue 68)"),
-    "tests/test_multihost.py": (330.0, "262 s: three host processes per test, each starting jax and compiling, "
-                                       "and a rank that starts 31 s late on purpose"),
+    "tests/test_multihost.py": (330.0, "262 s (four tests then, three now): three host processes per test, each "
+                                       "starting jax and compiling, and a rank that starts 31 s late on purpose"),
 }
 SLOWEST = 60
+RECORDED = Path(__file__).with_name("suite_durations.json")
+MAX_PACE = 1.5  # CI's machine ran the suite 1.28 times as long as the recording one (docs/testing.md)
+
+
+def pace(files: dict[str, float], recorded: dict[str, float]) -> float:
+    """How much slower this run went than the recorded one, over the files both have: 1 to MAX_PACE."""
+    common = [name for name in files if recorded.get(name, 0) > 0]
+    before = sum(recorded[name] for name in common)
+    return min(MAX_PACE, max(1.0, sum(files[name] for name in common) / before)) if before else 1.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,6 +77,7 @@ class SuiteBudget:
         self.file_worker: dict[str, str] = {}
         self.workers_down: dict[str, float] = {}
         self.over: list[tuple[str, float, float]] = []
+        self.pace = 1.0
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.tests[test_id(report.nodeid)] += report.duration
@@ -91,17 +104,22 @@ class SuiteBudget:
         if path:
             with open(path, "w") as out:
                 json.dump({name: round(seconds, 1) for name, seconds in sorted(files.items())}, out, indent=1)
+        self.pace = pace(files, json.loads(RECORDED.read_text()))
         for name, seconds in files.items():
-            limit = ALLOWED.get(name, (FILE_BUDGET_S, ""))[0]
+            limit = self.limit(name)
             if seconds > limit:
                 self.over.append((name, seconds, limit))
         if self.over and self.config.getoption("suite_budget") == "on" and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    def limit(self, name: str) -> float:
+        return ALLOWED.get(name, (FILE_BUDGET_S, ""))[0] * self.pace
+
     def pytest_terminal_summary(self, terminalreporter) -> None:
         write, files = terminalreporter.write_line, self.files
         terminalreporter.section("suite time")
-        write(f"wall {time.monotonic() - self.started:.0f} s; tests together {sum(self.tests.values()):.0f} s")
+        write(f"wall {time.monotonic() - self.started:.0f} s; tests together {sum(self.tests.values()):.0f} s; "
+              f"pace {self.pace:.2f} of tests/suite_durations.json's run (the budgets stretch by it)")
         for worker, at in sorted(self.workers_down.items()):
             busy = sum(s for name, s in files.items() if self.file_worker.get(name) == worker)
             write(f"worker {worker}: done at {at:.0f} s, tests {busy:.0f} s")
@@ -110,10 +128,11 @@ class SuiteBudget:
             write(f"  {seconds:7.1f} s  {nodeid}")
         write("files:")
         for name, seconds in sorted(files.items(), key=lambda item: -item[1]):
-            limit = ALLOWED.get(name, (FILE_BUDGET_S, ""))[0]
+            limit = self.limit(name)
             write(f"  {seconds:7.1f} s  {name}  [{self.file_worker.get(name, '-')}]"
                   + ("  OVER ITS BUDGET" if seconds > limit else ""))
         for name, seconds, limit in self.over:
             terminalreporter.write_line(
                 f"{name}: its tests took {seconds:.0f} s together, over its budget of {limit:.0f} s "
+                f"(at pace {self.pace:.2f}) "
                 f"(tests/suite_budget.py): make them smaller, or allow it there with a reason", red=True)

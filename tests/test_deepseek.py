@@ -178,7 +178,8 @@ def test_the_latent_attention_steps_compile_for_the_targets(tmp_path, target, de
     a GPU, around a small model: the engine's activation reserve holds the latent queries the compiler plans. On
     eight GPUs (8 heads and the decode kernel per device) XLA failed to compile the latent row's concatenation."""
     config = tiny_deepseek_config(hidden_size=256, intermediate_size=256, num_attention_heads=64, kv_lora_rank=512,
-                                  q_lora_rank=192, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+                                  q_lora_rank=192, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  num_hidden_layers=2)  # one dense layer, one of experts
     config.save_pretrained(tmp_path)
     options = {**SMALL, "max_num_batched_tokens": 512, "smallest_prefill_bucket": 512}  # one long chunk
     result = compile_engine(EngineConfig(model=str(tmp_path), tensor_parallel_size=devices, **options), target,
@@ -186,7 +187,7 @@ def test_the_latent_attention_steps_compile_for_the_targets(tmp_path, target, de
     assert_compiles_and_fits(result)
     (group,) = result.plan.kv_plan.groups
     stored = 640 if target == "v6e-1" else 576  # a TPU's pool rows padded to 128 lanes
-    page = 3 * result.plan.engine_config.page_size * stored * 2
+    page = 2 * result.plan.engine_config.page_size * stored * 2
     assert group.spec == MLASpec(576) and group.page_bytes == devices * page  # a whole copy on every device
 
 
@@ -288,54 +289,6 @@ def test_fp8_scales_that_do_not_fit_their_weight_are_refused_by_name(tmp_path, d
         json.dump(config, handle)
     with pytest.raises(ValueError, match=r"weight_scale_inv has shape .* in blocks of \[32, 16\]"):
         load_model(fp8_dir)
-
-
-def save_glm4_moe(path: str) -> str:
-    """A tiny GLM-4.5: half of each head rotated, q/k/v biases, q/k norms, DeepSeek's routing with one group of two
-    chosen, the first layer dense."""
-    config = transformers.Glm4MoeConfig(**{**TINY_DIMS, "num_hidden_layers": 3}, head_dim=32, moe_intermediate_size=32,
-                                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                        n_shared_experts=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
-                                        use_qk_norm=True, attention_bias=True, tie_word_embeddings=False)
-    return save_tiny_model("glm4_moe", path, config=config)
-
-
-def test_glm4_moe_matches_transformers(tmp_path):
-    """GLM-4.5's decoder (`save_glm4_moe`), its biases randomized."""
-    path = save_glm4_moe(str(tmp_path / "glm"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():  # transformers starts the biases and the correction bias at zero
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(("bias", "e_score_correction_bias")):
-                tensor.normal_(0.0, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    assert_matches_transformers(path, "glm4_moe")
-
-
-def test_minimax_m2_matches_transformers_on_one_and_two_devices(tmp_path):
-    """MiniMax-M2's decoder: q and k norms over all heads at once (summed over the devices under a split), half
-    of each head rotated, sigmoid routing with the correction bias and no groups."""
-    config = transformers.MiniMaxM2Config(**{**TINY_DIMS, "intermediate_size": 32}, head_dim=32,
-                                          num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
-                                          tie_word_embeddings=False)
-    path = save_tiny_model("minimax_m2", str(tmp_path / "minimax"), config=config)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    assert_matches_transformers(path, "minimax_m2")
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=4)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    two = [out.outputs[0].token_ids for out in LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                                                   smallest_prefill_bucket=64, decode_batch_buckets=(4,), warmup=False,
-                                                   tensor_parallel_size=2).generate(prompts, params, use_tqdm=False)]
-    with torch.no_grad():
-        assert two == [model.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=8, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, -8:].tolist() for p in prompts]
-    with pytest.raises(ValueError, match="k norm spans every KV head"):
-        LLM(path, tensor_parallel_size=4, warmup=False)
 
 
 @pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])

@@ -1,5 +1,6 @@
 """Mixture of experts: the grouped matmul against a float64 reference, its tile schedule, the routers against
-transformers', and work that grows with top-k, not with the expert count."""
+transformers', work that grows with top-k, not with the expert count, and the MoE families without latent attention
+that route as DeepSeek does (GLM-4.5, MiniMax-M2) against transformers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from jaxserve.config import LayerSpec, ModelConfig, MoEConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel
 from jaxserve.layers.moe import MoE, grouped_matmul, route, tile_rows, tile_schedule
 from jaxserve.layers.quant_dense import quantize_params
-from tests.conftest import random_prompts, shard_shapes
+from tests.conftest import TINY_DIMS, random_prompts, save_tiny_model, shard_shapes
+from tests.test_model import assert_matches_transformers
 
 
 def random_groups(rng, num_rows: int, num_groups: int, empty: float = 0.3) -> np.ndarray:
@@ -194,3 +196,51 @@ def test_a_split_the_experts_cannot_take_is_a_value_error_before_loading(tiny_ll
     TensorParallel(4).check(moe_config(6))  # split inside each expert: 96 columns over 4 devices
     with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
         LLM(tiny_llama_dir, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def save_glm4_moe(path: str) -> str:
+    """A tiny GLM-4.5: half of each head rotated, q/k/v biases, q/k norms, DeepSeek's routing with one group of two
+    chosen, the first layer dense."""
+    config = transformers.Glm4MoeConfig(**{**TINY_DIMS, "num_hidden_layers": 3}, head_dim=32, moe_intermediate_size=32,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                        n_shared_experts=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+                                        use_qk_norm=True, attention_bias=True, tie_word_embeddings=False)
+    return save_tiny_model("glm4_moe", path, config=config)
+
+
+def test_glm4_moe_matches_transformers(tmp_path):
+    """GLM-4.5's decoder (`save_glm4_moe`), its biases randomized."""
+    path = save_glm4_moe(str(tmp_path / "glm"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts the biases and the correction bias at zero
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("bias", "e_score_correction_bias")):
+                tensor.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    assert_matches_transformers(path, "glm4_moe")
+
+
+def test_minimax_m2_matches_transformers_on_one_and_two_devices(tmp_path):
+    """MiniMax-M2's decoder: q and k norms over all heads at once (summed over the devices under a split), half
+    of each head rotated, sigmoid routing with the correction bias and no groups."""
+    config = transformers.MiniMaxM2Config(**{**TINY_DIMS, "intermediate_size": 32}, head_dim=32,
+                                          num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
+                                          tie_word_embeddings=False)
+    path = save_tiny_model("minimax_m2", str(tmp_path / "minimax"), config=config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    assert_matches_transformers(path, "minimax_m2")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 500, 10, 30, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    two = [out.outputs[0].token_ids for out in LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                                                   smallest_prefill_bucket=64, decode_batch_buckets=(4,), warmup=False,
+                                                   tensor_parallel_size=2).generate(prompts, params, use_tqdm=False)]
+    with torch.no_grad():
+        assert two == [model.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=8, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, -8:].tolist() for p in prompts]
+    with pytest.raises(ValueError, match="k norm spans every KV head"):
+        LLM(path, tensor_parallel_size=4, warmup=False)

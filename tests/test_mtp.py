@@ -178,7 +178,7 @@ def test_drafts_equal_the_float64_reference_and_outputs_equal_plain(target, plai
 def test_glm4_5_reads_its_mtp_layer_as_deepseek_v3_lays_it_out(tmp_path):
     """GLM-4.5 stores its MTP layer as DeepSeek-V3 does (`model.layers.{L}.*`; its own decoder layer: GQA with
     biases and q/k norms, its experts): the drafts equal the float64 reference, greedy outputs plain decoding's."""
-    from tests.test_deepseek import save_glm4_moe
+    from tests.test_moe import save_glm4_moe
 
     path = add_mtp_layer(save_glm4_moe(str(tmp_path / "glm")))
     llm = LLM(path, **OPTIONS, speculative_config={"method": "mtp", "num_speculative_tokens": K,

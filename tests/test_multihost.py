@@ -2,9 +2,8 @@
 jax.distributed (gloo CPU collectives), serve one model split three ways.
 
 Over HTTP the answers equal one device's (with LoRA adapters too, their slots loaded on every host, and with
-images); SIGTERM to
-the leader ends every rank; a follower that dies makes
-the leader fail the request in flight with 503 and exit non-zero, and the other follower exits with it.
+images); SIGTERM to the leader ends every rank; a follower that dies makes the leader fail the request in flight
+with 503 and exit non-zero, and the other follower exits with it.
 """
 
 from __future__ import annotations
@@ -75,21 +74,43 @@ def three_head_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_device(three_head_model) -> dict[str, list]:
-    """What one device answers: the greedy and sampled texts, and PROMPTS[1]'s prompt logprobs."""
-    from jaxserve import LLM, SamplingParams
+def adapters(three_head_model, tmp_path_factory) -> list[str]:
+    """Two PEFT adapters of the three-head model."""
+    from tests.test_lora import save_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return [save_peft_adapter(three_head_model, str(root / name), seed, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+            for seed, name in enumerate(("a", "b"))]
+
+
+# Base and adapter requests in turn, on one adapter slot: serving them writes the slot again each time.
+TURNS = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("b", PROMPTS[0]), ("a", PROMPTS[1])]
+LORA_FLAGS = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "4")
+
+
+@pytest.fixture(scope="module")
+def one_device(three_head_model, adapters) -> dict[str, list]:
+    """What one device answers (LoRA enabled, one adapter slot, as the hosts serve): the greedy and sampled texts,
+    PROMPTS[1]'s prompt logprobs, a constrained answer and the adapters' answers in TURNS."""
+    from jaxserve import LLM, LoRARequest, SamplingParams
     from jaxserve.sampling_params import GuidedDecodingParams
 
-    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, **SHAPES)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, **SHAPES,
+              enable_lora=True, max_loras=1, max_lora_rank=4)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     sampled = llm.generate(PROMPTS[0], SamplingParams(**SAMPLED, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
     guided = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                      guided_decoding=GuidedDecodingParams(regex=REGEX)))[0]
+    requests = {"a": LoRARequest("a", 1, adapters[0]), "b": LoRARequest("b", 2, adapters[1])}
+    turns = [llm.generate(prompt, greedy, lora_request=requests.get(name), use_tqdm=False)[0].outputs[0].text
+             for name, prompt in TURNS]
+    assert len(set(turns[::2])) == 2, "the adapters change nothing: the test proves nothing"
     return {"texts": [output.outputs[0].text for output in outputs] + [sampled[0].outputs[0].text],
-            "guided": guided.outputs[0].text,
+            "guided": guided.outputs[0].text, "turns": turns,
             "prompt_logprobs": [entry[token].logprob
                                 for token, entry in zip(scored.prompt_token_ids[1:], scored.prompt_logprobs[1:])]}
 
@@ -159,11 +180,12 @@ def complete(cluster: Cluster, prompt: str, **options) -> httpx.Response:
     return httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
 
 
-def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, one_device):
+def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster, adapters, one_device):
     """Greedy and seeded sampling with penalties (the followers run the sampler on their own logits), prompt
-    scoring (they score their own prefill's last-layer output) and a constrained request (its samplers wait for
-    the token masks, and the followers take the logits each one's forward kept)."""
-    cluster = start_cluster()
+    scoring (they score their own prefill's last-layer output), a constrained request (its samplers wait for
+    the token masks, and the followers take the logits each one's forward kept), and two LoRA adapters on one
+    slot (each write of the slot is a step whose inputs, the adapter's weights, the leader sends every follower)."""
+    cluster = start_cluster(flags=(*LORA_FLAGS, "--lora-modules", f"a={adapters[0]}", f"b={adapters[1]}"))
     texts = [complete(cluster, prompt).json()["choices"][0]["text"] for prompt in PROMPTS]
     texts.append(complete(cluster, PROMPTS[0], **SAMPLED).json()["choices"][0]["text"])
     assert texts == one_device["texts"]
@@ -171,6 +193,9 @@ def test_three_hosts_answer_as_one_device_and_all_exit_on_sigterm(start_cluster,
     assert scored["logprobs"]["token_logprobs"][1:] == pytest.approx(one_device["prompt_logprobs"], abs=1e-4)
     guided = complete(cluster, PROMPTS[1], ignore_eos=False, guided_regex=REGEX).json()["choices"][0]["text"]
     assert guided == one_device["guided"] and guided
+    turns = [complete(cluster, prompt, model=name or cluster.model).json()["choices"][0]["text"]
+             for name, prompt in TURNS]
+    assert turns == one_device["turns"]
     cluster.processes[0].send_signal(signal.SIGTERM)
     assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
 
@@ -188,33 +213,6 @@ def test_a_dead_follower_fails_the_request_in_flight_with_503_and_every_rank_exi
     assert error["code"] == "engine_unavailable" and "follower rank 2" in error["message"], error
     codes = cluster.wait_exits()
     assert codes[0] != 0 and codes[1] != 0, [cluster.log(rank) for rank in range(2)]
-
-
-def test_three_hosts_serve_lora_adapters_as_one_device(start_cluster, three_head_model, tmp_path):
-    """One device slot for two adapters, so serving them in turn writes the slot again: each write is a step whose
-    inputs (the adapter's weights) the leader sends every follower; the answers are one device's."""
-    from jaxserve import LLM, LoRARequest, SamplingParams
-    from tests.test_lora import save_peft_adapter
-
-    paths = [save_peft_adapter(three_head_model, str(tmp_path / name), seed, r=4, lora_alpha=8,
-                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-             for seed, name in enumerate(("a", "b"))]
-    turns = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("b", PROMPTS[0]), ("a", PROMPTS[1])]
-    llm = LLM(three_head_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, **SHAPES,
-              enable_lora=True, max_loras=1, max_lora_rank=4)
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    adapters = {"a": LoRARequest("a", 1, paths[0]), "b": LoRARequest("b", 2, paths[1])}
-    expected = [llm.generate(prompt, greedy, lora_request=adapters.get(name), use_tqdm=False)[0].outputs[0].text
-                for name, prompt in turns]
-    assert len(set(expected[::2])) == 2, "the adapters change nothing: the test proves nothing"
-    del llm
-    cluster = start_cluster(flags=("--enable-lora", "--max-loras", "1", "--max-lora-rank", "4", "--lora-modules",
-                                   f"a={paths[0]}", f"b={paths[1]}"))
-    texts = [complete(cluster, prompt, model=name or cluster.model).json()["choices"][0]["text"]
-             for name, prompt in turns]
-    assert texts == expected
-    cluster.processes[0].send_signal(signal.SIGTERM)
-    assert cluster.wait_exits() == [0, 0, 0], [cluster.log(rank) for rank in range(RANKS)]
 
 
 def test_three_hosts_serve_images_as_one_device(tmp_path):
