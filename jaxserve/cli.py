@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from jaxserve.platforms import pick_platform
+
+    pick_platform()  # before jax starts
     from jaxserve.bench import bench_main
 
     from jaxserve.aot.cli import compile_main

@@ -125,6 +125,7 @@ def plan_engine(config: EngineConfig, target_name: str) -> tuple[EnginePlan, Mod
     """The runner `config` would build on `target_name` (with abstract arrays) and its memory plan. The runner is
     None when the weights alone leave no room (the plan says why). ValueError for a config the engine refuses."""
     t = target(target_name)
+    config = config.localized("config")  # a hub id: its config.json (and image processor's) alone
     with compiling_for(target_name) as devices:
         model = model_config(resolve_model(config.model))
         config = config.resolve(model.max_position_embeddings, platform=t.platform)

@@ -16,8 +16,11 @@ import jax.numpy as jnp
 
 from jaxserve.engine.kv_connector import KVTransferConfig
 from jaxserve.engine.kv_events import KVEventsConfig
+from jaxserve.layers.attention import make_attention_backend
 from jaxserve.layers.paged_kv import KV_CACHE_DTYPES
+from jaxserve.loading import hub
 from jaxserve.loading.awq import check_quantization
+from jaxserve.loading.hf_files import checkpoint_dtype
 from jaxserve.loading.dummy import LOAD_FORMATS
 from jaxserve.spec_decode.config import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
@@ -29,6 +32,23 @@ DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = (None, "int8", "awq", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 LONG_PREFILL_FRACTION = 0.04  # vLLM's default long_prefill_token_threshold, of max_model_len
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
+
+
+def serving_dtype(requested: str | None, checkpoint: str | None, platform: str) -> tuple[str, str]:
+    """The dtype the engine serves in ("float32" or "bfloat16") for `requested` (DTYPES, None for auto), the
+    checkpoint's own dtype (config.json's, None when it says none) and `platform`, with why."""
+    have = f"the checkpoint is {checkpoint}" if checkpoint else "the checkpoint names no dtype"
+    if requested in ("float", "float32"):
+        return "float32", "asked for"
+    if requested == "bfloat16":
+        return "bfloat16", "asked for"
+    if requested in ("half", "float16"):
+        return "bfloat16", "float16 asked for; jaxserve serves half precision as bfloat16 (its kernels' and KV " \
+                           "pages' 16-bit type: the same bytes, float32's range)"
+    if platform == "cpu":
+        return "float32", f"auto on a CPU ({have}; XLA:CPU runs bfloat16 several times slower than float32)"
+    return "bfloat16", f"auto on {platform} ({have}; 16-bit weights read at half float32's bytes)"
 
 
 def _positive_or_none(value: Any) -> bool:
@@ -71,8 +91,15 @@ def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    tokenizer: str | None = None  # a tokenizer directory to use instead of the model's
+    model: str | None = None  # None: the embedded default model; a directory, a .gguf file or a hub id ORG/NAME
+    tokenizer: str | None = None  # a tokenizer directory or hub id to use instead of the model's
+    # a hub id's branch, tag or commit (vLLM's names; default main), the tokenizer's, and where snapshots go
+    # (default: huggingface_hub's cache, $HF_HUB_CACHE); gguf_file: the file of a GGUF repository to serve
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
+    trust_remote_code: bool = False  # vLLM's flag, accepted; a model whose code lives only in its repo is refused
     generation_config: str = "auto"  # "auto": the model's generation_config.json, "vllm": ignore it, or a folder
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights drawn on the devices
     tensor_parallel_size: int = 1  # devices the weights, heads and KV pages are split over (Megatron-style)
@@ -82,7 +109,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     max_num_seqs: int = 64  # decode slots
     max_model_len: int | None = None  # default: min(model's max_position_embeddings, 2048)
-    page_size: int = 16
+    page_size: int | None = None  # tokens per KV page; default: the backend's (`PagedAttention.default_page_size`)
     num_kv_pages: int | None = None  # default: from gpu_memory_utilization (accelerators) or enough for all slots (CPU)
     gpu_memory_utilization: float = 0.9  # fraction of the device memory jax may use, for weights + KV + activations
     max_num_batched_tokens: int = 512  # prefill tokens per step, padded to their buckets (decodes come on top)
@@ -106,7 +133,8 @@ class EngineConfig:
     # in num_state_checkpoints rows (default 2 * max_num_seqs)
     mamba_block_size: int | None = None
     num_state_checkpoints: int | None = None
-    dtype: str | None = None  # "float32" | "bfloat16"; default float32 on CPU, bfloat16 elsewhere
+    # vLLM's choices (DTYPES); "auto"/None: float32 on a CPU, bfloat16 on an accelerator (`serving_dtype`)
+    dtype: str | None = None
     # weights: None (the serving dtype), "int8" (W8A16, per output channel), "awq", "fp8" (W8A16 in 128x128 blocks)
     quantization: str | None = None
     # (an AutoAWQ checkpoint's 4-bit weights; set from the checkpoint's config.json when left None)
@@ -166,11 +194,12 @@ class EngineConfig:
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("data_parallel_rank", _int_at_least(self.data_parallel_rank, 0), "must be an integer >= 0"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
-            ("page_size", self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            ("page_size", self.page_size is None or (_int_at_least(self.page_size, 1)
+                                                     and self.page_size & (self.page_size - 1) == 0),
              "must be a power of two"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 16, "must be >= 16"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-            ("dtype", self.dtype in (None, "float32", "bfloat16"), "must be 'float32' or 'bfloat16'"),
+            ("dtype", self.dtype is None or self.dtype in DTYPES, f"must be one of {DTYPES}"),
             ("scheduling_policy", self.scheduling_policy in SCHEDULING_POLICIES,
              f"must be one of {SCHEDULING_POLICIES}"),
             ("ttft_slo_ms", _positive_or_none(self.ttft_slo_ms), "must be a number > 0 (milliseconds)"),
@@ -195,7 +224,7 @@ class EngineConfig:
              "must be on for the KV tiers (kv_offloading_size / kv_offloading_dir)"),
             ("mamba_block_size", self.mamba_block_size is None or (
                 _int_at_least(self.mamba_block_size, 64) and self.mamba_block_size % 64 == 0
-                and self.mamba_block_size % self.page_size == 0),
+                and self.mamba_block_size % (self.page_size or 1) == 0),
              f"must be a multiple of 64 and of page_size ({self.page_size})"),
             ("num_state_checkpoints", self.num_state_checkpoints is None or _int_at_least(self.num_state_checkpoints, 1),
              "must be an integer >= 1"),
@@ -226,12 +255,26 @@ class EngineConfig:
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
 
+    def localized(self, what: str = "model") -> "EngineConfig":
+        """This config with a hub id's model and tokenizer replaced by their snapshots in the hub cache, fetched if
+        need be (`loading/hub.py`; `what`: "model", or only its "config" for `jaxserve compile`)."""
+        model, tokenizer = self.model, self.tokenizer
+        if hub.is_hub_id(model):
+            found = hub.snapshot(model, self.revision, self.download_dir, what, self.gguf_file)
+            model = str(found.path / found.gguf_file if found.gguf_file else found.path)
+        if hub.is_hub_id(tokenizer):
+            tokenizer = str(hub.snapshot(tokenizer, self.tokenizer_revision, self.download_dir, "tokenizer").path)
+        return dataclasses.replace(self, model=model, tokenizer=tokenizer)
+
     def resolve(self, model_max_len: int, platform: str | None = None) -> "EngineConfig":
         """The complete config for a model of context `model_max_len` on `platform` (default: jax's backend):
         dtype and attention backend defaults, max_model_len, decode buckets, the parsed speculative config (which
         turns async scheduling off), and the quantization an AWQ checkpoint sets. Resolving twice changes nothing."""
         platform = platform or jax.default_backend()
-        dtype = self.dtype or ("float32" if platform == "cpu" else "bfloat16")
+        dtype = self.dtype
+        if dtype not in ("float32", "bfloat16"):
+            dtype, why = serving_dtype(dtype, checkpoint_dtype(self.model), platform)
+            logger.info("serving in %s: %s", dtype, why)
         if dtype == "bfloat16" and platform == "cpu":
             logger.warning("dtype=bfloat16 on a CPU: XLA:CPU runs bfloat16 elementwise work and one-row matmuls "
                            "slowly (measured about 7x slower offline, 30x single-stream); float32 is the CPU dtype")
@@ -257,9 +300,12 @@ class EngineConfig:
         # (benchmarks/RESULTS.md has the measurements behind this list)
         buckets = self.decode_batch_buckets or tuple(sorted({min(b, self.max_num_seqs) for b in DECODE_BATCH_BUCKETS}
                                                             | {self.max_num_seqs}))
+        backend = self.attention_backend or {"gpu": "pallas", "tpu": "pallas-tpu"}.get(platform, "xla")
+        page_size = self.page_size or make_attention_backend(backend, None, self.kv_cache_dtype).default_page_size(
+            jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
         return dataclasses.replace(
-            self, dtype=dtype, attention_backend=self.attention_backend or {"gpu": "pallas", "tpu": "pallas-tpu"}.get(
-                platform, "xla"), speculative_config=speculative, async_scheduling=async_scheduling,
+            self, dtype=dtype, attention_backend=backend, page_size=page_size,
+            speculative_config=speculative, async_scheduling=async_scheduling,
             max_model_len=max_model_len, decode_batch_buckets=buckets, long_prefill_token_threshold=threshold,
             smallest_prefill_bucket=self.smallest_prefill_bucket or (16 if platform == "cpu" else 64),
             # as vLLM: an AWQ checkpoint sets "awq"; a mismatch with the checkpoint is an error before any load

@@ -84,6 +84,7 @@ def make_publisher(config: KVEventsConfig, page_size: int, data_parallel_rank: i
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None, **options: Any):
         config = config or EngineConfig(**options)
+        config = config if loaded is not None else config.localized()  # a hub id's snapshot
         _enable_compilation_cache(config.compilation_cache_dir)
         started = time.perf_counter()
         target = loaded.config if loaded is not None else model_config(resolve_model(config.model))

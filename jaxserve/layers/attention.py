@@ -77,6 +77,9 @@ def backend_by_name(name: str) -> AttentionBackend:
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
+DEFAULT_PAGE_SIZE = 16
+
+
 def make_attention_backend(name: str, mesh: Mesh | None = None, kv_cache_dtype: str = "auto") -> PagedAttention:
     """The engine's attention, chosen once: backend `name` over pools of `kv_cache_dtype` ("auto": the model
     dtype; "int8" or "fp8": `QuantizedPages`), split over `mesh`'s model axis when given."""
@@ -115,10 +118,19 @@ class PagedAttention:
         multiple = getattr(self.backend, "head_dim_multiple", 1)
         return -(-head_dim // multiple) * multiple
 
+    def min_page_size(self, model_dtype) -> int:
+        """The smallest page the backend keeps in the layout its kernels read (its `min_page_size`; else 1)."""
+        return getattr(self.backend, "min_page_size", lambda *_: 1)(self.storage_dtype(model_dtype), self.quantized)
+
+    def default_page_size(self, model_dtype) -> int:
+        """The page size an engine uses when none is asked for: 16 tokens (vLLM's block size), or the backend's
+        smallest page where that is larger (a TPU's with per-token scales: 128)."""
+        return max(DEFAULT_PAGE_SIZE, self.min_page_size(model_dtype))
+
     def check_page_size(self, page_size: int, model_dtype) -> None:
         """ValueError when the backend cannot keep pages of `page_size` tokens in the layout its kernels read (the
         backend's `min_page_size(storage_dtype, quantized)`, if it has one)."""
-        least = getattr(self.backend, "min_page_size", lambda *_: 1)(self.storage_dtype(model_dtype), self.quantized)
+        least = self.min_page_size(model_dtype)
         if page_size < least:
             dtype = jnp.dtype(self.storage_dtype(model_dtype)).name
             raise ValueError(f"page_size (--block-size) {page_size} is too small for the {self.name} attention backend "

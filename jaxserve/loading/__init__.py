@@ -29,6 +29,7 @@ from numpy.typing import DTypeLike
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
+from jaxserve.loading import hub
 from jaxserve.loading.awq import check_quantization
 from jaxserve.loading.dummy import check_load_format, dummy_params
 from jaxserve.loading.generation_config import (generation_config_file, generation_eos_token_ids,
@@ -114,20 +115,31 @@ def restore_gguf_cached(gguf_path: str, store_path: Path, dtype: DTypeLike, mesh
     return restore_store(store_path, dtype, mesh, expert_parallel)
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Where `model` (None/the default name, a `.gguf` file, a converted store dir or a HF checkpoint dir) lies."""
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None,
+                  what: str = "model", gguf_file: str | None = None) -> ModelSource:
+    """Where `model` lies: None/the default name, a `.gguf` file, a converted store dir, a HF checkpoint dir, or
+    a hub id `ORG/NAME[:QUANT]` at `revision`, fetched into the hub cache (`loading/hub.py`; `what`: "model" or
+    only its "config")."""
     if model is None or model == DEFAULT_MODEL:
         return ModelSource(DEFAULT_MODEL, "gguf", Path(default_gguf_path()), checkpoint_root() / DEFAULT_MODEL)
+    if hub.is_hub_id(model):
+        snapshot = hub.snapshot(model, revision, download_dir, what, gguf_file)
+        if snapshot.gguf_file is not None:
+            stem = Path(snapshot.gguf_file).stem
+            return ModelSource(snapshot.repo_id, "gguf", snapshot.path / snapshot.gguf_file,
+                               checkpoint_root() / f"{snapshot.repo_id.replace('/', '--')}--{stem}")
+        return ModelSource(snapshot.repo_id, "hf", snapshot.path, snapshot.path)
     path = Path(model)
+    name = hub.cached_repo_id(path.parent if path.is_file() else path) or path.name
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.name, "gguf", path, checkpoint_root() / path.stem)
     if path.is_dir() and is_store(path):
         return ModelSource(path.name, "store", path, path)
     if path.is_dir() and (path / "config.json").exists():
-        return ModelSource(path.name, "hf", path, path)
+        return ModelSource(name, "hf", path, path)
     raise ValueError(
-        f"model {model!r} is neither the default model ({DEFAULT_MODEL!r}), a .gguf file, "
-        f"nor a directory with config.json + *.safetensors")
+        f"model {model!r} is neither the default model ({DEFAULT_MODEL!r}), a .gguf file, a directory with "
+        f"config.json + *.safetensors, nor a hub id ORG/NAME")
 
 
 def gguf_model_config(gguf_path: str) -> ModelConfig:
@@ -170,10 +182,13 @@ def load_weights(source: ModelSource, dtype: DTypeLike, mesh: Mesh | None = None
     return load_hf_checkpoint(str(source.weights), dtype, mesh, expert_parallel, quantization)
 
 
-def load_tokenizer(path: str | os.PathLike) -> Any:
-    """The tokenizer saved in directory `path`; ValueError if there is none that transformers can load."""
+def load_tokenizer(path: str | os.PathLike, revision: str | None = None, download_dir: str | None = None) -> Any:
+    """The tokenizer saved in directory `path`, or in the hub repository `path` names at `revision`; ValueError
+    if there is none that transformers can load."""
     from transformers import AutoTokenizer
 
+    if hub.is_hub_id(str(path)):
+        path = hub.snapshot(str(path), revision, download_dir, "tokenizer").path
     if not Path(path).is_dir():
         raise ValueError(f"tokenizer {str(path)!r} is not a directory")
     try:

@@ -36,8 +36,8 @@ from numpy.typing import DTypeLike
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
-from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, read_hf_slice,
-                                       tensor_files)
+from jaxserve.loading.hf_files import (check_shape, checkpoint_quantization_config, hf_model_config, open_tensors,
+                                       read_hf_slice, tensor_files)
 from jaxserve.models import checkpoint_shapes, model_spec, param_shardings
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing: nibble i holds column AWQ_ORDER[i] of eight
@@ -165,8 +165,6 @@ def read_awq_slice(tensor, leaf: str, index: tuple, dtype: np.dtype) -> np.ndarr
 def load_awq_params(path: str, config: ModelConfig, group: int, shardings: dict, dtype: DTypeLike) -> dict:
     """The checkpoint-layout params (`awq_checkpoint_shapes`) of the AutoAWQ checkpoint in `path`, each a jax
     array placed with its sharding from `shardings`; each device's slice is read and unpacked on its own."""
-    from safetensors import safe_open
-
     dtype, files = np.dtype(dtype), tensor_files(path)
     spec = model_spec(config.model_type)
 
@@ -184,7 +182,7 @@ def load_awq_params(path: str, config: ModelConfig, group: int, shardings: dict,
             (name,), transposed = source.names, source.transposed
         if name not in files:
             raise ValueError(f"checkpoint {path!r} is missing tensor {name!r}")
-        with safe_open(files[name], framework="np") as reader:
+        with open_tensors(files[name]) as reader:
             tensor = reader.get_slice(name)
             shape = tuple(tensor.get_shape())
             if awq:

@@ -3,7 +3,7 @@
 The model's spec names the checkpoint tensor(s) of every parameter of our checkpoint-layout tree
 (`models.checkpoint_sources`: a `TensorSource`, transposed when HF stores it `[out, in]`, several tensors stacked
 on a new leading axis). `load_hf_checkpoint` builds each parameter with `jax.make_array_from_callback` and its
-target sharding: every device's callback reads only that device's slice of the tensor (`safe_open(...).get_slice`),
+target sharding: every device's callback reads only that device's slice of the tensor (`open_tensors(...).get_slice`),
 casts it to the serving dtype and hands it to the device. The file is opened (memory-mapped) for one parameter at a
 time, so the host holds one parameter's slices in flight: no float32 copy of the model, no copy of the checkpoint,
 and with tensor parallelism a split tensor is never read whole, only each device's part of it.
@@ -30,8 +30,8 @@ from jaxserve.layers.fp8 import FP8
 from jaxserve.loading.awq import load_awq_checkpoint
 from jaxserve.loading.fp8_checkpoint import fp8_checkpoint_shapes, read_fp8_slice, scale_source
 from jaxserve.loading.hf_files import (check_fp8_scales, check_shape, checkpoint_quantization_config, fp8_view,
-                                       hf_model_config, is_mxfp4, mxfp4_shape, read_fp8_block_slice, read_hf_slice,
-                                       read_mxfp4_slice, rows_axis, source_shape, tensor_files)
+                                       hf_model_config, is_mxfp4, mxfp4_shape, open_tensors, read_fp8_block_slice,
+                                       read_hf_slice, read_mxfp4_slice, rows_axis, source_shape, tensor_files)
 from jaxserve.loading.placement import checkpoint_shardings
 from jaxserve.models import TensorSource, checkpoint_shapes, checkpoint_sources, param_shardings
 
@@ -49,8 +49,6 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
     `{name}_scale_inv` is dequantized, unless `shapes` has it as float8 with a `block_scale` (`fp8_checkpoint`).
     `sources`: a tree like `shapes` of `TensorSource`s (default `checkpoint_sources(config)`: a model's own layers;
     a model's MTP layer is read from other names)."""
-    from safetensors import safe_open
-
     dtype = np.dtype(dtype)
     files = tensor_files(path)
     shapes = checkpoint_shapes(config, dtype) if shapes is None else shapes
@@ -78,7 +76,7 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                 elif f"{name}_scale_inv" in files:
                     shape, reader = fp8_reader(name, source, stack)
                 else:
-                    tensor = stack.enter_context(safe_open(files[name], framework="np")).get_slice(name)
+                    tensor = stack.enter_context(open_tensors(files[name])).get_slice(name)
                     shape, reader = tensor.get_shape(), functools.partial(
                         read_hf_slice, tensor, source.transposed, dtype=expected.dtype, rows=source.rows,
                         columns=source.columns)
@@ -101,7 +99,7 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
         if source.rows is not None or source.columns is not None:
             raise ValueError(f"checkpoint {path!r}: a fused FP8 tensor ({name!r}) is not supported")
         weight = fp8_view(files[name], name)
-        scales = stack.enter_context(safe_open(files[f"{name}_scale_inv"], framework="np")).get_slice(
+        scales = stack.enter_context(open_tensors(files[f"{name}_scale_inv"])).get_slice(
             f"{name}_scale_inv")
         check_fp8_scales(name, weight.shape, scales.get_shape(), fp8_block, path)
         return weight.shape, functools.partial(read_fp8_block_slice, weight, scales, fp8_block, source.transposed,
@@ -110,7 +108,7 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
     def load_mxfp4(source: TensorSource, sharding, expected: jax.ShapeDtypeStruct) -> jax.Array:
         name = source.names[0]
         with contextlib.ExitStack() as stack:
-            blocks, scales = (stack.enter_context(safe_open(files[f"{name}_{part}"], framework="np"))
+            blocks, scales = (stack.enter_context(open_tensors(files[f"{name}_{part}"]))
                               .get_slice(f"{name}_{part}") for part in ("blocks", "scales"))
             if tuple(scales.get_shape()) != tuple(blocks.get_shape()[:-1]):
                 raise ValueError(f"checkpoint {path!r}: MXFP4 tensor {name!r} has blocks {blocks.get_shape()} "

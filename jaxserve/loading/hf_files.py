@@ -7,6 +7,7 @@ import glob
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,13 +19,45 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def hf_model_config(path: str) -> ModelConfig:
     """The `ModelConfig` of the HF checkpoint directory `path` (its config.json; no weights read); ValueError
-    listing the supported model types for any other."""
+    listing the supported model types for any other, naming the repository's own code (`auto_map`, which jaxserve
+    never runs) when that is what the model needs, and naming the field transformers' validation refused."""
+    file = Path(path) / "config.json"
+    try:
+        with open(file) as handle:  # the model type first: transformers may not know it
+            raw = json.load(handle)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {file}: {err}") from None
+    try:
+        model_spec(raw.get("model_type"))
+    except ValueError as err:
+        if raw.get("auto_map"):
+            raise ValueError(f"{file}: the model's code lives in its repository (auto_map {raw['auto_map']}), "
+                             f"which jaxserve does not run, --trust-remote-code or not; {err}") from None
+        raise
+    return config_from_hf(read_hf_config(path))
+
+
+def read_hf_config(path: str | os.PathLike) -> Any:
+    """transformers' config of directory `path`; ValueError naming the file and the field its validation refuses
+    (transformers raises huggingface_hub's StrictDataclassError, which is no ValueError)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    with open(Path(path) / "config.json") as handle:  # the model type first: transformers may not know it
-        model_type = json.load(handle).get("model_type")
-    model_spec(model_type)
-    return config_from_hf(AutoConfig.from_pretrained(path))
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except StrictDataclassError as err:
+        raise ValueError(f"{Path(path) / 'config.json'}: {err}") from None
+
+
+def checkpoint_dtype(model: str | os.PathLike | None) -> str | None:
+    """config.json's `dtype` (or `torch_dtype`) of the HF checkpoint directory `model`; None if it names none or
+    `model` is not such a directory."""
+    if model is None or not (Path(model) / "config.json").is_file():
+        return None
+    with open(Path(model) / "config.json") as handle:
+        raw = json.load(handle)
+    value = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
+    return value if isinstance(value, str) else None
 
 
 def checkpoint_quantization_config(model: str | os.PathLike | None) -> dict | None:
@@ -36,10 +69,19 @@ def checkpoint_quantization_config(model: str | os.PathLike | None) -> dict | No
         return json.load(handle).get("quantization_config")
 
 
+def open_tensors(file: str) -> Any:
+    """`safetensors.safe_open(file)` for numpy; ValueError naming the file when it is truncated or damaged."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="np")
+    except SafetensorError as err:
+        raise ValueError(f"{file}: {err} (a truncated or damaged file: an interrupted download? delete it and "
+                         "fetch it again)") from None
+
+
 def tensor_files(path: str) -> dict[str, str]:
     """Which `*.safetensors` file of directory `path` holds each tensor (from the index file, else the headers)."""
-    from safetensors import safe_open
-
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as handle:
@@ -50,7 +92,7 @@ def tensor_files(path: str) -> dict[str, str]:
         raise ValueError(f"no *.safetensors files in {path!r}")
     located = {}
     for file in files:
-        with safe_open(file, framework="np") as reader:
+        with open_tensors(file) as reader:
             located.update(dict.fromkeys(reader.keys(), file))
     return located
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.loading.hf_files import tensor_files
+from jaxserve.loading.hf_files import open_tensors, tensor_files
 from jaxserve.multimodal.vision import VISION_FAMILIES, VisionFamily, VisionModel, is_shape, tower_shardings
 
 
@@ -21,9 +21,9 @@ def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
     """The vision side of the image + text checkpoint in `directory`; ValueError naming a missing tensor or a shape
     that does not match its config. `load_format` "dummy": random weights; "abstract": their shapes only
     (`ShapeDtypeStruct`s, for `jaxserve compile`)."""
-    import transformers
+    from jaxserve.loading.hf_files import read_hf_config
 
-    hf_config = transformers.AutoConfig.from_pretrained(directory)
+    hf_config = read_hf_config(directory)
     family = VISION_FAMILIES[hf_config.model_type]
     config = family.parse_config(hf_config)
     shapes = family.checkpoint_shapes(config)
@@ -44,8 +44,6 @@ def load_vision(directory: str, dtype, mesh: Mesh, load_format: str = "auto",
 
 
 def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) -> dict:
-    from safetensors import safe_open
-
     files = tensor_files(directory)
     prefix = next((p for p in family.prefixes if any(name.startswith(p) for name in files)), None)
     if prefix is None:
@@ -55,7 +53,7 @@ def read_tower(directory: str, family: VisionFamily, config: Any, shapes: dict) 
         name, transposed = source[0][1:] if source[0].startswith("^") else prefix + source[0], source[1]
         if name not in files:
             raise ValueError(f"{os.path.basename(directory)}: vision tower tensor {name!r} is missing")
-        with safe_open(files[name], framework="np") as reader:
+        with open_tensors(files[name]) as reader:
             array = reader.get_tensor(name).astype(np.float32)
         if transposed:
             array = array.reshape(array.shape[0], -1).T

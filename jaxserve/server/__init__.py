@@ -21,10 +21,15 @@ def serve_main(argv: list[str]) -> None:
     """Parses `jaxserve serve` options, starts the HTTP server at once and loads the engine in the background."""
     from jaxserve.server.api_server import create_app
     from jaxserve.server.async_engine import AsyncEngine
-    from jaxserve.server.cli_args import build_parser, engine_config, multihost, server_settings
+    from jaxserve.server.cli_args import (build_parser, config_file_args, engine_config, model_argument, multihost,
+                                          server_settings)
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(config_file_args(argv, parser))
+        args.model = model_argument(args)
+    except ValueError as err:
+        parser.error(str(err))
     if args.max_waiting < 0:
         parser.error("--max-waiting must be >= 0")
     if args.data_parallel_size < 1:

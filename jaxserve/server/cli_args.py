@@ -12,7 +12,7 @@ import json
 import os
 
 from jaxserve.distributed.multihost import MultiHost
-from jaxserve.engine.config import QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
+from jaxserve.engine.config import DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.loading import DEFAULT_MODEL
@@ -27,6 +27,10 @@ ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Eng
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve serve", description="Serve a model over an OpenAI-compatible API.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="flags from a YAML file of flag names (vLLM's --config); the command line wins")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_engine_args(parser)
@@ -70,10 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model and every engine flag (what `engine_config` reads): `jaxserve serve`'s and the offline benchmarks'."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted store (default: "
-                                                      f"the embedded {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None,
+                        help="a hub id ORG/NAME (ORG/NAME:QUANT for one GGUF file of a repository), a HF checkpoint "
+                             f"dir, a .gguf file or a converted store (default: the embedded {DEFAULT_MODEL})")
+    hub = parser.add_argument_group("the hub (huggingface_hub's cache and environment: HF_HUB_CACHE, HF_TOKEN, "
+                                    "HF_ENDPOINT, HF_HUB_OFFLINE=1)")
+    hub.add_argument("--revision", default=None, help="the model's branch, tag or commit (default: main)")
+    hub.add_argument("--tokenizer-revision", default=None, help="the tokenizer's branch, tag or commit")
+    hub.add_argument("--download-dir", default=None, help="where snapshots go (default: huggingface_hub's cache)")
+    hub.add_argument("--gguf-file", default=None, help="which GGUF file of a GGUF repository to serve")
+    hub.add_argument("--trust-remote-code", action="store_true",
+                     help="vLLM's flag, accepted: jaxserve runs no code from a repository, and refuses by name a "
+                          "model that needs its own")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     engine.add_argument("--generation-config", default=ENGINE_DEFAULTS["generation_config"],
                         help="sampling defaults for fields a request leaves unset: 'auto' (the model's "
                              "generation_config.json), 'vllm' (none) or a folder holding generation_config.json")
@@ -90,7 +104,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"],
                         help="prefill tokens per engine step (padded to their buckets; decodes come on top)")
     engine.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["page_size"],
-                        help="tokens per KV-cache page (block)")
+                        help="tokens per KV-cache page (block); default: 16, or the attention backend's smallest "
+                             "page where that is larger (a TPU's with int8/fp8 pages: 128)")
     engine.add_argument("--num-kv-pages", type=int, default=None, help="KV-cache pages (default: from memory)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=ENGINE_DEFAULTS["gpu_memory_utilization"],
                         help="fraction of accelerator memory for weights, KV cache and activations")
@@ -151,7 +166,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-long-partial-prefills", type=int,
                         default=ENGINE_DEFAULTS["max_long_partial_prefills"],
                         help="long prompts prefilling at once, so shorter ones go past them")
-    engine.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    engine.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto: float32 on a CPU, bfloat16 on an accelerator; half/float16 are served as "
+                             "bfloat16; float/float32; bfloat16")
     engine.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
                         help="weights: int8 (W8A16, quantized at load), fp8 (FP8 in 128x128 blocks, quantized at "
                              "load; block-scaled FP8 checkpoints such as DeepSeek-V3's load as FP8) or awq (AutoAWQ "
@@ -213,6 +230,54 @@ def chat_template(value: str) -> str:
     return template
 
 
+def config_file_args(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` with the flags of its `--config FILE` (vLLM's YAML: flag names, dashes or underscores, as keys) put
+    first, so the command line's own flags win (its MODEL or --model over the file's `model`); ValueError for a
+    file that cannot be read, is no mapping, or names a flag `parser` does not have."""
+    import yaml
+
+    if "--config" not in argv and not any(arg.startswith("--config=") for arg in argv):
+        return argv
+    config_parser = argparse.ArgumentParser(add_help=False)
+    config_parser.add_argument("--config")
+    known, rest = config_parser.parse_known_args(argv)
+    try:
+        with open(known.config) as handle:
+            values = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--config {known.config}: {err}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {known.config}: expected a mapping of flag names to values")
+    positional = rest[:1] if rest and not rest[0].startswith("-") else []  # first: a list flag would take it
+    if positional or "--model" in rest:
+        values.pop("model", None)
+    options = parser._option_string_actions
+    flags: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in options:
+            raise ValueError(f"--config {known.config}: {key!r} is not a flag of {parser.prog}")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags += ["--no-" + flag[2:]] if "--no-" + flag[2:] in options else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return positional + flags + rest[len(positional):]
+
+
+def model_argument(args: argparse.Namespace) -> str | None:
+    """The model from the positional MODEL or --model (both only when equal); ValueError otherwise."""
+    tag, flag = getattr(args, "model_tag", None), args.model
+    if tag is not None and flag is not None and tag != flag:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {flag!r}")
+    return tag or flag
+
+
 def served_model_names(args: argparse.Namespace) -> list[str]:
     """--served-model-name, else --model as given, else the default model's name: known before loading."""
     return list(args.served_model_name or [args.model or DEFAULT_MODEL])
@@ -221,6 +286,9 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe; ValueError for out-of-range values."""
     return EngineConfig(model=args.model, tokenizer=args.tokenizer, generation_config=args.generation_config,
+                        revision=args.revision, tokenizer_revision=args.tokenizer_revision,
+                        download_dir=args.download_dir, gguf_file=args.gguf_file,
+                        trust_remote_code=args.trust_remote_code,
                         load_format=args.load_format,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel,

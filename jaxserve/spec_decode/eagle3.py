@@ -91,9 +91,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 def eagle3_config(model: str, target: ModelConfig) -> Eagle3Config:
     """The config of the head in directory `model` for serving beside `target`; ValueError naming what does not
     fit (a wrong hidden size or vocabulary, layers the target lacks, a target whose decoder is not Llama-shaped)."""
-    from transformers import AutoConfig
-
-    from jaxserve.loading.hf_files import tensor_files
+    from jaxserve.loading.hf_files import read_hf_config, tensor_files
 
     where = f"speculative_config 'model' {model!r}"
     path = Path(model)
@@ -107,7 +105,7 @@ def eagle3_config(model: str, target: ModelConfig) -> Eagle3Config:
     if model_spec(target.model_type).module is not llama.LlamaModel:
         raise ValueError(f"EAGLE-3 reads the target's layer inputs, which model_type {target.model_type!r} does "
                          "not provide yet")
-    layer = llama.parse_config(AutoConfig.from_pretrained(path))
+    layer = llama.parse_config(read_hf_config(path))
     if layer.num_layers != 1:
         raise ValueError(f"{where} has {layer.num_layers} decoder layers; jaxserve serves one-layer heads")
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)

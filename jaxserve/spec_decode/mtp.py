@@ -168,10 +168,8 @@ class MTPLayer(nn.Module):
 
 def mtp_config(model: str | None, target: ModelConfig) -> MTPConfig:
     """The MTP layer of the checkpoint directory `model` (the target's); ValueError naming what is missing."""
-    from transformers import AutoConfig
-
     from jaxserve.loading import resolve_model
-    from jaxserve.loading.hf_files import tensor_files
+    from jaxserve.loading.hf_files import read_hf_config, tensor_files
 
     source = resolve_model(model)
     path = source.directory
@@ -189,7 +187,7 @@ def mtp_config(model: str | None, target: ModelConfig) -> MTPConfig:
     if layout.normed_output:  # Qwen's: a full-attention layer, its experts as the decoder's first layer's
         spec = dataclasses.replace(target.layers[0], mixer="attention")
     else:  # DeepSeek's: the decoder's layer L as a model one layer deeper has it
-        hf = AutoConfig.from_pretrained(path)
+        hf = read_hf_config(path)
         hf.num_hidden_layers = target.num_layers + 1
         spec = config_from_hf(hf).layers[target.num_layers]
     layer = dataclasses.replace(target, num_layers=1, layers=(spec,), linear_attention=None)
