@@ -9,13 +9,14 @@ from typing import Any, Sequence
 
 
 def load_tokenizer(model: str | None):
-    """The HF tokenizer of `model` (a HF dir or store dir) or of the default model, without loading weights."""
+    """The HF tokenizer of `model` (a HF dir, store dir or hub id) or of the default model, without loading
+    weights."""
     from transformers import AutoTokenizer
 
-    from jaxserve.loading import DEFAULT_MODEL, checkpoint_root
+    from jaxserve.loading import DEFAULT_MODEL, checkpoint_root, hub
 
     if model not in (None, DEFAULT_MODEL):
-        path = Path(model)
+        path = hub.snapshot(model, what="tokenizer").path if hub.is_hub_id(model) else Path(model)
         if path.is_dir() and ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
             return AutoTokenizer.from_pretrained(str(path))
         from jaxserve.loading import load_model

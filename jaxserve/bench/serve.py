@@ -156,14 +156,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Runs every (rate, concurrency) of the flags; returns their results (the JSON written with --save-result)."""
     args = parse_args(argv)
     from jaxserve.bench.report import load_tokenizer
+    from jaxserve.loading import hub
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     if args.ready_check_timeout_sec:
         client.wait_for_server(args.base_url, args.ready_check_timeout_sec)
     model = args.model or client.served_model(args.base_url, headers)
-    local = args.tokenizer or (args.model if args.model and Path(args.model).exists() else None)
+    local = args.tokenizer or (args.model if args.model and (Path(args.model).exists() or hub.is_hub_id(args.model))
+                               else None)
     if local is None:
-        print("no --tokenizer (and --model is no local path): prompts are built with the default model's tokenizer")
+        print("no --tokenizer (and --model is no local path or hub id): prompts are built with the default model's "
+              "tokenizer")
     tokenizer = load_tokenizer(local)
     records = dataset_args.build_requests(args, tokenizer, len(tokenizer), args.max_model_len)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 from typing import Mapping
 
 import jax
@@ -119,7 +120,16 @@ def load_hf_params(path: str, config: ModelConfig, shardings: dict, dtype: DType
                 expected.shape, sharding, lambda index: read_mxfp4_slice(blocks, scales, index, dtype, source.columns),
                 dtype=dtype)
 
-    return jax.tree_util.tree_map_with_path(load_leaf, shapes, shardings)
+    from tqdm import tqdm
+
+    with tqdm(total=len(jax.tree.leaves(shapes)), desc=f"loading {Path(path).name}", unit="tensor",
+              disable=None) as bar:  # shown on a terminal
+        def counted(key_path, expected, sharding) -> jax.Array:
+            array = load_leaf(key_path, expected, sharding)
+            bar.update(1)
+            return array
+
+        return jax.tree_util.tree_map_with_path(counted, shapes, shardings)
 
 
 def convert_hf_state_dict(state: Mapping[str, np.ndarray], config: ModelConfig, dtype: DTypeLike = np.float32) -> dict:
