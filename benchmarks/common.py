@@ -217,7 +217,7 @@ def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64, max
     group.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="decode slots")
     group.add_argument("--max-model-len", type=int, default=max_model_len)
     group.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
-    group.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the backend's)")
+    group.add_argument("--page-size", type=int, default=16)
     group.add_argument("--num-kv-pages", type=int, default=None)
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -33,7 +33,7 @@ def kv_bytes(path: str, max_model_len: int, max_num_seqs: int, max_num_batched_t
     rows = []
     for hybrid in (True, False):
         ec = EngineConfig(model=path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=1000,
+                          max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=1000, page_size=16,
                           disable_hybrid_kv_cache_manager=not hybrid)
         plan = plan_kv_cache(config, ec, TensorParallel(1), make_attention_backend("xla"), jnp.bfloat16, None)
         per_token = plan.groups[0].page_bytes / plan.page_size

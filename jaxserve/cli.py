@@ -12,8 +12,8 @@ import time
 
 def demo(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="jaxserve demo", description="Answer one chat message with a model.")
-    parser.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file or converted store (default: "
-                                                      "the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="a hub id ORG/NAME, HF checkpoint dir, .gguf file or converted "
+                                                      "store (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
