@@ -1,6 +1,7 @@
 """The platform a `jaxserve` command picks before jax starts (jaxserve/platforms.py): on this machine, with jax's
 CUDA and TPU plugins installed but no GPU or TPU, the CPU alone, so a process's log has no plugin tracebacks and a
-`jaxserve compile` for a TPU target runs beside it (libtpu's lockfile stays free)."""
+`jaxserve compile` for a TPU target runs beside it (the process never starts libtpu, whose lockfile a compile
+would otherwise find taken)."""
 
 from __future__ import annotations
 

@@ -49,13 +49,19 @@ def read_hf_config(path: str | os.PathLike) -> Any:
         raise ValueError(f"{Path(path) / 'config.json'}: {err}") from None
 
 
+def checkpoint_json(model: str | os.PathLike | None) -> dict:
+    """config.json of the HF checkpoint directory `model`; {} if `model` is not such a directory (the default
+    model, a GGUF file, a converted store)."""
+    if model is None or not (Path(model) / "config.json").is_file():
+        return {}
+    with open(Path(model) / "config.json") as handle:
+        return json.load(handle)
+
+
 def checkpoint_dtype(model: str | os.PathLike | None) -> str | None:
     """config.json's `dtype` (or `torch_dtype`) of the HF checkpoint directory `model`; None if it names none or
     `model` is not such a directory."""
-    if model is None or not (Path(model) / "config.json").is_file():
-        return None
-    with open(Path(model) / "config.json") as handle:
-        raw = json.load(handle)
+    raw = checkpoint_json(model)
     value = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
     return value if isinstance(value, str) else None
 
@@ -63,10 +69,7 @@ def checkpoint_dtype(model: str | os.PathLike | None) -> str | None:
 def checkpoint_quantization_config(model: str | os.PathLike | None) -> dict | None:
     """config.json's `quantization_config` of the HF checkpoint directory `model`; None if it has none or
     `model` is not such a directory (the default model, a GGUF file, a converted store)."""
-    if model is None or not (Path(model) / "config.json").is_file():
-        return None
-    with open(Path(model) / "config.json") as handle:
-        return json.load(handle).get("quantization_config")
+    return checkpoint_json(model).get("quantization_config")
 
 
 def open_tensors(file: str) -> Any:

@@ -97,12 +97,14 @@ def pick_gguf(repo_id: str, names: list[str], quant: str | None, gguf_file: str 
                      f"GGUF files: {ggufs})")
 
 
-def hub_error(repo_id: str, revision: str | None, err: Exception) -> ValueError:
-    """`err` from huggingface_hub as a ValueError that says what happened and what to do."""
+def hub_error(repo_id: str, revision: str | None, err: Exception, cache: str, hub_endpoint: str,
+              is_offline: bool, unreachable: Exception | None = None) -> ValueError:
+    """`err` from huggingface_hub as a ValueError that says what happened and what to do; `unreachable`: the
+    connection error that sent the look-up to the cache alone."""
     from huggingface_hub import errors
 
-    where = f"in the hub cache {hub_cache()} (HF_HUB_OFFLINE=1: not looked for on the hub)" if offline() else \
-        f"on the hub at {endpoint()}"
+    where = f"in the hub cache {cache} (HF_HUB_OFFLINE=1: not looked for on the hub)" if is_offline else \
+        f"on the hub at {hub_endpoint}"
     if isinstance(err, errors.GatedRepoError):
         return ValueError(f"{repo_id} is gated: accept its terms on the hub, then set HF_TOKEN to a token "
                           f"of that account")
@@ -115,12 +117,13 @@ def hub_error(repo_id: str, revision: str | None, err: Exception) -> ValueError:
         return ValueError(f"the cached snapshot of {repo_id!r} is incomplete (an interrupted download?): run again "
                           f"without HF_HUB_OFFLINE to finish it ({err})")
     if isinstance(err, errors.LocalEntryNotFoundError):
-        if offline():
+        if is_offline:
             return ValueError(f"model {repo_id!r} (revision {revision or 'main'}) is not in the hub cache "
-                              f"{hub_cache()}, and HF_HUB_OFFLINE=1 keeps it from the hub: download it first")
-        return ValueError(f"cannot reach the hub at {endpoint()} for {repo_id!r} ({err.__class__.__name__}), "
-                          "and it is not in the hub cache: check the network, or set HF_HUB_OFFLINE=1 to serve a "
-                          "snapshot already in the cache")
+                              f"{cache}, and HF_HUB_OFFLINE=1 keeps it from the hub: download it first")
+        reason = (unreachable or err).__class__.__name__
+        return ValueError(f"cannot reach the hub at {hub_endpoint} for {repo_id!r} ({reason}), and it is not in "
+                          "the hub cache: check the network, or set HF_HUB_OFFLINE=1 to serve a snapshot already "
+                          "in the cache")
     return ValueError(f"cannot fetch {repo_id!r} {where}: {err.__class__.__name__}: {err}")
 
 
@@ -131,21 +134,19 @@ def http_client() -> Any:
     return sys.modules.get("httpx2") or sys.modules["httpx"]
 
 
-def list_files(repo_id: str, revision: str | None) -> tuple[list[str], str]:
-    """The repository's files and the commit `revision` is, from the hub."""
+def list_files(repo_id: str, revision: str | None, hub_endpoint: str) -> list[str]:
+    """The repository's files at `revision`, from the hub."""
     from huggingface_hub import HfApi
 
-    info = HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision)
-    return [sibling.rfilename for sibling in info.siblings or []], info.sha
+    info = HfApi(endpoint=hub_endpoint).model_info(repo_id, revision=revision)
+    return [sibling.rfilename for sibling in info.siblings or []]
 
 
-def check_weights(repo_id: str, names: list[str]) -> None:
-    """ValueError naming what the repository has, when it has no safetensors weights jaxserve reads."""
-    if serving_files(names, WEIGHT_FILES):
-        return
+def no_weights(repo_id: str, names: list[str]) -> ValueError:
+    """What a repository without the safetensors weights jaxserve reads has instead."""
     weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pth", ".pt", ".gguf", ".msgpack", ".h5"))]
-    raise ValueError(f"{repo_id} has no model*.safetensors weights at its top level (jaxserve reads safetensors, "
-                     f"or one GGUF file); its weight files: {weights or 'none'}")
+    return ValueError(f"{repo_id} has no model*.safetensors weights at its top level (jaxserve reads safetensors, "
+                      f"or one GGUF file); its weight files: {weights or 'none'}")
 
 
 def snapshot(model: str, revision: str | None = None, download_dir: str | None = None,
@@ -167,37 +168,35 @@ def cached_snapshot(model: str, revision: str | None, cache: str, what: str, ggu
         raise ValueError(f"{model!r} is not a hub id ORG/NAME")
     repo_id, quant = found["repo"], found["quant"]
     patterns = {"model": SERVING_FILES, "config": CONFIG_FILES + PROCESSOR_FILES, "tokenizer": TOKENIZER_FILES}[what]
-    picked = None
+    picked, unreachable = None, None
     http = http_client()
     try:
+        names = None
         if not is_offline:
             try:
-                names, _ = list_files(repo_id, revision)
+                names = list_files(repo_id, revision, hub_endpoint)
             except (http.ConnectError, http.TimeoutException) as err:  # no network: the cache, as huggingface_hub
-                try:
-                    path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                                  allow_patterns=list(patterns), local_files_only=True))
-                except errors.LocalEntryNotFoundError:
-                    raise hub_error(repo_id, revision, errors.LocalEntryNotFoundError(str(err))) from None
-                logger.warning("the hub at %s cannot be reached (%s): serving %s from the cache", hub_endpoint,
-                               err, repo_id)
-                return Snapshot(repo_id, path, path.name)
-            is_gguf = quant is not None or gguf_file is not None or (
-                not serving_files(names, WEIGHT_FILES) and any(n.endswith(".gguf") for n in names))
-            if is_gguf and what == "model":
+                unreachable = err
+        if names is not None:
+            weights = serving_files(names, WEIGHT_FILES)
+            if what == "model" and (quant is not None or gguf_file is not None or (
+                    not weights and any(n.endswith(".gguf") for n in names))):
                 picked = pick_gguf(repo_id, names, quant, gguf_file)
                 patterns = (picked,) + CONFIG_FILES
-            elif what == "model":
-                check_weights(repo_id, names)
-        elif quant is not None or gguf_file is not None:
+            elif what == "model" and not weights:
+                raise no_weights(repo_id, names)
+        elif what == "model" and (quant is not None or gguf_file is not None):
             picked = gguf_file or f"*{quant}*.gguf"
             patterns = (picked,) + CONFIG_FILES
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=list(patterns),
-                                      endpoint=hub_endpoint, local_files_only=is_offline))
+                                      endpoint=hub_endpoint, local_files_only=names is None))
     except (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError,
             http.HTTPError, OSError) as err:  # OSError: a full disk, a cache that cannot be written
-        raise hub_error(repo_id, revision, err) from None
-    if picked is not None and is_offline:
+        raise hub_error(repo_id, revision, err, cache, hub_endpoint, is_offline, unreachable) from None
+    if unreachable is not None:
+        logger.warning("the hub at %s cannot be reached (%s): serving %s from the cache", hub_endpoint, unreachable,
+                       repo_id)
+    if picked is not None and names is None:
         picked = pick_gguf(repo_id, [p.name for p in path.glob("*.gguf")], quant, gguf_file)
     logger.info("model %s: revision %s (commit %s) in %s", repo_id, revision or "main", path.name, path)
     return Snapshot(repo_id, path, path.name, picked)
