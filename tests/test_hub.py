@@ -16,6 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.config import EngineConfig, serving_dtype
 from jaxserve.loading import hub, load_model, resolve_model
 from jaxserve.server.cli_args import build_parser, config_file_args, engine_config, model_argument
+from jaxserve.spec_decode.config import CPU_DISABLE_BY_BATCH_SIZE
 from tests.conftest import random_prompts
 from tests.hub_server import Hub
 
@@ -121,6 +122,23 @@ def test_a_gguf_repository_gives_the_file_its_quant_names_and_compile_fetches_th
     config = EngineConfig(model="org/tiny").localized("config")
     assert sorted(loopback_hub.downloads) == ["config.json", "generation_config.json"]
     assert sorted(p.name for p in Path(config.model).iterdir()) == ["config.json", "generation_config.json"]
+
+
+def test_a_draft_model_named_by_hub_id_is_fetched_at_its_revision(loopback_hub, tiny_llama_dir):
+    local = EngineConfig(model=tiny_llama_dir, speculative_config={"model": "org/tiny", "num_speculative_tokens": 2},
+                         max_model_len=64).localized()
+    snapshot = Path(local.speculative_config["model"])
+    assert snapshot.name == Hub.commit("org/tiny") and (snapshot / "model.safetensors").is_file()
+    assert local.model == tiny_llama_dir
+    spec = local.resolve(64, "cpu").speculative_config  # the dict's unset keys still take the platform's defaults
+    assert spec.method == "draft_model" and spec.disable_by_batch_size == CPU_DISABLE_BY_BATCH_SIZE
+    assert load_model(spec.model).config.vocab_size == load_model(tiny_llama_dir).config.vocab_size
+    with pytest.raises(ValueError, match=r"org/tiny has no revision 'v9'"):
+        EngineConfig(model=tiny_llama_dir, speculative_config='{"model": "org/tiny", "revision": "v9", '
+                     '"num_speculative_tokens": 2}').localized()
+    with pytest.raises(ValueError, match=r"speculative_config 'revision' must be a string, beside a hub id"):
+        EngineConfig(model=tiny_llama_dir, speculative_config={"method": "ngram", "revision": "main",
+                                                               "num_speculative_tokens": 2})
 
 
 def test_a_config_transformers_refuses_is_a_value_error_naming_the_file(tmp_path):

@@ -6,6 +6,7 @@ checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -264,7 +265,15 @@ class EngineConfig:
             model = str(found.path / found.gguf_file if found.gguf_file else found.path)
         if hub.is_hub_id(tokenizer):
             tokenizer = str(hub.snapshot(tokenizer, self.tokenizer_revision, self.download_dir, "tokenizer").path)
-        return dataclasses.replace(self, model=model, tokenizer=tokenizer)
+        speculative = self.speculative_config
+        parsed = SpeculativeConfig.parse(speculative)
+        if parsed is not None and hub.is_hub_id(parsed.model):  # a draft model's or an EAGLE-3 head's repository
+            found = hub.snapshot(parsed.model, parsed.revision, self.download_dir, what)
+            local = {"model": str(found.path / found.gguf_file if found.gguf_file else found.path), "revision": None}
+            speculative = (dataclasses.replace(speculative, **local) if isinstance(speculative, SpeculativeConfig)
+                           else {**(json.loads(speculative) if isinstance(speculative, str) else speculative),
+                                 **local})  # unparsed, so resolve() still sets the platform's defaults
+        return dataclasses.replace(self, model=model, tokenizer=tokenizer, speculative_config=speculative)
 
     def resolve(self, model_max_len: int, platform: str | None = None) -> "EngineConfig":
         """The complete config for a model of context `model_max_len` on `platform` (default: jax's backend):

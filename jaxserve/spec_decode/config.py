@@ -18,7 +18,7 @@ class SpeculativeConfig:
     KV pool; "eagle3" from an EAGLE-3 head (`model`: its directory) reading the target's hidden states, with its
     own one-layer KV pool; "mtp" (or "deepseek_mtp", "qwen3_next_mtp") from the target's own
     multi-token-prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5), read from its checkpoint (`model`:
-    unset, or the checkpoint to read it from), with its own KV pool. `num_speculative_tokens` (K) tokens are
+    unset, or the checkpoint to read it from), with its own KV pool. `model` may be a hub id (at `revision`). `num_speculative_tokens` (K) tokens are
     proposed per sequence and step; every step whose batch reaches `disable_by_batch_size` sequences decodes without
     speculation (a large batch is compute-bound, where verifying K+1 tokens per sequence costs more than it saves). Left out of the dict, it is
     `CPU_DISABLE_BY_BATCH_SIZE` on a CPU (measured there: speculation pays single-stream only; RESULTS.md) and
@@ -30,6 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: str | None = None
     disable_by_batch_size: int | None = None
+    revision: str | None = None  # of a hub id `model`: a branch, tag or commit
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None",
@@ -83,6 +84,8 @@ class SpeculativeConfig:
         elif not isinstance(self.model, str) or not self.model:
             fail("model", "must name the draft model (a checkpoint directory, a .gguf file or the default model)"
                  if self.method == "draft_model" else "must name the EAGLE-3 head's directory")
+        if self.revision is not None and (not isinstance(self.revision, str) or self.model is None):
+            fail("revision", "must be a string, beside a hub id 'model'")
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             fail("disable_by_batch_size", "must be an integer >= 1 or None")
