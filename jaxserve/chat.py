@@ -3,7 +3,7 @@ the model's chat template into prompt token ids."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -74,15 +74,19 @@ def validate_messages(messages: Any) -> None:
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+                chat_template: str | None = None, tools: list[dict] | None = None,
+                encode: Callable[[str], list[int]] | None = None) -> list[int]:
     """Prompt token ids for `messages` (and `tools`, for templates that render them); ValueError if they are
-    ill-formed or the model has no template."""
+    ill-formed or the model has no template. `encode`: how the rendered text becomes ids when not by the template's
+    own tokenization (a conversation with images: `InputProcessor.encode_chat`, as the family's processor does)."""
     if tokenizer is None or (tokenizer.chat_template is None and chat_template is None):
         raise ValueError("this model has no chat template")
     validate_messages(messages)
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            chat_template=chat_template, tokenize=True, tools=tools)
+                                            chat_template=chat_template, tokenize=encode is None, tools=tools)
     except Exception as err:  # a template may reject some conversations (e.g. role order): the caller's input
         raise ValueError(f"cannot apply the chat template to these messages: {err}") from err
+    if encode is not None:
+        return list(encode(ids))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -92,13 +92,15 @@ class LLM:
         for conv in conversations:
             conv, images = split_images(conv)
             prompt = {"prompt_token_ids": render_chat(self.llm_engine.tokenizer, conv, add_generation_prompt,
-                                                      chat_template)}
+                                                      chat_template,
+                                                      encode=self.llm_engine.encode_chat if images else None)}
             prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        """Prompt token ids of `messages` (image parts become the template's placeholders; see `chat`)."""
+        """Prompt token ids of `messages` (image parts become the template's placeholders, unexpanded; see
+        `chat`)."""
         return render_chat(self.llm_engine.tokenizer, split_images(messages)[0], add_generation_prompt,
                            chat_template)
 

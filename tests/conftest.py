@@ -123,9 +123,10 @@ def save_randomized_model(family: str, path: str, config, randomize) -> str:
     return path
 
 
-def save_tiny_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, ...] = ()) -> None:
-    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (256 bytes + merges + specials; `extra_specials`
-    last, in order)."""
+def save_tiny_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, ...] = (),
+                        extra_merges: tuple[tuple[str, str], ...] = ()) -> None:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (256 bytes + merges, `extra_merges` among them,
+    + specials; `extra_specials` last, in order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -135,7 +136,7 @@ def save_tiny_tokenizer(path: str, vocab_size: int, extra_specials: tuple[str, .
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     merges = []
     corpus_pairs = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("e", "r"), ("o", "n")]
-    for left, right in corpus_pairs:
+    for left, right in corpus_pairs + list(extra_merges):
         if left in vocab and right in vocab and len(vocab) < vocab_size - len(specials):
             vocab[left + right] = len(vocab)
             merges.append((left, right))

@@ -87,6 +87,34 @@ def test_greedy_tokens_equal_transformers_with_images(model_dir, hf):
     assert llm.llm_engine.stats().num_preemptions > 0
 
 
+def test_prompts_with_images_are_the_ids_transformers_processor_makes_on_a_tokenizer_merging_newlines(model_dir, hf):
+    """The image's `\\n\\n` merge with the template's newline before it (`\\n\\n\\n` one token) and split
+    before the text after it: expanded in the text, as transformers' `Gemma3Processor` does, the ids are its own;
+    spliced into the template's ids they were not. Through `chat`, and a text prompt given with its images."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    theirs = transformers.Gemma3Processor(transformers.AutoImageProcessor.from_pretrained(model_dir), tokenizer,
+                                          image_seq_length=16)
+    image = drawn_image(150, 90, seed=3)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert "user\n<start_of_image>what" in text
+    expected = theirs(text=text, images=[image], add_special_tokens=False)["input_ids"][0]
+    assert tokenizer.encode("\n\n\n", add_special_tokens=False) == [expected[expected.index(
+        hf[0].config.boi_token_id) - 1]]  # the merge this test is about
+    llm = LLM(model_dir, max_num_seqs=2, max_model_len=128, attention_backend="xla", warmup=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (chat,) = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                     {"type": "text", "text": "what is it?"}]}], params, use_tqdm=False)
+    assert chat.prompt_token_ids == expected
+    assert chat.outputs[0].token_ids == hf_greedy(hf, llm.llm_engine.model.vision.processor, expected, [image])
+    with_bos = theirs(text=text, images=[image])["input_ids"][0]
+    (plain,) = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params, use_tqdm=False)
+    assert plain.prompt_token_ids == with_bos
+
+
 def assert_prompt_scores_equal_transformers(llm, hf, ids: list[int], image) -> list[int]:
     """Every prompt token's logprob (scored by `llm`) against transformers' forward; returns the expanded prompt."""
     import torch

@@ -94,6 +94,7 @@ def drawn_image(width: int, height: int, seed: int = 0):
 
 
 GEMMA_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA_NEWLINES = (("Ċ", "Ċ"), ("ĊĊ", "Ċ"))  # runs of newlines are single tokens, as in Gemma's own tokenizer
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
     "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
@@ -133,7 +134,7 @@ def save_tiny_gemma3(path: str, seed: int = 0) -> str:
             else:
                 param.normal_(0.0 if "norm" in name and "vision" not in name else 1.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path, vocab, GEMMA_TOKENS)
+    save_tiny_tokenizer(path, vocab, GEMMA_TOKENS, GEMMA_NEWLINES)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = GEMMA_TEMPLATE
     tokenizer.save_pretrained(path)

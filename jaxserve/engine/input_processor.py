@@ -100,7 +100,8 @@ class InputProcessor:
             if not isinstance(prompt["mm_inputs"], MultiModalPrompt):
                 raise ValueError("mm_inputs must be a MultiModalPrompt (what prepare() returns)")
             return prompt
-        text, token_ids = self.tokenize(prompt)
+        with_images = isinstance(prompt, dict) and bool(prompt.get("multi_modal_data"))
+        text, token_ids = self.tokenize(prompt, with_images)
         token_ids, mm = self.process_images(prompt, token_ids)
         return {"prompt": text, "prompt_token_ids": token_ids, **({"mm_inputs": mm} if mm is not None else {})}
 
@@ -141,7 +142,9 @@ class InputProcessor:
         with self._ids_lock:
             self._live_ids.discard(request_id)
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, with_images: bool = False) -> tuple[str | None, list[int]]:
+        """The prompt's text (None if given as ids) and ids; a text prompt `with_images` has its image placeholders
+        expanded in the text before it is tokenized, as the family's processor does."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -158,7 +161,17 @@ class InputProcessor:
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.tokenizer.encode(self.expand_images(prompt) if with_images else prompt)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered conversation with images as ids: its placeholders expanded in the text, then tokenized
+        without added special tokens (the template writes them), as the family's processor tokenizes it."""
+        return self.tokenizer.encode(self.expand_images(text), add_special_tokens=False)
+
+    def expand_images(self, text: str) -> str:
+        """`text` with each image placeholder expanded by the family's processor (`expand_text`); no image model:
+        `text`. Expanding the text, not the ids, keeps the tokenizer's merges across the placeholder's edges."""
+        return text if self.images is None else self.images.expand_text(text)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.engine_config.max_model_len

@@ -204,6 +204,9 @@ class LLMEngine:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.inputs.tokenize(prompt)
 
+    def encode_chat(self, text: str) -> list[int]:
+        return self.inputs.encode_chat(text)
+
     def prepare(self, prompt: PromptType) -> dict[str, Any]:
         """`InputProcessor.prepare`: tokenized, images read and processed (any thread)."""
         return self.inputs.prepare(prompt)

@@ -1,12 +1,14 @@
 """Gemma 3's prompts with images: preprocessing by transformers' own image processor (its PIL backend; every image
 resized to the tower's square), and each image's `<start_of_image>` expanded as transformers' processor expands it:
-`\\n\\n<start_of_image>` + `mm_tokens_per_image` x `<image_soft_token>` + `<end_of_image>\\n\\n`. The image's tokens
-attend to each other both ways (`MultiModalPrompt.whole_images`: a chunk never splits them). Pan-and-scan crops
-are not supported."""
+`\\n\\n<start_of_image>` + `mm_tokens_per_image` x `<image_soft_token>` + `<end_of_image>\\n\\n`, in a text
+prompt's text before it is tokenized (Gemma's tokenizer merges those newlines with the template's), in token ids
+otherwise. The image's tokens attend to each other both ways (`MultiModalPrompt.whole_images`: a chunk never
+splits them). Pan-and-scan crops are not supported."""
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -41,8 +43,12 @@ class Gemma3Processor:
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory)
             self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+            image, end = tokenizer.convert_ids_to_tokens([self.image_token_id, self.eoi])
+            self.placeholder = tokenizer.convert_ids_to_tokens(self.boi)
+            self.bare = re.compile(re.escape(self.placeholder) + f"(?!{re.escape(image)})")
+            self.expanded = f"\n\n{self.placeholder}{image * self.tokens}{end}\n\n"
         except (OSError, ValueError):  # a config-only directory (jaxserve compile): no text around the images
-            self.newlines = []
+            self.newlines, self.bare = [], None
 
     def patch_range(self) -> tuple[int, int]:
         patches = self.side * self.side
@@ -58,6 +64,11 @@ class Gemma3Processor:
     def preprocess(self, image) -> np.ndarray:
         features = self.image_processor(images=[image], return_tensors="np")
         return np.asarray(features["pixel_values"][0], np.float32)
+
+    def expand_text(self, text: str) -> str:
+        """Each `<start_of_image>` not yet followed by its image tokens expanded, as transformers' processor
+        replaces it in the text."""
+        return text if self.bare is None else self.bare.sub(lambda _: self.expanded, text)
 
     def process(self, token_ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt]:
         """Each `<start_of_image>` (one per image; or already followed by its image tokens) expanded."""

@@ -75,6 +75,11 @@ class QwenVLProcessor:
         patch_dim = 3 * self.image_processor.temporal_patch_size * self.image_processor.patch_size ** 2
         return np.zeros((self.merge ** 2, patch_dim), np.float32), (1, self.merge, self.merge)
 
+    def expand_text(self, text: str) -> str:
+        """`text`: the placeholder is one special token, which no merge crosses, so `process` expands it in the
+        ids as transformers' processor does in the text."""
+        return text
+
     def process(self, token_ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt]:
         runs = placeholder_runs(token_ids, self.image_token_id)
         if len(runs) != len(images):

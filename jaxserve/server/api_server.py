@@ -154,7 +154,8 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings | None = None
                 messages, images = normalize_messages(body.messages)
             except ValueError as err:
                 raise bad_request(str(err), param="messages") from None
-            tokens = await ctx.apply_chat_template(messages, body.add_generation_prompt is not False)
+            tokens = await ctx.apply_chat_template(messages, body.add_generation_prompt is not False,
+                                                   images=bool(images))
             if images:  # each image's placeholder expanded, as the engine counts it
                 tokens = (await ctx.prepare_images(tokens, images))["prompt_token_ids"]
         return {"count": len(tokens), "max_model_len": llm_engine.engine_config.max_model_len, "tokens": tokens}

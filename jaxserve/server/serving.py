@@ -149,13 +149,15 @@ class ServingContext:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                                  tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids through --chat-template, or else the tokenizer's own template (with `tools`)."""
+                                  tools: list[dict] | None = None, images: bool = False) -> list[int]:
+        """Prompt token ids through --chat-template, or else the tokenizer's own template (with `tools`); with
+        `images`, their placeholders expanded in the rendered text (`LLMEngine.encode_chat`)."""
         tokenizer = self.tokenizer()
         if tokenizer.chat_template is None and self.chat_template is None:
             raise bad_request("this model has no chat template: use /v1/completions or start the server with "
                               "--chat-template", param="messages")
-        args = (tokenizer, messages, add_generation_prompt, self.chat_template, tools)
+        args = (tokenizer, messages, add_generation_prompt, self.chat_template, tools,
+                self.ready_engine().encode_chat if images else None)
         try:
             if sum(len(m.get("content") or "") for m in messages) > LARGE_TEXT_CHARS:
                 return await asyncio.to_thread(render_chat, *args)

@@ -51,7 +51,8 @@ async def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> C
     except ValueError as err:
         raise invalid(err) from None
     add_generation_prompt = request.add_generation_prompt is not False
-    prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt, tools.tools if tools else None)
+    prompt_ids = await ctx.apply_chat_template(messages, add_generation_prompt, tools.tools if tools else None,
+                                               bool(images))
     prompt = await ctx.prepare_images(prompt_ids, images) if images else None
     if prompt is not None:
         prompt_ids = prompt["prompt_token_ids"]
