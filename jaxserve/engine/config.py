@@ -12,17 +12,10 @@ import math
 import os
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
+from jaxserve.engine.buckets import power_of_two_buckets
 from jaxserve.engine.kv_connector import KVTransferConfig
 from jaxserve.engine.kv_events import KVEventsConfig
-from jaxserve.layers.attention import make_attention_backend
-from jaxserve.layers.paged_kv import KV_CACHE_DTYPES
-from jaxserve.loading import hub
-from jaxserve.loading.awq import check_quantization
-from jaxserve.loading.hf_files import checkpoint_dtype
-from jaxserve.loading.dummy import LOAD_FORMATS
+from jaxserve.options import KV_CACHE_DTYPES, LOAD_FORMATS
 from jaxserve.spec_decode.config import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -70,24 +63,6 @@ def default_compilation_cache_dir() -> str | None:
     """jax's persistent compilation cache under the cache root, or None (off) where $JAXSERVE_DISABLE_COMPILE_CACHE
     is 1 (as vLLM's VLLM_DISABLE_COMPILE_CACHE)."""
     return None if os.environ.get("JAXSERVE_DISABLE_COMPILE_CACHE") == "1" else default_cache_dir("xla")
-
-
-def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """smallest, 2*smallest, ... up to and including `largest` (which need not be a power of two)."""
-    buckets, size = [], smallest
-    while size < largest:
-        buckets.append(size)
-        size *= 2
-    buckets.append(largest)
-    return tuple(buckets)
-
-
-def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
-    """The smallest of `buckets` (ascending) that holds `size`."""
-    for bucket in buckets:
-        if size <= bucket:
-            return bucket
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +234,8 @@ class EngineConfig:
     def localized(self, what: str = "model") -> "EngineConfig":
         """This config with a hub id's model and tokenizer replaced by their snapshots in the hub cache, fetched if
         need be (`loading/hub.py`; `what`: "model", or only its "config" for `jaxserve compile`)."""
+        from jaxserve.loading import hub
+
         model, tokenizer = self.model, self.tokenizer
         if hub.is_hub_id(model):
             found = hub.snapshot(model, self.revision, self.download_dir, what, self.gguf_file)
@@ -279,6 +256,13 @@ class EngineConfig:
         """The complete config for a model of context `model_max_len` on `platform` (default: jax's backend):
         dtype and attention backend defaults, max_model_len, decode buckets, the parsed speculative config (which
         turns async scheduling off), and the quantization an AWQ checkpoint sets. Resolving twice changes nothing."""
+        import jax
+        import jax.numpy as jnp
+
+        from jaxserve.layers.attention import make_attention_backend
+        from jaxserve.loading.awq import check_quantization
+        from jaxserve.loading.hf_files import checkpoint_dtype
+
         platform = platform or jax.default_backend()
         dtype = self.dtype
         if dtype not in ("float32", "bfloat16"):
@@ -355,6 +339,8 @@ class EngineConfig:
 
     @property
     def jax_dtype(self):
+        import jax.numpy as jnp
+
         return jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
 
     @property

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from jaxserve.engine.config import bucket_for, power_of_two_buckets
+from jaxserve.engine.buckets import bucket_for, power_of_two_buckets
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.step_inputs import PrefillInputs, with_images
 from jaxserve.engine.step_registry import Step, assign, jit_step

@@ -35,7 +35,8 @@ from jax.experimental import transfer
 from jax.sharding import NamedSharding
 
 from jaxserve.distributed.shardings import REPLICATED
-from jaxserve.engine.config import EngineConfig, bucket_for
+from jaxserve.engine.buckets import bucket_for
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_connector import (KVTransferConfig, ReceivedKV, Receive, RemotePrefill, adapter_key,
                                           producer_params, prompt_digest, remote_prefill)
 from jaxserve.engine.kv_plan import kv_cache_shardings

@@ -33,12 +33,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxserve.distributed.shardings import REPLICATED
-from jaxserve.engine.config import EngineConfig, power_of_two_buckets
+from jaxserve.engine.buckets import bucket_for, power_of_two_buckets
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_disk import DiskTier, kv_fingerprint, weights_identity
 from jaxserve.engine.kv_plan import kv_cache_shardings
 from jaxserve.engine.kv_tiers import HostTier, KVTiers, PageToStore, TierPage, numpy_dtype, run_jobs
 from jaxserve.engine.page_manager import page_key
-from jaxserve.engine.config import bucket_for
 from jaxserve.engine.step_registry import RunnerState, Step, assign
 from jaxserve.layers.paged_kv import KV_PAGES
 from jaxserve.loading import resolve_model

@@ -44,7 +44,8 @@ from jaxserve.models import param_shardings, serving_shardings
 from jaxserve.distributed.tensor_parallel import TensorParallel, make_mesh
 from jaxserve.engine import runner_steps
 from jaxserve.engine.allocator import Allocator, DeviceAllocator
-from jaxserve.engine.config import EngineConfig, bucket_for
+from jaxserve.engine.buckets import bucket_for
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.kv_budget import kv_budget_bytes, page_bytes, transfer_reserve
 from jaxserve.engine.kv_plan import (empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,

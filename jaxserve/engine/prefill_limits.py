@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence as SequenceType
+from typing import TYPE_CHECKING, Callable, Sequence as SequenceType
 
-from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from jaxserve.engine.config import EngineConfig
 
 
 class PrefillLimits:

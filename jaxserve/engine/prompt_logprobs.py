@@ -4,10 +4,12 @@ entries, `{token_id: Logprob(logprob, rank, decoded_token)}` for the prompt toke
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from jaxserve.layers.prompt_logprobs import PromptScores
 from jaxserve.outputs import Logprob
+
+if TYPE_CHECKING:
+    from jaxserve.layers.prompt_logprobs import PromptScores
 
 MAX_CACHED_TEXTS = 200_000
 

@@ -17,7 +17,8 @@ from jaxserve.distributed.shardings import REPLICATED
 from jaxserve.models import serving_shardings
 
 from jaxserve.engine.allocator import Allocator
-from jaxserve.engine.config import EngineConfig, power_of_two_buckets
+from jaxserve.engine.buckets import power_of_two_buckets
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import SlotSamplingParams
 from jaxserve.engine.step_inputs import empty_decode, empty_prefill
 from jaxserve.engine.step_registry import RunnerState, Step, assign, jit_step

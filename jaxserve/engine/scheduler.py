@@ -32,20 +32,23 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_connector import receive_into
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prefill_limits import PrefillLimits
-from jaxserve.engine.config import EngineConfig, bucket_for
+from jaxserve.engine.buckets import bucket_for
 from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, Sent, scheduled_decodes,
                                               scheduler_output)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo import slo_policy
 from jaxserve.engine.step_output import SampledToken
 from jaxserve.spec_decode.ngram import NgramDrafter
-from jaxserve.lora.cache import AdapterSlots
+from jaxserve.lora.slots import AdapterSlots
+
+if TYPE_CHECKING:  # the host core imports no jax (engine/config.py resolves against the backend)
+    from jaxserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

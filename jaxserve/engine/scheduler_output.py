@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 from jaxserve.engine.kv_connector import Receive
 from jaxserve.engine.kv_tiers import TierPage
 from jaxserve.engine.sequence import Sequence
-from jaxserve.lora.cache import LoadedAdapter
+from jaxserve.lora.slots import LoadedAdapter
 from jaxserve.multimodal.inputs import MultiModalPrompt
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig

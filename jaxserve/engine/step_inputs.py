@@ -14,7 +14,8 @@ import functools
 
 import numpy as np
 
-from jaxserve.engine.config import PREFILL_ROWS, EngineConfig, bucket_for
+from jaxserve.engine.buckets import bucket_for
+from jaxserve.engine.config import PREFILL_ROWS, EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.scheduler_output import ScheduledChunk, ScheduledDecode
 from jaxserve.engine.step_output import RowSequence

@@ -4,12 +4,14 @@ samplers waiting for token masks) and, once read, one `SampledToken` per output 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import jax
 import numpy as np
 
-from jaxserve.layers.sampler import SampleResult
+if TYPE_CHECKING:  # the host core reads this module without jax
+    import jax
+
+    from jaxserve.layers.sampler import SampleResult
 
 
 class RowSequence(NamedTuple):

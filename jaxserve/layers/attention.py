@@ -31,8 +31,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS, REPLICATED
 from jaxserve.layers.attention_xla import XlaAttention, xla_paged_attention
-from jaxserve.layers.paged_kv import (HEADS, KV_CACHE_DTYPES, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV,
-                                      AttentionMetadata, KVPages, QuantizedPages, pool_shape)
+from jaxserve.layers.paged_kv import (HEADS, KV_POOL, KV_SCALE_BYTES, KV_SCALES, QUANTIZED_KV, AttentionMetadata,
+                                      KVPages, QuantizedPages, pool_shape)
+from jaxserve.options import KV_CACHE_DTYPES
 
 ATTENTION_BACKENDS = ("xla", "pallas", "pallas-interpret", "pallas-tpu", "pallas-tpu-interpret")
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.distributed.tensor_parallel import MODEL_AXIS
+from jaxserve.options import KV_CACHE_DTYPES
 
 KV_POOL = P(MODEL_AXIS)  # [pool_heads, pages, page_size, head_dim]
 KV_SCALES = P(MODEL_AXIS)  # quantized pools' per-token scales [pool_heads, pages, page_size]: split like their pages
@@ -27,7 +28,7 @@ KV_PAGES = P(None, None, MODEL_AXIS)
 HEADS = P(None, None, MODEL_AXIS, None)  # q, k, v and the output: [B, T, heads, head_dim]
 # kv_cache_dtype -> (stored dtype, largest magnitude the scale maps a token's max|x| to). "auto": the model dtype.
 QUANTIZED_KV = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
-KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV)  # int8 and fp8 (e4m3) keep a float32 scale per token
+assert tuple(QUANTIZED_KV) == KV_CACHE_DTYPES[1:]
 KV_SCALE_BYTES = 4  # one float32 scale per token and head
 
 

@@ -24,8 +24,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.shardings import path_name
 from jaxserve.loading.placement import checkpoint_shardings
 from jaxserve.models import checkpoint_shapes, dummy_fan_in, group_kind
+from jaxserve.options import LOAD_FORMATS
 
-LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: random weights (this module)
 LEVELS_STD = ((256**2 - 1) / 12) ** 0.5  # the standard deviation of the integers 0..255, equally likely
 
 

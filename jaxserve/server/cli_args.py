@@ -16,7 +16,7 @@ from jaxserve.engine.config import DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, E
 from jaxserve.server.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.loading import DEFAULT_MODEL
-from jaxserve.loading.dummy import LOAD_FORMATS
+from jaxserve.options import LOAD_FORMATS
 from jaxserve.server.api_server import ServerSettings
 from jaxserve.server.data_parallel import LOAD_BALANCE_METHODS
 from jaxserve.server.lora_modules import RUNTIME_UPDATING_ENV, parse_lora_module
