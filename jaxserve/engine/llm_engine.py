@@ -39,7 +39,6 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.runner_steps import measure_step_costs
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.state_checkpoints import StateCheckpoints
 from jaxserve.engine.stats import IterationStats, SchedulerStats, fragmentation, pools_usage
 from jaxserve.engine.window_manager import WindowManager
@@ -137,7 +136,7 @@ class LLMEngine:
         self.inputs = InputProcessor(self.engine_config, self.tokenizer, loaded_config.vocab_size, self.grammars,
                                      detokenizer_process, self.adapters,
                                      self.model.vision.processor if self.model.vision is not None else None)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish, Sequence.cut_output,
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.stop,
                                        self.inputs.release, detokenizer_process)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._new_commands = threading.Event()
@@ -288,8 +287,7 @@ class LLMEngine:
         """Hands the scheduler the requests whose pulls ended (with their pages, or to compute their prompts)."""
         for request, received in self.connector.take_pulled():
             for seq in request.seqs:
-                seq.received = received
-                self.scheduler.add(seq)
+                self.scheduler.add(seq, received)
 
     def _collect(self, step: InFlightStep) -> set[str]:
         """Reads a dispatched step's tokens: the scheduler applies them, the output processor their text."""

@@ -2,9 +2,10 @@
 text of every appended token (detokenized inline, or by a detokenizer process), stop strings, token latencies,
 and snapshot `RequestOutput`s, after which finished requests are forgotten.
 
-The scheduler appends tokens and applies the token stop rules (`Scheduler.update_from_output`); a stop string is
-found here, and ends its completion at the token that completed it through the scheduler's `finish`: tokens the
-same step appended after it are dropped, and a stop string wins over a length limit reached by the same token.
+The scheduler appends tokens and their logprobs and applies the token stop rules (`Scheduler.update_from_output`);
+this module only reads sequences. A stop string is found here and reported to the scheduler (`Scheduler.stop`),
+which ends the completion at the token that completed it: tokens the same step appended after it are dropped, and
+a stop string wins over a length limit reached by the same token.
 With a detokenizer process (`detokenizer_process=True`) the token ids go to a worker process whose texts, and stop
 strings, come back a step or two later (`detokenizer_process.py`): a completion then shows only the tokens whose
 text is in, and a late stop string drops the tokens computed after it. It is off by default: on a CPU the loop
@@ -28,18 +29,17 @@ from jaxserve.sampling_params import RequestOutputKind
 
 SLO_KINDS = ("ttft", "tpot", "both")
 TEXT_WAIT_SECONDS = 1.0  # an idle step's wait for the detokenizer process's answers
-Finish = Callable[[Sequence, str, "int | str | None"], None]
+Stop = Callable[[Sequence, str, int], int]
 
 
 class OutputProcessor:
-    """`finish(seq, reason, stop_reason)` ends a sequence (the scheduler's); `release(request_id)` frees a retired
-    request's id (the input processor's)."""
+    """Reads sequences, never writes them: `stop(seq, stop_string, num_output_tokens)` reports a stop string to
+    the scheduler, which cuts and finishes the sequence and returns how many tokens it dropped; `release(request_id)`
+    frees a retired request's id (the input processor's)."""
 
-    def __init__(self, tokenizer, finish: Finish, cut: Callable[[Sequence, int], int], release: Callable[[str], None],
-                 detokenizer_process: bool = False):
+    def __init__(self, tokenizer, stop: Stop, release: Callable[[str], None], detokenizer_process: bool = False):
         self.tokenizer = tokenizer
-        self._finish = finish
-        self._cut = cut  # the scheduler's: drops a sequence's output tokens past a count, returns how many
+        self._report_stop = stop
         self._release = release
         self.token_texts = TokenTexts(tokenizer)  # prompt_logprobs' decoded_token
         self.requests: dict[str, Request] = {}
@@ -82,10 +82,10 @@ class OutputProcessor:
     def process(self, appended: list[AppendedToken]) -> None:
         """Logprobs, latencies and text of the tokens a step appended; a stop string ends its completion there."""
         now = time.monotonic()
-        stopped: dict[Sequence, int] = {}  # completions a stop string ended: tokens of this step to drop
+        stopped: dict[Sequence, list] = {}  # completions a stop string ended: [the string, tokens of this step to drop]
         for seq, sample, num_output_tokens, stop_token in appended:
             if seq in stopped:
-                stopped[seq] += 1
+                stopped[seq][1] += 1
                 continue
             request = self.requests[seq.request_id]
             if request.first_token_time is None:
@@ -95,9 +95,6 @@ class OutputProcessor:
                 self.inter_token_latencies.append(now - request.last_token_time)
             request.last_token_time = now
             self.num_generation_tokens += 1
-            if seq.logprobs is not None:
-                seq.cumulative_logprob += sample.logprob
-                seq.logprobs.append(sample.top_logprobs)
             if stop_token:
                 continue
             if self.detokenizer_process is not None:  # its stop strings come back a step or two later
@@ -107,10 +104,9 @@ class OutputProcessor:
                 check_stop = num_output_tokens >= seq.params.min_tokens
                 stop = request.detokenizers[seq.index].add_token(sample.token, check_stop)
                 if stop is not None:
-                    self._stop(seq, stop)
-                    stopped[seq] = 0
-        for seq, extra in stopped.items():  # the step's tokens after the stop: never counted nor given logprobs
-            self._cut(seq, seq.num_output_tokens - extra)
+                    stopped[seq] = [stop, 0]
+        for seq, (stop, extra) in stopped.items():  # the step's tokens after the stop: dropped, never counted
+            self._report_stop(seq, stop, seq.num_output_tokens - extra)
 
     def read_texts(self, timeout: float = 0.0) -> set[str]:
         """Applies the detokenizer process's answers: new text, and stop strings, which end their completion at
@@ -148,14 +144,8 @@ class OutputProcessor:
         seq = request.seqs[index]
         if seq.finish_reason == "abort":
             return
-        self.num_generation_tokens -= self._cut(seq, num_output_tokens)
+        self.num_generation_tokens -= self._report_stop(seq, stop, num_output_tokens)
         request.num_fed[index] = num_output_tokens
-        self._stop(seq, stop)
-
-    def _stop(self, seq: Sequence, stop: str) -> None:
-        """A stop string ends `seq`, or, if a later token (EOS, a length limit) already did, becomes its reason."""
-        if not (seq.is_finished and seq.finish_reason == "abort"):
-            self._finish(seq, "stop", stop)  # the scheduler's finish sets a finished sequence's reason alone
 
     def outputs(self, touched: set[str]) -> list[RequestOutput]:
         """A snapshot of every request in `touched` that has something to report; finished ones are forgotten."""

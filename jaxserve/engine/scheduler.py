@@ -96,7 +96,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, received=None) -> None:
+        """Queues `seq`; `received`: the KV a prefill/decode pull brought for its prompt (`kv_connector.Received`),
+        written into the pages its admission allocates."""
+        if received is not None:
+            seq.received = received
         self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
         if seq.lora is not None:
@@ -116,6 +120,16 @@ class Scheduler:
             self.drafter.forget(seq.seq_id)
         if self.seqs.pop(seq.seq_id, None) is not None and seq.lora is not None:
             self.adapter_slots.count(seq.lora, -1)
+
+    def stop(self, seq: Sequence, stop: str, num_output_tokens: int) -> int:
+        """A stop string the output processor found, completed by output token `num_output_tokens`: the tokens
+        after it and their logprobs are dropped, and `seq` finishes with it as its reason (a sequence a later token
+        finished takes it as its reason; an aborted one stays as it is). Returns how many tokens were dropped."""
+        if seq.finish_reason == "abort":
+            return 0
+        dropped = seq.cut_output(num_output_tokens)
+        self.finish(seq, "stop", stop)
+        return dropped
 
     def update_after_dispatch(self, scheduler_output: SchedulerOutput) -> None:
         """Advances a dispatched step's sequences: their chunks' and decodes' KV is computed once the step runs, and
@@ -161,6 +175,9 @@ class Scheduler:
                 self.finish(seq, "length")
                 continue
             stopped = self._append(seq, sample.token, max_model_len)
+            if seq.logprobs is not None:
+                seq.cumulative_logprob += sample.logprob
+                seq.logprobs.append(sample.top_logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             appended.append(AppendedToken(seq, sample, len(seq.token_ids) - seq.num_prompt_tokens, stopped))
