@@ -31,7 +31,7 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.kv_plan import KVPlan, check_plan
 from jaxserve.engine.jax_transfer_connector import page_sharding, transfer_steps
 from jaxserve.engine.kv_tiers import HostTier, KVTiers
-from jaxserve.engine.kv_transfer import page_specs, transfer_buckets
+from jaxserve.engine.kv_tier_copies import page_specs, transfer_buckets
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.page_manager import page_key
 from jaxserve.engine.step_registry import StepRegistry, compile_threads, shape_key

@@ -3,7 +3,7 @@ the device side of `kv_connector.py`.
 
 * A prefill worker, right after dispatching the step that computes a `do_remote_decode` request's last prompt
   token, gathers the pages holding its first `len(prompt) - 1` tokens into one array per kind of the pool's leaves
-  (`kv_send`: the KV tiers' gather, `kv_transfer.store_step`, kept in device memory; padded to a power-of-two
+  (`kv_send`: the KV tiers' gather, `kv_tier_copies.store_step`, kept in device memory; padded to a power-of-two
   bucket of pages) and offers them on its transfer server under a random transfer id (`await_pull`, dropped by jax
   after `abort_timeout_s`). The gather is a copy, so the request's pages go back to the pool when it finishes; the
   copy holds device memory outside the pool until it is pulled or dropped.
@@ -41,7 +41,7 @@ from jaxserve.engine.kv_connector import (KVTransferConfig, ReceivedKV, Receive,
                                           producer_params, prompt_digest, remote_prefill)
 from jaxserve.engine.kv_plan import kv_cache_shardings
 from jaxserve.engine.kv_tiers import numpy_dtype
-from jaxserve.engine.kv_transfer import RestoreInputs, StoreInputs, page_specs, restore_step, store_step, \
+from jaxserve.engine.kv_tier_copies import RestoreInputs, StoreInputs, page_specs, restore_step, store_step, \
     transfer_buckets
 from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.step_registry import RunnerState, Step, assign
@@ -83,7 +83,7 @@ def page_sharding(runner: RunnerState) -> NamedSharding:
 
 def transfer_steps(runner: RunnerState) -> list[Step]:
     """`kv_send` (pages gathered out of the pool) and `kv_receive` (written into it, the pool donated), one shape
-    per bucket of page counts (`kv_transfer.transfer_buckets`)."""
+    per bucket of page counts (`kv_tier_copies.transfer_buckets`)."""
     replicated = NamedSharding(runner.mesh, REPLICATED)
     kv_in = kv_cache_shardings(runner.backend, runner.model_config)
     specs, sharding = page_specs(runner.kv_cache), page_sharding(runner)

@@ -1,7 +1,7 @@
 """The KV tiers under the device prefix cache: a host-memory pool of pages (`HostTier`, LRU by bytes) and, below it,
 an optional disk tier (`engine/kv_disk.py`), with the lookups that continue a device prefix match into them and the
 per-tier counters (`KVTiers`). Host bookkeeping only; the copies between the device pool and host memory are
-`engine/kv_transfer.py`'s.
+`engine/kv_tier_copies.py`'s.
 
 Policy: write-through. Every page the device prefix cache registers is copied to the host tier (and from there to
 the disk tier) within a step of being computed, so a page evicted from the device needs no copy at that moment and
@@ -199,7 +199,7 @@ class KVTiers:
             self.counters["disk"].hits += hits["disk"]
 
     def stats(self, transfers) -> dict:
-        """The tiers' fields of a `SchedulerStats` snapshot (`transfers`: the runner's `KVTransfers`)."""
+        """The tiers' fields of a `SchedulerStats` snapshot (`transfers`: the runner's `TierCopies`)."""
         tiers = TIERS if self.disk is not None else TIERS[:1]
         usage = [("host", self.host.used_bytes, self.host.capacity_bytes)]
         moved = [("device_to_host", transfers.num_stores, transfers.bytes_to_host, transfers.store_seconds),

@@ -33,7 +33,7 @@ from jaxserve.engine.jax_transfer_connector import attach_connector
 from jaxserve.engine.kv_connector import transfer_kind
 from jaxserve.engine.kv_events import KVEventLog, KVEventsConfig
 from jaxserve.engine.kv_plan import check_plan
-from jaxserve.engine.kv_transfer import attach_kv_tiers
+from jaxserve.engine.kv_tier_copies import attach_kv_tiers
 from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.page_manager import PageManager

@@ -5,7 +5,7 @@ the jitted steps, and turning a scheduler output (plain data: `engine/scheduler_
 The narrow interface the host loop uses (after JetStream's engine_api):
 
 * `dispatch(scheduler_output)`: applies one `SchedulerOutput` to the per-slot batch (resetting the penalty state
-  of newly admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_transfer.py`)
+  of newly admitted slots), copies in the pages it restores from the KV tiers (`transfers`, `engine/kv_tier_copies.py`)
   and those a decode worker pulled (`connector`, `engine/jax_transfer_connector.py`), and launches it without
   waiting — its prefill chunks (one compiled shape per (rows, chunk-length) bucket) and its decode batch (one per
   batch bucket) — returning an `InFlightStep` whose sampled tokens are still on the device.
@@ -51,7 +51,7 @@ from jaxserve.engine.kv_budget import kv_budget_bytes, page_bytes, transfer_rese
 from jaxserve.engine.kv_plan import (empty_kv_cache, group_layers, kv_cache_shardings, layer_specs, log_kv_plan,
                                      plan_kv_cache)
 from jaxserve.engine.kv_tiers import KVTiers
-from jaxserve.engine.kv_transfer import KVTransfers, transfer_buckets
+from jaxserve.engine.kv_tier_copies import TierCopies, transfer_buckets
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, scored_prompt
 from jaxserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from jaxserve.engine.speculator import Speculator
@@ -136,7 +136,7 @@ class ModelRunner:
         self.steps.add(runner_steps.runner_steps(self) + speculator_steps + encoder_steps)
         if self.lora_stack is not None:
             self.steps.add([self._lora_step()])
-        self.transfers: KVTransfers | None = None  # the KV tiers' copies (`attach_tiers`)
+        self.transfers: TierCopies | None = None  # the KV tiers' copies (`attach_tiers`)
         self.connector = None  # prefill/decode disaggregation's pages in and out (`attach_connector`)
         self.phases = StepPhases()  # the engine's: dispatch() charges prepare and dispatch, collect() wait
         log_kv_plan(self.kv_plan, config, engine_config.kv_cache_dtype, self.kv_storage_dtype, self.backend,
@@ -151,7 +151,7 @@ class ModelRunner:
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Copies pages between the pool and the KV tiers from now on (before warm-up: its steps compile there)."""
-        self.transfers = KVTransfers(self, tiers)
+        self.transfers = TierCopies(self, tiers)
         self.steps.add(self.transfers.steps())
 
     def _largest_transfer_bytes(self) -> int:

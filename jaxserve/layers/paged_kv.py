@@ -22,7 +22,7 @@ from jaxserve.options import KV_CACHE_DTYPES
 
 KV_POOL = P(MODEL_AXIS)  # [pool_heads, pages, page_size, head_dim]
 KV_SCALES = P(MODEL_AXIS)  # quantized pools' per-token scales [pool_heads, pages, page_size]: split like their pages
-# pages copied between the pool and host memory (`engine/kv_transfer.py`): each page's every layer's K and V (or
+# pages copied between the pool and host memory (`engine/kv_tier_copies.py`): each page's every layer's K and V (or
 # their scales), [pages, 2 * layers, pool_heads, page_size(, head_dim)], split on the heads like the pool
 KV_PAGES = P(None, None, MODEL_AXIS)
 HEADS = P(None, None, MODEL_AXIS, None)  # q, k, v and the output: [B, T, heads, head_dim]
@@ -56,7 +56,7 @@ class QuantizedPages:
 @flax.struct.dataclass
 class KVPages:
     """One attention layer's cache: its K pool and its V pool (each an array or `QuantizedPages`). A pytree with
-    named leaves, so code that moves pages (`engine/kv_transfer.py`) reads them by name, never by position. An MLA
+    named leaves, so code that moves pages (`engine/kv_tier_copies.py`) reads them by name, never by position. An MLA
     layer's cache (`layers/mla.py`) has no V pool: its one "key" per token is the latent and the rope key, and its
     values are the latent, the first dims of each key."""
 

@@ -1,4 +1,4 @@
-"""`KVTransfers`: the device side of the KV tiers (`engine/kv_tiers.py`) — batched copies of pages between the
+"""`TierCopies`: the device side of the KV tiers (`engine/kv_tiers.py`) — batched copies of pages between the
 device pool and host memory, as two steps in the runner's registry, compiled at start-up for each bucket of page
 counts (`transfer_buckets`):
 
@@ -99,7 +99,7 @@ def restore_step(device_sharding, kv_cache, inputs: RestoreInputs):
     return None, (jax.tree.unflatten(treedef, new),)
 
 
-class KVTransfers:
+class TierCopies:
     def __init__(self, runner: RunnerState, tiers: KVTiers):
         self.runner = runner
         self.tiers = tiers
@@ -219,7 +219,7 @@ class KVTransfers:
         self.store_seconds += time.perf_counter() - started
 
 
-def _flush_at_exit(transfers: "weakref.ref[KVTransfers]") -> None:
+def _flush_at_exit(transfers: "weakref.ref[TierCopies]") -> None:
     owner = transfers()
     if owner is not None and not owner._closed:
         owner.flush()
