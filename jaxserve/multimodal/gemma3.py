@@ -43,10 +43,12 @@ class Gemma3Processor:
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory)
             self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
-            image, end = tokenizer.convert_ids_to_tokens([self.image_token_id, self.eoi])
-            self.placeholder = tokenizer.convert_ids_to_tokens(self.boi)
-            self.bare = re.compile(re.escape(self.placeholder) + f"(?!{re.escape(image)})")
-            self.expanded = f"\n\n{self.placeholder}{image * self.tokens}{end}\n\n"
+            start, image, end = tokenizer.convert_ids_to_tokens([self.boi, self.image_token_id, self.eoi])
+            self.bare = None  # a tokenizer without the image tokens: placeholders expanded in the ids alone
+            if None not in (start, image, end):
+                self.placeholder = start
+                self.bare = re.compile(re.escape(start) + f"(?!{re.escape(image)})")
+                self.expanded = f"\n\n{start}{image * self.tokens}{end}\n\n"
         except (OSError, ValueError):  # a config-only directory (jaxserve compile): no text around the images
             self.newlines, self.bare = [], None
 
