@@ -1,5 +1,5 @@
-"""The padded sizes compiled steps take: a size's bucket, and the power-of-two ladders between two sizes (host
-only, no jax)."""
+"""The padded sizes compiled steps take: a size's bucket, the power-of-two ladders between two sizes, and the
+prefill chunk whose bucket fits a token budget (host only, no jax)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
         size *= 2
     buckets.append(largest)
     return tuple(buckets)
+
+
+def chunk_fitting(remaining: int, budget: int, buckets: tuple[int, ...]) -> int:
+    """The tokens of a prefill chunk (of at most `remaining`) whose length bucket fits `budget` (0: none fits)."""
+    num_tokens = min(remaining, budget)
+    if num_tokens <= 0 or budget < buckets[0]:
+        return 0
+    if bucket_for(num_tokens, buckets) > budget:  # take the largest bucket that fits, whole
+        return max(bucket for bucket in buckets if bucket <= budget)
+    return num_tokens
 
 
 def bucket_for(size: int, buckets: tuple[int, ...]) -> int:

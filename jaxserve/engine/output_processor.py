@@ -22,8 +22,8 @@ from typing import Callable, Mapping
 from jaxserve.engine.detokenizer_process import DetokenizerProcess
 from jaxserve.engine.prompt_logprobs import ScoredPrompt, TokenTexts, prompt_logprob_entries
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import AppendedToken
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.step_output import AppendedToken
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind
 

@@ -13,7 +13,7 @@ is charged its padded size (its length bucket), so a decode waits at most one bu
    stops before an image past the step's encoder budget (`encoder_cache_manager.py`). An admitted sequence
    reuses its longest cached prefix (none for one that must score its prompt), continued in the KV tiers, whose
    pages the step restores first. Admission stops at the first sequence that finds no pages. A LoRA sequence waits
-   while every device slot of the adapter stack serves other adapters' running sequences (`lora/cache.py`).
+   while every device slot of the adapter stack serves other adapters' running sequences (`lora/slots.py`).
 
 With a rope whose rotations change with the length (`rope_length_rule`, `layers/rotary.py`) a sequence past the
 threshold is marked `rope_by_length` at admission (no prefix caching for it); under LongRoPE ("sequence") one that
@@ -21,7 +21,7 @@ outgrows the threshold while decoding is requeued to recompute every token rotat
 does, and its drafts never cross the threshold.
 
 The scheduler owns every sequence's state: `update_after_dispatch` advances a dispatched step's sequences,
-`update_from_output` applies the tokens a step sampled (as vLLM v1's), `finish` serves the output
+`update_from_output` applies the tokens a step sampled (as vLLM v1's), `stop` serves the output
 processor's stop strings, and `sent` records what the runner has of each. What it hands the runner is plain data
 (`scheduler_output.py`); the runner's tokens come back by sequence id.
 """
@@ -32,18 +32,18 @@ import logging
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable
 
+from jaxserve.engine.buckets import bucket_for, chunk_fitting
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_connector import receive_into
 from jaxserve.engine.page_manager import PageManager
 from jaxserve.engine.prefill_limits import PrefillLimits
-from jaxserve.engine.buckets import bucket_for
 from jaxserve.engine.scheduler_output import (Plan, PrefillChunk, SchedulerOutput, Sent, scheduled_decodes,
                                               scheduler_output)
 from jaxserve.engine.sequence import Sequence, SequenceStatus
 from jaxserve.engine.slo import slo_policy
-from jaxserve.engine.step_output import SampledToken
+from jaxserve.engine.step_output import AppendedToken, SampledToken
 from jaxserve.spec_decode.ngram import NgramDrafter
 from jaxserve.lora.slots import AdapterSlots
 
@@ -51,16 +51,6 @@ if TYPE_CHECKING:  # the host core imports no jax (engine/config.py resolves aga
     from jaxserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-class AppendedToken(NamedTuple):
-    """A token `update_from_output` appended to its sequence: the sequence's output tokens with it, and whether it
-    ended the sequence as an EOS or stop token (such a token has no text)."""
-
-    seq: Sequence
-    sample: SampledToken
-    num_output_tokens: int
-    stopped: bool
 
 
 class Scheduler:
@@ -281,7 +271,8 @@ class Scheduler:
                     continue
                 admitting = bool(self.free_slots)
             else:
-                num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
+                num_tokens = chunk_fitting(min(len(seq) - seq.num_computed_tokens, cap), available,
+                                           self.engine_config.prefill_buckets)
                 num_tokens = self.encoder_cache.chunk_tokens(seq, seq.num_computed_tokens, num_tokens)
                 if not num_tokens or not self._make_room(seq, seq.num_computed_tokens + num_tokens, out):
                     continue
@@ -307,7 +298,8 @@ class Scheduler:
         seq.num_cached_tokens = on_device + len(found) * manager.page_size
         # a decode worker's pulled prompt (`kv_connector.py`): all but its last token
         seq.num_computed_tokens = max(seq.num_cached_tokens, seq.received.num_tokens if seq.received else 0)
-        num_tokens, _ = self._fit_chunk(min(len(seq) - seq.num_computed_tokens, cap), available)
+        num_tokens = chunk_fitting(min(len(seq) - seq.num_computed_tokens, cap), available,
+                                   self.engine_config.prefill_buckets)
         num_tokens = self.encoder_cache.chunk_tokens(seq, seq.num_computed_tokens, num_tokens)
         if not num_tokens or not manager.allocate(seq, seq.num_computed_tokens + num_tokens):
             manager.free(seq)
@@ -351,17 +343,6 @@ class Scheduler:
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - seq.num_pending - 1)
         return max(0, min(self.engine_config.num_speculative_tokens, room))
-
-    def _fit_chunk(self, remaining: int, budget: int) -> tuple[int, int]:
-        """The tokens of a prefill chunk whose length bucket fits `budget`, and that bucket ((0, 0): none fits)."""
-        buckets = self.engine_config.prefill_buckets
-        num_tokens = min(remaining, budget)
-        if num_tokens <= 0 or budget < buckets[0]:
-            return 0, 0
-        padded = bucket_for(num_tokens, buckets)
-        if padded > budget:  # take the largest bucket that fits, whole
-            padded = num_tokens = max(bucket for bucket in buckets if bucket <= budget)
-        return num_tokens, padded
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: Plan) -> bool:
         """Allocates pages for `seq`, preempting newer sequences as needed; False if `seq` itself was preempted."""

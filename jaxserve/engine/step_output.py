@@ -11,6 +11,7 @@ import numpy as np
 if TYPE_CHECKING:  # the host core reads this module without jax
     import jax
 
+    from jaxserve.engine.sequence import Sequence
     from jaxserve.layers.sampler import SampleResult
 
 
@@ -32,6 +33,16 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None  # the top-k (k = params.logprobs) plus the sampled token
     accepted_draft: bool = False  # a draft a verify step accepted: its KV is in the cache (the step's last
     # token for the sequence is the one it sampled)
+
+
+class AppendedToken(NamedTuple):
+    """A token `Scheduler.update_from_output` appended to its sequence: the sequence's output tokens with it, and
+    whether it ended the sequence as an EOS or stop token (such a token has no text)."""
+
+    seq: Sequence
+    sample: SampledToken
+    num_output_tokens: int
+    stopped: bool
 
 
 @dataclasses.dataclass
